@@ -1,0 +1,45 @@
+"""Errors a user can act on. The CLI prints them as one line each, without a traceback.
+
+ConfigError exits with code 2 (fix the config or an override); MlxcelError with code 1
+(the run itself failed: a bad file, a prompt too long for the model, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MlxcelError(Exception):
+    """A runtime failure with a message meant for the user (exit code 1)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    path: str  # dotted config path, e.g. "decode.max_tokens"
+    message: str
+    value: object = None
+    has_value: bool = True
+
+    def format(self) -> str:
+        if not self.has_value:
+            return f"{self.path}: {self.message}"
+        return f"{self.path}: {self.message} (got {self.value!r})"
+
+
+class ConfigError(MlxcelError):
+    """One or more invalid config values (exit code 2). Carries every problem at once."""
+
+    exit_code = 2
+
+    def __init__(self, issues: list[ConfigIssue] | ConfigIssue, hint: str | None = None):
+        self.issues = [issues] if isinstance(issues, ConfigIssue) else list(issues)
+        self.hint = hint
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        lines = [issue.format() for issue in self.issues]
+        if self.hint:
+            lines.append(self.hint)
+        return "\n".join(lines)

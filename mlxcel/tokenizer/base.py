@@ -1,0 +1,35 @@
+"""The tokenizer interface every backend satisfies, whatever file it was built from."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+# Backend names, also the values of `tokenizer.kind` (besides "auto").
+TOKENIZER_KINDS = ("hf", "sentencepiece", "tiktoken", "gguf")
+
+
+@runtime_checkable
+class MlxcelTokenizer(Protocol):
+    """One encode()/decode() whatever the backend (SPEC section 1).
+
+    `special_tokens` holds every added/control token (content -> id): the tokens matched whole
+    in the text. `eos_token_ids` come from the tokenizer's own config only; the model and
+    `generation_config.json` add theirs elsewhere. `vocab_size` counts added tokens too (the
+    whole id space, like `len(transformers_tokenizer)`).
+    """
+
+    backend: str
+    special_tokens: dict[str, int]
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    bos_token: str | None
+    eos_token: str | None
+    vocab_size: int
+    chat_template: str | None
+    add_bos_token: bool
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...

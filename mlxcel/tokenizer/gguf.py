@@ -1,0 +1,140 @@
+"""GGUF tokenizers: rebuild a `tokenizers.Tokenizer` from llama.cpp's metadata keys.
+
+Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) so far. The pre-tokenizer regexes come
+from llama.cpp's llama-vocab.cpp (keyed by `tokenizer.ggml.pre`), since llama.cpp is what wrote
+these files and the model was trained with the matching split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from mlxcel.errors import MlxcelError
+from mlxcel.tokenizer.fast import FastTokenizer
+from mlxcel.tokenizer.hf import make_post_processor
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+# tokenizer.ggml.pre -> the regexes llama.cpp applies in turn (each splits the pieces of the last).
+PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
+    "default": _DEFAULT,
+    "gpt-2": (_GPT2,),
+    "smollm": (r"\p{N}", _GPT2),
+    "starcoder": (r"\p{N}", _GPT2),
+    "llama3": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "llama-bpe": (_LLAMA3,),
+    "falcon3": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "deepseek-r1-qwen": (_QWEN2,),
+    "megrez": (_QWEN2,),
+}
+# llama.cpp defaults for files that lack the add_bos key: llama3-style vocabularies add bos.
+_ADDS_BOS_BY_DEFAULT = {"llama3", "llama-v3", "llama-bpe", "falcon3"}
+# llama.cpp takes a whole pre-token that is in the vocabulary as is, before any merge.
+_IGNORES_MERGES = _ADDS_BOS_BY_DEFAULT
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def load_gguf_metadata(path: Path) -> dict[str, Any]:
+    """The GGUF's metadata through MLX (which also maps the weights, lazily)."""
+    import mlx.core as mx
+
+    try:
+        _, metadata = mx.load(str(path), return_metadata=True)
+    except Exception as exc:
+        raise MlxcelError(f"{path}: cannot read GGUF metadata ({exc})") from exc
+    return metadata
+
+
+def read_value(value: Any) -> Any:
+    """mx.load gives integers as 0-d arrays and number lists as arrays: make them Python."""
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> FastTokenizer:
+    meta = metadata if metadata is not None else load_gguf_metadata(path)
+
+    def get(key: str, default: Any = None) -> Any:
+        return read_value(meta[key]) if key in meta else default
+
+    model = get("tokenizer.ggml.model")
+    if model is None:
+        raise MlxcelError(f"{path}: the GGUF has no tokenizer (no tokenizer.ggml.model key)")
+    if model != "gpt2":
+        raise MlxcelError(
+            f"{path}: GGUF tokenizer.ggml.model={model!r} is not supported yet; only 'gpt2' (byte-level BPE) is"
+        )
+    tokens: list[str] = list(get("tokenizer.ggml.tokens") or [])
+    types: list[int] = list(get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    pre = get("tokenizer.ggml.pre") or "default"
+    tokenizer = make_byte_level_bpe(tokens, types, list(get("tokenizer.ggml.merges") or []), pre, path)
+
+    def token_at(key: str) -> str | None:
+        i = get(key)
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
+    add_bos = bool(get("tokenizer.ggml.add_bos_token", pre in _ADDS_BOS_BY_DEFAULT))
+    add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
+    tokenizer.post_processor = make_post_processor(tokenizer, bos if add_bos else None, eos if add_eos else None)
+    # End-of-turn / end-of-message ids also end generation in llama.cpp.
+    eos_ids = [get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    result = FastTokenizer(
+        tokenizer,
+        backend="gguf",
+        bos_token=bos,
+        eos_tokens=[eos] if eos is not None else [],
+        unk_token=token_at("tokenizer.ggml.unknown_token_id"),
+        pad_token=token_at("tokenizer.ggml.padding_token_id"),
+        chat_template=get("tokenizer.chat_template"),
+        eos_token_ids=[i for i in eos_ids if isinstance(i, int)],
+    )
+    result.vocab_size = max(result.vocab_size, len(tokens))  # duplicate strings still own an id
+    return result
+
+
+def split_merge(merge: str) -> tuple[str, str]:
+    # Like llama.cpp: the separator is the first space after the first character.
+    pos = merge.find(" ", 1)
+    return (merge[:pos], merge[pos + 1 :]) if pos > 0 else (merge, "")
+
+
+def make_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, path: Path) -> Tokenizer:
+    regexes = PRE_TOKENIZER_REGEXES.get(pre)
+    if regexes is None:
+        raise MlxcelError(
+            f"{path}: GGUF tokenizer.ggml.pre={pre!r} is not supported yet; known: {', '.join(sorted(PRE_TOKENIZER_REGEXES))}"
+        )
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [split_merge(m) for m in merges]
+    bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _IGNORES_MERGES)
+    tokenizer = Tokenizer(bpe)
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control and user-defined tokens are matched whole in the text, as llama.cpp does; they keep
+    # their ids because their text is already a vocabulary key.
+    added = [
+        AddedToken(token, special=kind == _CONTROL, normalized=False)
+        for token, kind in zip(tokens, types)
+        if kind in (_CONTROL, _USER_DEFINED)
+    ]
+    if added:
+        tokenizer.add_tokens(added)
+    return tokenizer

@@ -1,0 +1,187 @@
+"""`mlxcel-run` / `python -m mlxcel`: Hydra composes conf/, pydantic validates, the runner runs.
+
+This is the only module (with hydra_callbacks.py) that imports Hydra.
+
+Passing text exactly
+--------------------
+The values of `prompt.text`, `prompt.system` and `template.text` (also with `+`/`++`) are always
+taken as one literal string: commas, colons, quotes, `${...}`, non-ASCII letters and trailing
+spaces survive, so after the shell has done its quoting
+
+    mlxcel-run prompt.text='Hello, world: ça va?  '
+
+sends exactly `Hello, world: ça va?  `. Two exceptions: a value that is entirely one
+Hydra-quoted string (`"prompt.text='a, b'"`) is unquoted once, as Hydra does, and a bare `null`
+means null (use `~prompt.system` to drop a key). So to send text that itself starts and ends with
+a quote, wrap it in one more pair. These keys never sweep: `-m prompt.text=a,b` is one prompt
+`a,b`; sweep prompts from a YAML file (hydra.sweeper.params) instead.
+
+Errors: config problems (Hydra's or ours) exit 2, run failures exit 1, Ctrl-C 130, each as
+one line on stderr; MLXCEL_DEBUG=1 adds the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+FREE_TEXT_KEYS = ("prompt.text", "prompt.system", "template.text")
+_FREE_TEXT = re.compile(r"^(\+{0,2})(" + "|".join(re.escape(k) for k in FREE_TEXT_KEYS) + r")=(.*)$", re.DOTALL)
+# One complete Hydra quoted string (a backslash escapes the next character).
+_QUOTED = re.compile(r"""^(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")$""", re.DOTALL)
+
+
+def find_conf_dir() -> Path:
+    """conf/ of a source checkout (plain or editable), else the conf shipped as mlxcel.conf."""
+    package = Path(__file__).resolve().parent
+    checkout = package.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "conf" / "config.yaml").is_file():
+        return checkout / "conf"
+    from importlib.resources import files
+
+    return Path(str(files("mlxcel") / "conf"))  # the wheel maps conf/ to mlxcel/conf
+
+
+def quote_override_value(text: str) -> str:
+    """Quote `text` so Hydra's override parser and OmegaConf's resolver give back exactly `text`."""
+    text = re.sub(r"(\\*)\$\{", r"\1\1\\${", text)  # OmegaConf: \${ is a literal ${
+    text = re.sub(r"(\\*)'", r"\1\1\\'", text)  # Hydra: only backslashes before a quote are escapes
+    text = re.sub(r"(\\+)$", r"\1\1", text)  # ...and before the closing quote
+    return f"'{text}'"
+
+
+def quote_free_text(args: list[str]) -> list[str]:
+    """Quote the values of the free-text keys, unless already one quoted string or null."""
+    quoted = []
+    for arg in args:
+        match = _FREE_TEXT.match(arg)
+        if match and match.group(3) != "null" and not _QUOTED.match(match.group(3)):
+            arg = f"{match.group(1)}{match.group(2)}={quote_override_value(match.group(3))}"
+        quoted.append(arg)
+    return quoted
+
+
+def run_job(cfg: Any) -> Any:
+    """The Hydra task: composed config -> RunConfig -> runner."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from mlxcel.config import validate_config
+
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data.pop("hydra", None)
+    run_cfg = validate_config(data)
+    from mlxcel import runner  # lazy: loads MLX and the model code only for a valid config
+
+    return runner.run(run_cfg, out_dir=Path(HydraConfig.get().runtime.output_dir))
+
+
+def describe_hydra_error(ex: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line composition errors as one line."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(ex, MissingConfigException) and ex.options is not None and ex.missing_cfg_file:
+        group = ex.missing_cfg_file.rpartition("/")[0]
+        options = ", ".join(ex.options) or "none"
+        return f"could not find config '{ex.missing_cfg_file}'; available options in '{group}': {options}"
+    if isinstance(ex, OverrideParseException):
+        reason = first_line(ex.message)
+        return f"cannot parse override {ex.override!r}: {reason}; quote values with special characters, e.g. \"key='a, b: c'\""
+    if isinstance(ex, OmegaConfBaseException):
+        key = getattr(ex, "full_key", None)
+        return f"{key}: {first_line(str(ex))}" if key else first_line(str(ex))
+    lines = [line.strip() for line in str(ex).split("Config search path:")[0].splitlines()]
+    lines = [line for line in lines if line and not line.startswith("See https://")]
+    cause = ex.__cause__
+    if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause):
+        # An override of a key that no config defines: name the valid keys, as validation does.
+        keys = [str(k) for k in (cause.parent_node or {}) if k != "hydra"]
+        hint = [line[:1].lower() + line[1:] for line in lines[1:]]
+        return "; ".join([f"{cause.full_key}: unknown key", "valid keys: " + (", ".join(keys) or "none"), *hint])
+    if isinstance(cause, OmegaConfBaseException):
+        lines.append(f"({first_line(str(cause))})")
+    return join_sentences(lines)
+
+
+def join_sentences(lines: list[str]) -> str:
+    text = ""
+    for line in lines:
+        text += ("" if not text else " " if text[-1] in ".:;!?" or line.startswith("(") else "; ") + line
+    return text
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def report_error(ex: BaseException, debug: bool) -> int:
+    """Print `ex` for the user (one line each; the traceback with debug) and return the exit code."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mlxcel.errors import ConfigError, MlxcelError
+
+    if debug:
+        traceback.print_exception(ex)
+    if isinstance(ex, KeyboardInterrupt):
+        print("mlxcel: interrupted", file=sys.stderr)
+        return 130
+    if isinstance(ex, ConfigError):
+        for line in ex.format().splitlines():
+            print(f"mlxcel: config error: {line}", file=sys.stderr)
+        return 2
+    if isinstance(ex, MlxcelError):
+        print(f"mlxcel: error: {ex}", file=sys.stderr)
+        return ex.exit_code
+    if isinstance(ex, (HydraException, OmegaConfBaseException)):
+        print(f"mlxcel: config error: {describe_hydra_error(ex)}", file=sys.stderr)
+        return 2
+    suffix = "" if debug else " (set MLXCEL_DEBUG=1 for the traceback)"
+    print(f"mlxcel: error: {type(ex).__name__}: {first_line(str(ex))}{suffix}", file=sys.stderr)
+    return 1
+
+
+def main() -> None:
+    """Console entry point: parse argv with Hydra, run, exit with 0, 1, 2 or 130."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0") or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    failures: list[BaseException] = []
+
+    def task(cfg: Any) -> Any:
+        try:
+            return run_job(cfg)
+        except Exception as ex:
+            # A sweep lets Hydra record the failed job (on_job_end) and go on; a single run keeps
+            # it here so Hydra does not print its own "Error executing job" line before ours.
+            if HydraConfig.get().mode == RunMode.MULTIRUN:
+                raise
+            failures.append(ex)
+            return None
+
+    # hydra.main reports errors through run_and_report: a message plus a stripped traceback and
+    # "Set the environment variable HYDRA_FULL_ERROR=1". HYDRA_FULL_ERROR=1 is its documented
+    # switch to re-raise instead, so every error (composition, override syntax, interpolation,
+    # the job's own) reaches one handler here, which prints one line and picks the exit code.
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    sys.argv = [sys.argv[0], *quote_free_text(sys.argv[1:])]
+    try:
+        hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name="config")(task)()
+        if failures:
+            raise failures[0]
+    except (Exception, KeyboardInterrupt) as ex:
+        sys.exit(report_error(ex, debug))
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+    sys.exit(0)

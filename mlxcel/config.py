@@ -1,0 +1,398 @@
+"""The run config: one pydantic sub-model per config group, `extra="forbid"` everywhere.
+
+Hydra composes the YAML (conf/); `validate_config` turns the plain dict into a `RunConfig` or
+raises one `ConfigError` listing every problem as `dotted.path: message (got VALUE)`. Nothing
+here imports Hydra, so the runner and tests can build configs directly.
+
+Adding a field: declare it on its group model (ints/floats/bools are strict so `true` is not 1).
+Adding a group: a model here, a `RunConfig` field, a `conf/<group>/` folder. Adding a sampler
+stage: a model in `PROCESSORS`. Custom checks raise `reject(...)`, which keeps the path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from mlxcel.errors import ConfigError, ConfigIssue
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+PositiveInt = Annotated[int, Strict(), Gt(0)]
+
+EMBEDDED_MODELS = ("smollm2",)
+DEFAULT_PREFILL_CHUNK = 2048
+HINT = "fix: override it on the command line (e.g. decode.max_tokens=128) or in the YAML file"
+NO_VALUE = object()  # reject(value=NO_VALUE): print no "(got ...)"
+_INPUT = object()  # reject's default: the value the validator was given
+
+
+def reject(message: str, field: str | None = None, value: Any = _INPUT) -> PydanticCustomError:
+    """An error for a validator to raise; `field` names the key when a model-level check raises it."""
+    return PydanticCustomError("mlxcel", message, {"mlxcel": (field, message, value)})
+
+
+class Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+
+class ModelConfig(Group):
+    path: str | None = Field(default=None, validate_default=True)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    gguf_weights: Literal["auto", "quantized", "dequantize"] = "auto"
+    max_context: PositiveInt | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, path: str | None) -> str | None:
+        if path is None or not path.strip():
+            hint = "a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"
+            raise reject(f"required: {hint}", value=NO_VALUE if path is None else path)
+        if path.startswith("embedded:") and path.removeprefix("embedded:") not in EMBEDDED_MODELS:
+            raise reject("unknown embedded model; known: " + ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS))
+        return path
+
+
+class TokenizerConfig(Group):
+    kind: Literal["auto", "hf", "sentencepiece", "tiktoken", "gguf"] = "auto"
+    path: str | None = None
+
+
+class TemplateConfig(Group):
+    kind: Literal["auto", "none"] = "auto"
+    text: str | None = None
+    file: str | None = None
+
+    @model_validator(mode="after")
+    def _check_override(self) -> TemplateConfig:
+        if self.text is not None and self.file is not None:
+            raise reject("set template.text or template.file, not both", "file", self.file)
+        if self.kind == "none":
+            for name in ("text", "file"):
+                if getattr(self, name) is not None:
+                    raise reject(f"must be null with template.kind=none (no template)", name, getattr(self, name))
+        return self
+
+
+# ---- sampler (shared/SAMPLERS.md): the order is fixed here, never taken from the YAML ----
+CHAIN_ORDER = ("logit_bias", "penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+SELECTOR_KINDS = ("greedy", "categorical", "mirostat_v1", "mirostat_v2", "adaptive_p")
+IMPLEMENTED_SELECTORS = ("greedy", "categorical")
+
+
+class TemperatureConfig(Group):
+    value: Float = 0.8
+    dynatemp_range: Float = 0.0
+    dynatemp_exponent: Float = 1.0
+
+    @field_validator("dynatemp_range")
+    @classmethod
+    def _check_range(cls, value: float) -> float:
+        if value != 0.0:
+            raise reject("dynamic temperature is not implemented yet; only 0.0 (off) is supported")
+        return value
+
+
+PROCESSORS: dict[str, type[Group]] = {"temperature": TemperatureConfig}
+
+
+class SelectorConfig(Group):
+    kind: str = "categorical"
+
+    @field_validator("kind")
+    @classmethod
+    def _check_kind(cls, kind: str) -> str:
+        if kind in IMPLEMENTED_SELECTORS:
+            return kind
+        if kind in SELECTOR_KINDS:
+            raise reject("not implemented yet; this version implements: " + ", ".join(IMPLEMENTED_SELECTORS))
+        raise reject("unknown selector; known: " + ", ".join(SELECTOR_KINDS))
+
+
+class SamplerConfig(Group):
+    seed: Annotated[int, Strict(), Ge(0)] = 0
+    min_keep: Annotated[int, Strict(), Ge(0)] = 0
+    # stage name -> its parameters, every one filled (validated by the stage's model in PROCESSORS)
+    processors: dict[str, dict] = Field(default_factory=dict)
+    selector: SelectorConfig = Field(default_factory=SelectorConfig)
+
+    @field_validator("processors", mode="before")
+    @classmethod
+    def _check_processors(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            return value  # the dict type check reports it
+        checked, nested = {}, []  # nested: (model, loc prefix, pydantic-style errors)
+        for name, params in value.items():
+            if name not in PROCESSORS:
+                known = "not implemented yet; this version implements: " + ", ".join(PROCESSORS)
+                if name not in CHAIN_ORDER:
+                    known = "unknown sampler stage; known: " + ", ".join(CHAIN_ORDER)
+                nested.append((None, (), [{"type": "mlxcel", "loc": (name,), "input": params, "ctx": {"mlxcel": (None, known, params)}}]))
+                continue
+            try:  # null or {} turns the stage on with its defaults
+                checked[name] = PROCESSORS[name].model_validate({} if params is None else params).model_dump()
+            except ValidationError as err:
+                nested.append((PROCESSORS[name], (name,), err.errors()))
+        if nested:
+            raise PydanticCustomError("mlxcel_nested", "invalid sampler stages", {"nested": nested})
+        return checked
+
+    def effective_chain(self) -> list[dict]:
+        """The chain in its real order, every parameter filled; temperature <= 0 means a greedy draw."""
+        chain = [{"stage": name, **self.processors[name]} for name in CHAIN_ORDER if name in self.processors]
+        draw = self.selector.kind
+        if "temperature" in self.processors and self.processors["temperature"]["value"] <= 0:
+            chain = [stage for stage in chain if stage["stage"] != "temperature"]
+            draw = "greedy"  # as llama.cpp: not an error
+        selector_params = self.selector.model_dump(exclude={"kind"})
+        return chain + [{"stage": "draw", "kind": draw, **selector_params}]
+
+
+# ---- the other stages ----
+def read_env_int(name: str, default: int) -> int:
+    """A positive integer from the environment (unset or empty: default)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not re.fullmatch(r"[0-9]+", raw) or int(raw) <= 0:
+        raise ConfigError(ConfigIssue(name, "environment variable: must be a positive integer", raw))
+    return int(raw)
+
+
+def read_env_flag(name: str) -> bool:
+    """A boolean from the environment: 1/true/yes/on or 0/false/no/off (unset or empty: false)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(ConfigIssue(name, "environment variable: must be 1 or 0", os.environ[name]))
+
+
+class PrefillConfig(Group):
+    chunk_size: PositiveInt | None = None
+    tile_size: PositiveInt | None = None
+
+    def resolved_chunk_size(self) -> int:
+        """chunk_size, else $MLXCEL_PREFILL_CHUNK, else 2048."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return read_env_int("MLXCEL_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK)
+
+
+class DecodeConfig(Group):
+    max_tokens: PositiveInt = 256
+    stop_token_ids: list[Annotated[int, Strict(), Ge(0)]] = Field(default_factory=list)
+    ignore_eos: Bool = False
+    pipeline: Bool = True
+
+    def use_pipeline(self) -> bool:
+        """Pipelined decode unless decode.pipeline=false or MLXCEL_FORCE_SYNC=1."""
+        return self.pipeline and not read_env_flag("MLXCEL_FORCE_SYNC")
+
+
+def _check_not_blank(text: str | None) -> str | None:
+    if text is not None and not text.strip():
+        raise reject("must not be empty or only whitespace")
+    return text
+
+
+class Message(Group):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+    _check_content = field_validator("content")(_check_not_blank)
+
+
+class PromptConfig(Group):
+    text: str | None = None
+    system: str | None = None  # "" is allowed: it stops a template from adding its default system prompt
+    messages: list[Message] | None = None
+
+    _check_text = field_validator("text")(_check_not_blank)
+
+    @model_validator(mode="after")
+    def _check_one_source(self) -> PromptConfig:
+        if self.text is None and not self.messages:
+            raise reject("required: set prompt.text or prompt.messages (a non-empty list)", "text", NO_VALUE)
+        if self.text is not None and self.messages:
+            raise reject("set prompt.text or prompt.messages, not both", "messages", [m.model_dump() for m in self.messages])
+        if self.system is not None and self.messages and any(m.role == "system" for m in self.messages):
+            raise reject("prompt.messages already has a system message; set one or the other", "system", self.system)
+        return self
+
+    def to_messages(self) -> list[dict]:
+        """The conversation as role/content dicts, the system message first when set."""
+        head = [] if self.system is None else [{"role": "system", "content": self.system}]
+        if self.messages:
+            return head + [m.model_dump() for m in self.messages]
+        return head + [{"role": "user", "content": self.text}]
+
+
+class RunnerConfig(Group):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if name in (".", ".."):
+            raise reject("must name a folder: letters, digits, '.', '_', '-', not '.' or '..'")
+        return name
+
+
+class RunConfig(Group):
+    model: ModelConfig
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    template: TemplateConfig = Field(default_factory=TemplateConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    prefill: PrefillConfig = Field(default_factory=PrefillConfig)
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    runner: RunnerConfig = Field(default_factory=RunnerConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_missing_groups(cls, data: Any) -> Any:
+        # Validate a missing group as {} so its errors keep their paths (model.path: required),
+        # instead of raising from a default factory.
+        if isinstance(data, dict):
+            return {**{name: {} for name in cls.model_fields}, **data}
+        return data
+
+    def resolved_dict(self) -> dict:
+        """JSON-ready config with the env-dependent values and the sampler chain resolved."""
+        data = self.model_dump(mode="json")
+        data["prefill"]["resolved_chunk_size"] = self.prefill.resolved_chunk_size()
+        data["decode"]["use_pipeline"] = self.decode.use_pipeline()
+        data["sampler"]["chain"] = self.sampler.effective_chain()
+        return data
+
+
+# ---- validation entry point and error formatting ----
+def validate_config(data: dict) -> RunConfig:
+    """Validate a composed config; raise one ConfigError with every problem found."""
+    issues: list[ConfigIssue] = []
+    cfg = None
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        issues += format_errors(RunConfig, err.errors())
+    for check in (lambda: read_env_flag("MLXCEL_FORCE_SYNC"), lambda: read_env_int("MLXCEL_PREFILL_CHUNK", 1)):
+        try:
+            check()
+        except ConfigError as err:
+            issues += err.issues
+    if cfg is not None:
+        issues += check_paths(cfg)
+    if issues:
+        raise ConfigError(issues, hint=HINT)
+    return cfg
+
+
+def check_paths(cfg: RunConfig) -> list[ConfigIssue]:
+    """Files named by the config must exist (relative paths: from the launch directory)."""
+    paths = {"model.path": cfg.model.path, "tokenizer.path": cfg.tokenizer.path, "template.file": cfg.template.file}
+    return [
+        ConfigIssue(key, "no such file or directory", path)
+        for key, path in paths.items()
+        if path is not None and not path.startswith("embedded:") and not Path(path).expanduser().exists()
+    ]
+
+
+def format_errors(root: type[BaseModel] | None, errors: list[dict], prefix: tuple = ()) -> list[ConfigIssue]:
+    issues = []
+    for err in errors:
+        ctx = err.get("ctx") or {}
+        if "nested" in ctx:  # a sampler stage validated by its own model
+            for model, sub_prefix, sub_errors in ctx["nested"]:
+                issues += format_errors(model, sub_errors, prefix + tuple(err["loc"]) + sub_prefix)
+            continue
+        issues.append(format_error(root, err, prefix))
+    return issues
+
+
+_TYPE_NAMES = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+    "bool_parsing": "true or false", "string_type": "a string", "dict_type": "a mapping",
+    "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": "a list",
+}
+_BOUNDS = {Gt: ("gt", ">"), Ge: ("ge", ">="), Lt: ("lt", "<"), Le: ("le", "<=")}
+
+
+def format_error(root: type[BaseModel] | None, err: dict, prefix: tuple) -> ConfigIssue:
+    loc, kind, value = tuple(err["loc"]), err["type"], err.get("input")
+    ctx = err.get("ctx") or {}
+    if kind == "mlxcel":
+        field, message, given = ctx["mlxcel"]
+        loc, value = (loc + (field,) if field else loc), (value if given is _INPUT else given)
+        return make_issue(prefix + loc, message, value, has_value=value is not NO_VALUE)
+    parent = find_model(root, loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if parent is not None and loc else None
+    if kind == "missing":
+        return make_issue(prefix + loc, "required", has_value=False)
+    if kind == "extra_forbidden":
+        valid = ", ".join(parent.model_fields) if parent is not None else ""
+        return make_issue(prefix + loc, f"unknown key; valid keys: {valid}", value)
+    if kind == "literal_error":
+        choices = ctx["expected"].replace("'", "").replace(" or ", ", ")
+        return make_issue(prefix + loc, f"must be one of: {choices}", value)
+    if kind in _TYPE_NAMES:
+        rule = " ".join(filter(None, [_TYPE_NAMES[kind], describe_bounds(field)]))
+        nullable = field is not None and type(None) in get_args(field.annotation)
+        return make_issue(prefix + loc, f"must be {rule}" + (" or null" if nullable else ""), value)
+    for attr, sign in _BOUNDS.values():
+        if attr in ctx:
+            return make_issue(prefix + loc, f"must be {sign} {ctx[attr]}", value)
+    if kind == "string_pattern_mismatch":
+        return make_issue(prefix + loc, f"must match {ctx['pattern'].strip('^$')}", value)
+    message = err["msg"].removeprefix("Value error, ")
+    return make_issue(prefix + loc, message[:1].lower() + message[1:], value)
+
+
+def make_issue(loc: tuple, message: str, value: Any = None, has_value: bool = True) -> ConfigIssue:
+    path = ".".join(str(part) for part in loc) or "config"
+    return ConfigIssue(path, message, value, has_value)
+
+
+def describe_bounds(field: Any) -> str:
+    """'> 0' for a field declared with Gt(0): says the legal range next to a type error."""
+    if field is None:
+        return ""
+    metadata = list(field.metadata)
+    for arg in get_args(field.annotation):  # Optional[Annotated[...]] keeps its bounds inside
+        metadata += list(getattr(arg, "__metadata__", ()))
+    return " ".join(f"{sign} {getattr(m, attr)}" for m in metadata for cls, (attr, sign) in _BOUNDS.items() if isinstance(m, cls))
+
+
+def find_model(root: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
+    """The model class that holds the key at `loc` (list indices skipped), or None."""
+    model = root
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        model = find_submodel(field.annotation) if field is not None else None
+    return model
+
+
+def find_submodel(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = find_submodel(arg)
+        if found is not None:
+            return found
+    return None

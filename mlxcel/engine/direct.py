@@ -1,0 +1,35 @@
+"""DirectEngine: one request (one or more rows) from prefill to the last token."""
+
+from __future__ import annotations
+
+import os
+
+from mlxcel.engine.engine import BatchState, Engine, OnToken
+from mlxcel.engine.request import GenerationRequest
+
+
+def is_force_sync() -> bool:
+    return os.environ.get("MLXCEL_FORCE_SYNC", "") not in ("", "0", "false", "False")
+
+
+class DirectEngine:
+    def __init__(self, model, max_context: int, pipeline: bool = True):
+        self.engine = Engine(model, max_context)
+        self.pipeline = pipeline and not is_force_sync()
+
+    def generate(self, request: GenerationRequest, on_token: OnToken = lambda row, token: True) -> BatchState:
+        """Generate every row; `on_token(row, token)` streams each token as it reaches the host.
+
+        Pipelined: step t+1's forward pass is queued before step t's token is read, so the
+        host's bookkeeping and the callback overlap the device's work."""
+        engine = self.engine
+        state = engine.start(request)
+        if not self.pipeline:
+            while engine.step(state, on_token):
+                pass
+            return state
+        while True:
+            if engine.can_submit(state):
+                engine.submit(state)
+            if not engine.finish_rows(state, on_token):
+                return state

@@ -1,0 +1,161 @@
+"""The decode engine's split stages: start (prefill), submit (queue the next step),
+finish_rows (materialise a step and apply stop rules), and step (the synchronous form).
+
+A batch is left-padded to one length; the KV cache carries the batch dimension and each
+row's padding, so every row computes what it would compute alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+
+from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
+from mlxcel.errors import MlxcelError
+from mlxcel.prefill_plan import PrefillPlan, plan_prefill
+from mlxcel.sampling import RowKey
+
+OnToken = Callable[[int, int], "bool | None"]  # (row index, token id) -> False to stop that row
+
+
+class PromptTooLongError(MlxcelError):
+    pass
+
+
+@dataclass
+class BatchState:
+    request: GenerationRequest
+    cache: list
+    plan: PrefillPlan
+    results: list[RowResult]
+    row_keys: list[RowKey]
+    timings: GenerationTimings
+    max_tokens: list[int]
+    inflight: deque = field(default_factory=deque)  # lazy token arrays [B], oldest first
+    next_input: mx.array | None = None
+    produced_steps: int = 0  # token steps queued so far (materialised or in flight)
+
+    @property
+    def active_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.results) if r.finish_reason is None]
+
+
+class Engine:
+    def __init__(self, model, max_context: int):
+        self.model = model
+        self.max_context = max_context
+
+    def start(self, request: GenerationRequest) -> BatchState:
+        """Prefill every row (left-padded to one length) and queue the first token."""
+        rows = request.rows
+        for index, row in enumerate(rows):
+            if not row.prompt_ids:
+                raise MlxcelError(f"row {index}: empty prompt (no tokens to prefill)")
+            if len(row.prompt_ids) >= self.max_context:
+                raise PromptTooLongError(
+                    f"row {index}: prompt has {len(row.prompt_ids)} tokens; the model's context is {self.max_context} "
+                    "(shorten the prompt or raise model.max_context if the model supports it)"
+                )
+        timings = GenerationTimings(start=time.perf_counter())
+        length = max(len(r.prompt_ids) for r in rows)
+        left_pad = [length - len(r.prompt_ids) for r in rows]
+        tokens = mx.array([[request.pad_token_id] * pad + r.prompt_ids for pad, r in zip(left_pad, rows)])
+        cache = self.model.make_cache(len(rows), left_pad)
+        plan = plan_prefill(
+            length,
+            chunk_size=request.chunk_size,
+            history_boundary=rows[0].history_tokens if len(rows) == 1 else 0,
+            tile_size=request.tile_size,
+            supports_multi_piece=self.model.supports_multi_piece_prefill,
+            supports_padded=self.model.supports_padded_prefill,
+        )
+        state = BatchState(
+            request=request,
+            cache=cache,
+            plan=plan,
+            results=[RowResult(prompt_tokens=len(r.prompt_ids)) for r in rows],
+            row_keys=[RowKey(r.row_id, r.sample_index) for r in rows],
+            timings=timings,
+            max_tokens=[r.max_tokens or request.max_tokens for r in rows],
+        )
+        logits = self._run_prefill(tokens, cache, plan, timings)
+        self.model.after_prefill()
+        self._queue_tokens(state, logits)
+        return state
+
+    def _run_prefill(self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings) -> mx.array:
+        for index, piece in enumerate(plan.pieces):
+            chunk = tokens[:, piece.start : piece.end]
+            if piece.pad:
+                chunk = mx.concatenate([chunk, mx.zeros((chunk.shape[0], piece.pad), chunk.dtype)], axis=1)
+            logits = self.model(chunk, cache)
+            if piece.pad:
+                for layer_cache in cache:
+                    layer_cache.trim(piece.pad)
+            timings.prefill_pieces.append({"start": piece.start, "end": piece.end, "pad": piece.pad})
+            if index < len(plan.pieces) - 1:
+                mx.eval([c.state for c in cache])  # keep the graph per piece small; logits never built
+        mx.eval([c.state for c in cache])  # after_prefill must see the prefill materialised
+        return logits[:, piece.length - 1, :]
+
+    def _queue_tokens(self, state: BatchState, logits: mx.array) -> None:
+        positions = [state.produced_steps] * len(state.results)
+        tokens = state.request.sampler(logits, state.row_keys, positions)
+        mx.async_eval(tokens)
+        state.inflight.append(tokens)
+        state.next_input = tokens
+        state.produced_steps += 1
+
+    def can_submit(self, state: BatchState) -> bool:
+        """Another step is worth queueing: some row may still need it and the context has room."""
+        if state.cache[0].offset + 1 > self.max_context:
+            return False
+        return any(state.max_tokens[i] > state.produced_steps for i in state.active_rows)
+
+    def submit(self, state: BatchState) -> None:
+        """Queue the forward pass and draw for the next token (asynchronous)."""
+        logits = self.model(state.next_input[:, None], state.cache)
+        self._queue_tokens(state, logits[:, -1, :])
+
+    def finish_rows(self, state: BatchState, on_token: OnToken) -> bool:
+        """Materialise the oldest queued step (the one sync point), apply stop rules, stream
+        tokens. Returns whether any row is still generating."""
+        if not state.inflight:
+            self._finish_all(state, "length")  # the context is full
+            return False
+        tokens = state.inflight.popleft().tolist()
+        if state.timings.first_token is None:
+            state.timings.first_token = time.perf_counter()
+            mx.clear_cache()  # hand prefill's intermediate buffers back before decoding
+        stop_ids = state.request.stop_token_ids
+        for i in state.active_rows:
+            token, result = tokens[i], state.results[i]
+            if token in stop_ids:
+                result.finish_reason = "stop"
+                continue
+            result.token_ids.append(token)
+            if on_token(i, token) is False:
+                result.finish_reason = "cancelled"
+            elif len(result.token_ids) >= state.max_tokens[i]:
+                result.finish_reason = "length"
+        state.timings.end = time.perf_counter()
+        if state.active_rows and not state.inflight and not self.can_submit(state):
+            self._finish_all(state, "length")
+        return bool(state.active_rows)
+
+    def step(self, state: BatchState, on_token: OnToken) -> bool:
+        """The synchronous form: finish the current step, then compute the next one fully."""
+        if not self.finish_rows(state, on_token):
+            return False
+        if self.can_submit(state):
+            self.submit(state)
+            mx.eval(state.inflight[-1])
+        return True
+
+    def _finish_all(self, state: BatchState, reason: str) -> None:
+        for i in state.active_rows:
+            state.results[i].finish_reason = reason

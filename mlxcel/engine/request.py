@@ -1,0 +1,46 @@
+"""What the engine is asked to do and what it gives back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlxcel.sampling import Sampler
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass
+class RowRequest:
+    prompt_ids: list[int]
+    row_id: object = 0  # the prompt's id: seeds this row's random stream
+    sample_index: int = 0
+    history_tokens: int = 0  # tokens of the chat without the generation prompt (PrefillPlan rule 2)
+    max_tokens: int | None = None  # None: the request's max_tokens
+
+
+@dataclass
+class GenerationRequest:
+    rows: list[RowRequest]
+    sampler: Sampler
+    max_tokens: int = 256
+    stop_token_ids: frozenset[int] = frozenset()  # merged EOS + stop ids; never emitted
+    chunk_size: int = 2048
+    tile_size: int | None = None
+    pad_token_id: int = 0
+
+
+@dataclass
+class RowResult:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass
+class GenerationTimings:
+    """Host clock (time.perf_counter) marks; a stage ends when its result is on the host."""
+
+    start: float = 0.0
+    first_token: float | None = None
+    end: float | None = None
+    prefill_pieces: list[dict] = field(default_factory=list)

@@ -1,0 +1,84 @@
+"""The LanguageModel protocol every family implements, and pieces families share."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxcel.models.cache import KVCache
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    model_type: str
+    supports_multi_piece_prefill: bool  # prompt may be prefilled in several pieces
+    supports_padded_prefill: bool  # a piece may be right-padded and the padding trimmed from the cache
+
+    def __call__(self, input_ids: mx.array, cache: list[KVCache], mask: Any = None) -> mx.array: ...
+    def embed_tokens(self, input_ids: mx.array) -> mx.array: ...
+    def forward_with_embeddings(self, embeddings: mx.array, cache: list[KVCache], mask: Any = None) -> mx.array: ...
+    def eos_token_ids(self) -> list[int]: ...
+    def after_prefill(self) -> None: ...
+    def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list[KVCache]: ...
+
+
+def read_rope_theta(config: dict, default: float = 10000.0) -> float:
+    """transformers < 5 writes `rope_theta`; transformers 5 writes only `rope_parameters`."""
+    if "rope_theta" in config:
+        return float(config["rope_theta"])
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta", default))
+
+
+def read_rope_scaling(config: dict) -> dict | None:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return None if kind == "default" else dict(scaling, rope_type=kind)
+
+
+def make_llama3_rope_freqs(dims: int, base: float, scaling: dict) -> mx.array:
+    """Llama 3.x frequency rescaling (transformers' `_compute_llama3_parameters`), as
+    wavelengths for `mx.fast.rope(freqs=...)`."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)  # wavelengths / 2pi
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > low_freq_wavelen, freqs * factor, freqs)
+    is_medium = (wavelens > high_freq_wavelen) & (wavelens < low_freq_wavelen)
+    smooth = (old_context / wavelens - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = freqs / ((1 - smooth) / factor + smooth)
+    return mx.where(is_medium, smoothed, freqs)
+
+
+class RoPE(nn.Module):
+    """Rotary embedding that accepts per-row offsets (left-padded batches)."""
+
+    def __init__(self, dims: int, base: float, traditional: bool = False, scaling: dict | None = None):
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        self.base: float | None = base
+        self._freqs = None
+        if scaling is not None:
+            kind = scaling["rope_type"]
+            if kind == "llama3":
+                self._freqs = make_llama3_rope_freqs(dims, base, scaling)
+                self.base = None
+            else:
+                from mlxcel.errors import MlxcelError
+
+                raise MlxcelError(f"rope scaling type {kind!r} is not supported yet (supported: default, llama3)")
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=self.base, scale=1.0, offset=offset, freqs=self._freqs
+        )

@@ -1,0 +1,90 @@
+"""KV caches with a batch dimension.
+
+Rows of a batch are left-padded to a common length, so one `offset` serves every row;
+`left_pad[b]` says how many leading slots of row b are padding (masked out, and RoPE
+positions shifted so each row sees the positions it would see alone).
+Storage grows in steps of `GROW_STEP` slots: appending a token writes into spare capacity
+and copies the whole cache only once per step, not once per token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+GROW_STEP = 256
+
+
+class KVCache:
+    def __init__(self, batch_size: int = 1, left_pad: mx.array | None = None):
+        self.batch_size = batch_size
+        self.left_pad = left_pad  # int32 [B], shared by all layers of one batch; None = no padding
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append [B, n_kv, L, D] keys/values; return everything cached so far."""
+        prev, length = self.offset, keys.shape[2]
+        if self.keys is None or prev + length > self.keys.shape[2]:
+            self._grow(keys, values, prev + length)
+        self.offset = prev + length
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        B, n_kv, _, k_dim = keys.shape
+        v_dim = values.shape[3]
+        capacity = ((needed + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+        old = 0 if self.keys is None else self.keys.shape[2]
+        new_k = mx.zeros((B, n_kv, capacity - old, k_dim), keys.dtype)
+        new_v = mx.zeros((B, n_kv, capacity - old, v_dim), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys[..., : self.offset, :], new_k[..., : capacity - self.offset, :]], axis=2)
+            self.values = mx.concatenate([self.values[..., : self.offset, :], new_v[..., : capacity - self.offset, :]], axis=2)
+
+    def trim(self, n: int) -> None:
+        """Forget the last n positions (used after a tile-padded prefill piece)."""
+        self.offset = max(0, self.offset - n)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def rope_offset(self) -> int | mx.array:
+        """Position of the next token, per row when rows are left-padded."""
+        if self.left_pad is None:
+            return self.offset
+        return self.offset - self.left_pad
+
+
+def make_kv_caches(num_layers: int, batch_size: int = 1, left_pad: list[int] | None = None) -> list[KVCache]:
+    pad = None
+    if left_pad is not None and any(left_pad):
+        pad = mx.array(left_pad, dtype=mx.int32)
+    return [KVCache(batch_size, pad) for _ in range(num_layers)]
+
+
+def make_attention_mask(length: int, cache: KVCache | None) -> mx.array | str | None:
+    """Mask for `length` new queries at the cache's offset: causal within the new tokens,
+    and left-padding slots hidden. Returns None or "causal" when no explicit mask is needed."""
+    offset = 0 if cache is None else cache.offset
+    left_pad = None if cache is None else cache.left_pad
+    if left_pad is None:
+        if length == 1:
+            return None
+        if offset == 0:
+            return "causal"
+    total = offset + length
+    key_pos = mx.arange(total)
+    query_pos = mx.arange(offset, total)
+    mask = key_pos[None, :] <= query_pos[:, None]  # [L, S]
+    if left_pad is not None:
+        # Padding slots are hidden from real queries; a padding query still sees itself so its
+        # softmax row is not empty (an all-masked row gives NaN, which would leak through V).
+        visible = (key_pos[None, :] >= left_pad[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        is_self = (key_pos[None, :] == query_pos[:, None])[None, None]  # [1, 1, L, S]
+        mask = mask[None, None] & (visible | is_self)  # [B, 1, L, S]
+    return mask

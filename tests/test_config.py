@@ -1,0 +1,297 @@
+"""RunConfig schema: defaults, every error line, env resolution, and the real conf/ composed by Hydra."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mlxcel.config import RunConfig, SamplerConfig, validate_config
+from mlxcel.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+BASE = {"model": {"path": "embedded:smollm2"}, "prompt": {"text": "Hi"}}
+
+
+def with_values(**groups: dict) -> dict:
+    data = copy.deepcopy(BASE)
+    for group, values in groups.items():
+        data.setdefault(group, {}).update(values)
+    return data
+
+
+HINT = "fix: override it on the command line (e.g. decode.max_tokens=128) or in the YAML file"
+ENV_HINT = "fix: unset the environment variable or give it a valid value"
+
+
+def issue_lines(data: dict, hints: tuple[str, ...] = (HINT,)) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate_config(data)
+    lines = info.value.format().splitlines()
+    assert tuple(lines[-len(hints):]) == hints
+    return lines[: -len(hints)]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv("MLXCEL_PREFILL_CHUNK", raising=False)
+    monkeypatch.delenv("MLXCEL_FORCE_SYNC", raising=False)
+
+
+def test_defaults_fill_every_group():
+    cfg = validate_config(BASE)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.model.dtype == "auto" and cfg.model.gguf_weights == "auto" and cfg.model.max_context is None
+    assert (cfg.tokenizer.kind, cfg.tokenizer.path) == ("auto", None)
+    assert (cfg.template.kind, cfg.template.text, cfg.template.file) == ("auto", None, None)
+    assert (cfg.sampler.seed, cfg.sampler.min_keep, cfg.sampler.processors) == (0, 0, {})
+    assert cfg.sampler.selector.kind == "categorical"
+    assert (cfg.prefill.chunk_size, cfg.prefill.tile_size) == (None, None)
+    assert cfg.prefill.resolved_chunk_size() == 2048
+    assert (cfg.decode.max_tokens, cfg.decode.stop_token_ids, cfg.decode.ignore_eos) == (256, [], False)
+    assert cfg.decode.pipeline is True and cfg.decode.use_pipeline() is True
+    assert (cfg.runner.name, cfg.runner.device) == ("default", "auto")
+    assert cfg.prompt.to_messages() == [{"role": "user", "content": "Hi"}]
+
+
+def test_processor_params_are_filled_and_chain_is_ordered():
+    sampler = SamplerConfig.model_validate({"processors": {"temperature": {"value": 0.5}}, "selector": {"kind": "categorical"}})
+    assert sampler.processors == {"temperature": {"value": 0.5, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0}}
+    assert sampler.effective_chain() == [
+        {"stage": "temperature", "value": 0.5, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0},
+        {"stage": "draw", "kind": "categorical"},
+    ]
+    present = SamplerConfig.model_validate({"processors": {"temperature": None}})  # present = on, defaults
+    assert present.effective_chain()[0] == {"stage": "temperature", "value": 0.8, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0}
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_temperature_at_or_below_zero_is_a_greedy_draw(value):
+    sampler = SamplerConfig.model_validate({"processors": {"temperature": {"value": value}}, "selector": {"kind": "categorical"}})
+    assert sampler.effective_chain() == [{"stage": "draw", "kind": "greedy"}]
+
+
+def test_prompt_messages_put_system_first():
+    data = with_values(prompt={"text": None, "system": "Be brief.", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    assert validate_config(data).prompt.to_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
+    assert validate_config(with_values(prompt={"system": ""})).prompt.to_messages()[0] == {"role": "system", "content": ""}
+
+
+ERROR_CASES = [
+    ({"model": {"path": None}}, "model.path: required: a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"),
+    ({"model": {"path": "embedded:foo"}}, "model.path: unknown embedded model; known: embedded:smollm2 (got 'embedded:foo')"),
+    ({"model": {"dtype": "fp8"}}, "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')"),
+    ({"model": {"gguf_weights": "q4"}}, "model.gguf_weights: must be one of: auto, quantized, dequantize (got 'q4')"),
+    ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
+    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context (got 1)"),
+    ({"tokenizer": {"kind": "bpe"}}, "tokenizer.kind: must be one of: auto, hf, sentencepiece, tiktoken, gguf (got 'bpe')"),
+    ({"template": {"text": "a", "file": "b"}}, "template.file: set template.text or template.file, not both (got 'b')"),
+    ({"template": {"kind": "none", "text": "x"}}, "template.text: must be null with template.kind=none (no template) (got 'x')"),
+    ({"sampler": {"seed": -1}}, "sampler.seed: must be >= 0 (got -1)"),
+    ({"sampler": {"min_keep": 1.5}}, "sampler.min_keep: must be an integer >= 0 (got 1.5)"),
+    ({"sampler": {"processors": {"top_k": {"k": 40}}}}, "sampler.processors.top_k: not implemented yet; this version implements: temperature (got {'k': 40})"),
+    (
+        {"sampler": {"processors": {"top_q": {}}}},
+        "sampler.processors.top_q: unknown sampler stage; known: logit_bias, penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature (got {})",
+    ),
+    ({"sampler": {"processors": {"temperature": {"value": "hot"}}}}, "sampler.processors.temperature.value: must be a number (got 'hot')"),
+    ({"sampler": {"processors": {"temperature": {"valu": 1.0}}}}, "sampler.processors.temperature.valu: unknown key; valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)"),
+    (
+        {"sampler": {"processors": {"temperature": {"dynatemp_range": 0.5}}}},
+        "sampler.processors.temperature.dynatemp_range: dynamic temperature is not implemented yet; only 0.0 (off) is supported (got 0.5)",
+    ),
+    ({"sampler": {"processors": {"temperature": 0.5}}}, "sampler.processors.temperature: must be a mapping (got 0.5)"),
+    ({"sampler": {"processors": [1]}}, "sampler.processors: must be a mapping (got [1])"),
+    ({"sampler": {"selector": {"kind": "mirostat_v2"}}}, "sampler.selector.kind: not implemented yet; this version implements: greedy, categorical (got 'mirostat_v2')"),
+    ({"sampler": {"selector": {"kind": "beam"}}}, "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')"),
+    ({"sampler": {"selector": {"kind": "greedy", "tau": 5.0}}}, "sampler.selector.tau: unknown key; valid keys: kind (got 5.0)"),
+    ({"prefill": {"chunk_size": 0}}, "prefill.chunk_size: must be > 0 (got 0)"),
+    ({"prefill": {"tile_size": "x"}}, "prefill.tile_size: must be an integer > 0 or null (got 'x')"),
+    ({"decode": {"max_tokens": "abc"}}, "decode.max_tokens: must be an integer > 0 (got 'abc')"),
+    ({"decode": {"max_tokens": True}}, "decode.max_tokens: must be an integer > 0 (got True)"),
+    ({"decode": {"stop_token_ids": [1, -2]}}, "decode.stop_token_ids.1: must be >= 0 (got -2)"),
+    ({"decode": {"stop_token_ids": 5}}, "decode.stop_token_ids: must be a list (got 5)"),
+    ({"decode": {"ignore_eos": "yes"}}, "decode.ignore_eos: must be true or false (got 'yes')"),
+    ({"prompt": {"text": "  \n"}}, "prompt.text: must not be empty or only whitespace (got '  \\n')"),
+    ({"prompt": {"text": None}}, "prompt.text: required: set prompt.text or prompt.messages (a non-empty list)"),
+    ({"prompt": {"messages": [{"role": "user", "content": "x"}]}}, "prompt.messages: set prompt.text or prompt.messages, not both (got [{'role': 'user', 'content': 'x'}])"),
+    ({"prompt": {"text": None, "messages": [{"role": "bot", "content": "x"}]}}, "prompt.messages.0.role: must be one of: system, user, assistant, tool (got 'bot')"),
+    ({"prompt": {"text": None, "messages": [{"role": "user", "content": ""}]}}, "prompt.messages.0.content: must not be empty or only whitespace (got '')"),
+    ({"prompt": {"text": None, "messages": [{"role": "user"}]}}, "prompt.messages.0.content: required"),
+    (
+        {"prompt": {"text": None, "system": "s", "messages": [{"role": "system", "content": "t"}]}},
+        "prompt.system: prompt.messages already has a system message; set one or the other (got 's')",
+    ),
+    ({"runner": {"name": "a/b"}}, "runner.name: must match [A-Za-z0-9._-]+ (got 'a/b')"),
+    ({"runner": {"name": ".."}}, "runner.name: must name a folder: letters, digits, '.', '_', '-', not '.' or '..' (got '..')"),
+    ({"runner": {"device": "tpu"}}, "runner.device: must be one of: auto, cpu, gpu (got 'tpu')"),
+    (
+        {"extra": {"x": 1}},
+        "extra: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner (got {'x': 1})",
+    ),
+    ({"decode": None}, "decode: must be a mapping (got None)"),
+]
+
+
+@pytest.mark.parametrize("groups, line", ERROR_CASES, ids=[line.split(":")[0] + f"-{i}" for i, (_, line) in enumerate(ERROR_CASES)])
+def test_each_error_is_one_exact_line(groups, line):
+    data = copy.deepcopy(BASE)
+    for group, values in groups.items():
+        if isinstance(values, dict) and isinstance(data.get(group), dict):
+            data[group].update(values)
+        else:
+            data[group] = values
+    assert issue_lines(data) == [line]
+
+
+def test_all_errors_are_reported_at_once():
+    data = with_values(
+        model={"dtype": "fp8"},
+        decode={"max_tokens": 0, "stop_token_ids": [-1]},
+        sampler={"processors": {"top_p": {"p": 0.9}, "temperature": {"value": "x"}}},
+        runner={"name": "a b"},
+    )
+    assert issue_lines(data) == [
+        "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')",
+        "sampler.processors.top_p: not implemented yet; this version implements: temperature (got {'p': 0.9})",
+        "sampler.processors.temperature.value: must be a number (got 'x')",
+        "decode.max_tokens: must be > 0 (got 0)",
+        "decode.stop_token_ids.0: must be >= 0 (got -1)",
+        "runner.name: must match [A-Za-z0-9._-]+ (got 'a b')",
+    ]
+
+
+def test_missing_groups_report_their_fields():
+    assert issue_lines({}) == [
+        "model.path: required: a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)",
+        "prompt.text: required: set prompt.text or prompt.messages (a non-empty list)",
+    ]
+
+
+def test_named_files_must_exist(tmp_path):
+    assert issue_lines(with_values(model={"path": str(tmp_path / "nope.gguf")}, template={"file": "missing.jinja"})) == [
+        f"model.path: no such file or directory (got '{tmp_path / 'nope.gguf'}')",
+        "template.file: no such file or directory (got 'missing.jinja')",
+    ]
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    cfg = validate_config(with_values(model={"path": str(tmp_path)}, template={"file": str(tmp_path / "t.jinja")}))
+    assert cfg.model.path == str(tmp_path)
+
+
+def test_prefill_chunk_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MLXCEL_PREFILL_CHUNK", "512")
+    assert validate_config(BASE).prefill.resolved_chunk_size() == 512
+    assert validate_config(with_values(prefill={"chunk_size": 64})).prefill.resolved_chunk_size() == 64
+    monkeypatch.setenv("MLXCEL_PREFILL_CHUNK", "")
+    assert validate_config(BASE).prefill.resolved_chunk_size() == 2048
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "1.5"])
+def test_bad_prefill_chunk_env_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("MLXCEL_PREFILL_CHUNK", raw)
+    assert issue_lines(BASE, (ENV_HINT,)) == [f"MLXCEL_PREFILL_CHUNK: environment variable: must be a positive integer (got {raw!r})"]
+    cfg = RunConfig.model_validate(BASE)  # built without validate_config: the method checks too
+    with pytest.raises(ConfigError, match="MLXCEL_PREFILL_CHUNK"):
+        cfg.prefill.resolved_chunk_size()
+
+
+def test_force_sync_turns_the_pipeline_off(monkeypatch):
+    assert validate_config(with_values(decode={"pipeline": False})).decode.use_pipeline() is False
+    monkeypatch.setenv("MLXCEL_FORCE_SYNC", "1")
+    cfg = validate_config(BASE)
+    assert cfg.decode.pipeline is True and cfg.decode.use_pipeline() is False
+    monkeypatch.setenv("MLXCEL_FORCE_SYNC", "0")
+    assert cfg.decode.use_pipeline() is True
+    monkeypatch.setenv("MLXCEL_FORCE_SYNC", "maybe")
+    assert issue_lines(BASE, (ENV_HINT,)) == ["MLXCEL_FORCE_SYNC: environment variable: must be 1 or 0 (got 'maybe')"]
+    assert issue_lines(with_values(decode={"max_tokens": 0}), (HINT, ENV_HINT)) == [
+        "decode.max_tokens: must be > 0 (got 0)",
+        "MLXCEL_FORCE_SYNC: environment variable: must be 1 or 0 (got 'maybe')",
+    ]
+
+
+def test_resolved_dict_is_json_with_the_chain(monkeypatch):
+    monkeypatch.setenv("MLXCEL_PREFILL_CHUNK", "128")
+    data = validate_config(with_values(sampler={"processors": {"temperature": {}}})).resolved_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["prefill"]["resolved_chunk_size"] == 128 and data["decode"]["use_pipeline"] is True
+    assert [stage["stage"] for stage in data["sampler"]["chain"]] == ["temperature", "draw"]
+
+
+# ---- the shipped conf/ composed by Hydra, validated by the schema ----
+def compose_run(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def group_options() -> list[tuple[str, str]]:
+    return sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml") if p.parent.name != "hydra")
+
+
+def test_every_group_has_options():
+    groups = {group for group, _ in group_options()}
+    assert groups == {"model", "tokenizer", "template", "sampler", "prefill", "decode", "prompt", "runner"}
+
+
+@pytest.mark.parametrize("group, option", group_options())
+def test_every_option_composes_and_validates(group, option, tmp_path):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("model", "hf"):
+        overrides.append(f"model.path={tmp_path}")
+    data = compose_run(overrides)
+    assert "hydra" not in data
+    cfg = validate_config(data)
+    assert cfg.prompt.text == "What is the capital of France?"
+
+
+def test_default_composition():
+    cfg = validate_config(compose_run([]))
+    assert cfg.model.path == "embedded:smollm2"
+    assert cfg.sampler.effective_chain() == [{"stage": "draw", "kind": "greedy"}]
+    assert cfg.template.kind == "auto" and cfg.decode.max_tokens == 256
+
+
+def test_temperature_preset_and_overrides():
+    cfg = validate_config(compose_run(["sampler=temperature", "sampler.processors.temperature.value=0.2", "decode.max_tokens=8"]))
+    assert cfg.sampler.effective_chain() == [
+        {"stage": "temperature", "value": 0.2, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0},
+        {"stage": "draw", "kind": "categorical"},
+    ]
+    assert cfg.decode.max_tokens == 8
+    removed = validate_config(compose_run(["sampler=temperature", "~sampler.processors.temperature"]))
+    assert removed.sampler.processors == {}
+
+
+def test_unimplemented_stage_added_with_plus_plus_is_rejected():
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_run(["++sampler.processors.min_p.p=0.05"]))
+    assert info.value.issues[0].format() == "sampler.processors.min_p: not implemented yet; this version implements: temperature (got {'p': 0.05})"
+
+
+def test_hf_model_without_path_is_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_run(["model=hf"]))
+    assert info.value.issues[0].path == "model.path"
+
+
+def test_hydra_settings():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["runner.name=exp-1"], return_hydra_config=True)
+    hydra = cfg.hydra
+    stamp = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+    assert re.fullmatch(f"outputs/exp-1/runs/{stamp}", hydra.run.dir)
+    assert re.fullmatch(f"outputs/exp-1/multiruns/{stamp}", hydra.sweep.dir)
+    assert OmegaConf.to_container(hydra.sweep)["subdir"] == "${hydra.job.num}"
+    assert hydra.job.chdir is False
+    assert hydra.runtime.choices["hydra/job_logging"] == "none"
+    assert hydra.runtime.choices["hydra/hydra_logging"] == "none"

@@ -144,7 +144,7 @@ def build_prompt(
     if template_source is None:
         raise MlxcelError(f"the tokenizer has no chat template; {_NO_TEMPLATE_HINT}")
     text = render_prompt(template_source, messages, tokenizer, add_generation_prompt=True)
-    ids = tokenizer.encode(text, add_special_tokens=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     history = tokenizer.encode(render_prompt(template_source, messages, tokenizer, add_generation_prompt=False), add_special_tokens=False)
     history_tokens = len(history) if ids[: len(history)] == history else 0
     return PromptTokens(text=text, token_ids=ids, history_tokens=history_tokens)

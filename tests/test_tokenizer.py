@@ -367,6 +367,28 @@ def test_hf_added_token_dict_and_special_tokens_map(tmp_path):
     assert (ours.eos_token, ours.eos_token_ids) == ("<|im_end|>", [HF_SPECIALS.index("<|im_end|>")])
 
 
+def test_hf_config_added_tokens_match_transformers(tmp_path):
+    # added_tokens_decoder entries missing from tokenizer.json, a named special that is a plain
+    # vocabulary word ("hello" as pad), and additional_special_tokens: transformers adds them all.
+    def added(content: str, special: bool) -> dict:
+        return {"__type": "AddedToken", "content": content, "special": special, "normalized": False}
+
+    config = {
+        "added_tokens_decoder": {"400": added("<think>", False), "401": added("<tool>", True)},
+        "pad_token": "hello",
+        "additional_special_tokens": ["<extra>"],
+    }
+    ours, ref = load_hf_pair(str(make_hf_folder(tmp_path, config=config)))
+    assert ours.special_tokens == {t.content: i for i, t in ref.added_tokens_decoder.items()}
+    assert {"<think>", "<tool>", "<extra>", "hello"} <= set(ours.special_tokens)
+    assert ours.vocab_size == len(ref)
+    for text in ["a<think>b<tool>c hello <extra>", "hello world", *CORPUS[:3]]:
+        ids = ref.encode(text)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ours.encode("a<think>b<tool>"), skip_special_tokens=True) == "a<think>b"
+
+
 # --- detection and errors -----------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ class FastTokenizer:
         pad_token: str | None = None,
         chat_template: str | None = None,
         eos_token_ids: list[int] | None = None,
+        bos_token_id: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.backend = backend
@@ -30,7 +31,8 @@ class FastTokenizer:
         self.eos_token = eos_tokens[0] if eos_tokens else None
         self.unk_token = unk_token
         self.pad_token = pad_token
-        self.bos_token_id = self._lookup(bos_token)
+        # Explicit ids (GGUF metadata) win over a string lookup, which a duplicated string would fool.
+        self.bos_token_id = bos_token_id if bos_token_id is not None else self._lookup(bos_token)
         ids = eos_token_ids if eos_token_ids is not None else [self._lookup(t) for t in eos_tokens or []]
         self.eos_token_ids = list(dict.fromkeys(i for i in ids if i is not None))
         self.special_tokens = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}

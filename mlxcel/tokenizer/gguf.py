@@ -103,6 +103,7 @@ def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> F
         pad_token=token_at("tokenizer.ggml.padding_token_id"),
         chat_template=get("tokenizer.chat_template"),
         eos_token_ids=[i for i in eos_ids if isinstance(i, int)],
+        bos_token_id=get("tokenizer.ggml.bos_token_id") if bos is not None else None,
     )
     result.vocab_size = max(result.vocab_size, len(tokens))  # duplicate strings still own an id
     return result

@@ -93,7 +93,7 @@ def make_tiny_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **o
 def load_reference(folder: Path):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype="float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
     return model.eval()
 
 

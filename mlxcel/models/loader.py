@@ -205,8 +205,9 @@ def dequantize_weights(weights: dict[str, mx.array], prefixes: list[str]) -> dic
         bits = gguf.read_quantized_bits(weights, prefix)
         weights[f"{prefix}.weight"] = mx.dequantize(
             weights[f"{prefix}.weight"],
-            weights.pop(f"{prefix}.scales"),
-            weights.pop(f"{prefix}.biases"),
+            # GGUF scales are fp16; dequantize in fp32 or every weight is rounded to fp16 (~1e-3 off)
+            weights.pop(f"{prefix}.scales").astype(mx.float32),
+            weights.pop(f"{prefix}.biases").astype(mx.float32),
             group_size=gguf.GGUF_GROUP_SIZE,
             bits=bits,
         )

@@ -72,12 +72,20 @@ def run_job(cfg: Any) -> Any:
 
     from mlxcel.config import validate_config
 
+    from mlxcel.errors import ConfigError
+    from mlxcel.outputs import write_failure_stats
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     data = OmegaConf.to_container(cfg, resolve=True)
     data.pop("hydra", None)
-    run_cfg = validate_config(data)
+    try:
+        run_cfg = validate_config(data)
+    except ConfigError as ex:  # Hydra already made the run folder: say in it why nothing ran
+        write_failure_stats(out_dir, ex)
+        raise
     from mlxcel import runner  # lazy: loads MLX and the model code only for a valid config
 
-    return runner.run(run_cfg, out_dir=Path(HydraConfig.get().runtime.output_dir))
+    return runner.run(run_cfg, out_dir=out_dir)
 
 
 def describe_hydra_error(ex: BaseException) -> str:

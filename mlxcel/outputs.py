@@ -35,3 +35,17 @@ class RunOutputs:
 
     def write_stats(self, stats: dict) -> None:
         write_json_atomic(self.dir / STATS_FILE, stats)
+
+
+def describe_error(exc: BaseException) -> dict:
+    import traceback
+
+    return {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(traceback.format_exception(exc))}
+
+
+def write_failure_stats(out_dir: Path, exc: BaseException, report: dict | None = None) -> None:
+    """stats.json for a run that did not complete: `status` says how it ended, `error` why."""
+    report = dict(report or {})
+    report["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    report["error"] = describe_error(exc)
+    RunOutputs(out_dir).write_stats(report)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -20,7 +19,7 @@ from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.errors import ConfigError, ConfigIssue
 from mlxcel.models.loader import LoadedModel, load_model
-from mlxcel.outputs import RunOutputs
+from mlxcel.outputs import RunOutputs, write_failure_stats
 from mlxcel.sampling import make_sampler
 from mlxcel.stats import GenerationStats, make_generation_stats, read_environment
 from mlxcel.template import PromptTokens, build_prompt, load_template_source
@@ -45,9 +44,7 @@ def run(cfg: RunConfig, out_dir: Path, stream: TextIO | None = sys.stdout, log: 
         report["environment"] = read_environment()
         result = run_stages(cfg, outputs, report, stream, log)
     except BaseException as exc:
-        report["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-        outputs.write_stats(report)
+        write_failure_stats(outputs.dir, exc, report)
         raise
     return result
 

@@ -1,0 +1,151 @@
+"""mlxcel-run end to end in a subprocess: streaming output, the run folder, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import requires_smollm2
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC_FIELDS = ("prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms", "prefill_tok_per_sec", "decode_tok_per_sec")
+
+
+def run_cli(tmp_path: Path, *args: str, env: dict | None = None, run: str = "run") -> subprocess.CompletedProcess:
+    run_dir = tmp_path / run
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env.pop("MLXCEL_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel", f"hydra.run.dir={run_dir}", *args],
+        cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=600,
+    )
+
+
+def read_run(tmp_path: Path, run: str = "run") -> tuple[dict, list[dict], dict]:
+    run_dir = tmp_path / run
+    stats = json.loads((run_dir / "stats.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    config = json.loads((run_dir / "config.resolved.json").read_text())
+    return stats, rows, config
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_default_run_answers_paris(tmp_path):
+    result = run_cli(tmp_path, "decode.max_tokens=24")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert f"run folder: {tmp_path / 'run'}" in result.stderr
+    stats, rows, config = read_run(tmp_path)
+    assert stats["status"] == "completed"
+    assert list(stats)[1:7] == list(SPEC_FIELDS)
+    assert stats["generated_tokens"] == len(rows[0]["token_ids"]) > 0
+    assert stats["prompt_tokens"] == len(rows[0]["prompt_token_ids"])
+    assert stats["model"]["arch"] == "llama" and stats["model"]["format"] == "gguf"
+    assert {"mlx", "mlxcel", "python", "device"} <= set(stats["environment"])
+    assert rows[0]["finish_reason"] == "stop" and 2 not in rows[0]["token_ids"]
+    assert "Paris" in rows[0]["text"] and rows[0]["text"] in result.stdout
+    assert config["sampler"]["chain"] == [{"stage": "draw", "kind": "greedy"}]
+
+
+def test_tiny_model_run_writes_the_run_folder(tmp_path, tiny_llama):
+    result = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=7", "decode.ignore_eos=true",
+                     "prompt.text=Hello, world: how are you?")
+    assert result.returncode == 0, result.stderr
+    stats, rows, config = read_run(tmp_path)
+    assert rows[0]["prompt"].startswith("<|im_start|>user\nHello, world: how are you?<|im_end|>")
+    assert len(rows[0]["token_ids"]) == 7 and rows[0]["finish_reason"] == "length"
+    assert stats["generated_tokens"] == 7 and stats["decode_tok_per_sec"] > 0
+    assert stats["stop_token_ids"] == []  # ignore_eos drops the model's EOS ids
+    assert config["model"]["path"] == str(tiny_llama)
+
+
+def test_template_none_is_raw_completion(tmp_path, tiny_llama):
+    result = run_cli(tmp_path, f"model.path={tiny_llama}", "template=none", "decode.max_tokens=3", "prompt.text=The capital of")
+    assert result.returncode == 0, result.stderr
+    _, rows, _ = read_run(tmp_path)
+    assert rows[0]["prompt"] == "The capital of"
+    assert len(rows[0]["prompt_token_ids"]) < 10
+
+
+def test_stop_token_ids_merge_and_never_appear(tmp_path, tiny_llama):
+    first = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", "decode.ignore_eos=true")
+    tokens = read_run(tmp_path)[1][0]["token_ids"]
+    stop = tokens[4]
+    result = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", f"decode.stop_token_ids=[{stop}]", run="stop")
+    assert first.returncode == 0 and result.returncode == 0, result.stderr
+    stats, rows, _ = read_run(tmp_path, "stop")
+    assert rows[0]["token_ids"] == tokens[: tokens.index(stop)]
+    assert stop not in rows[0]["token_ids"] and rows[0]["finish_reason"] == "stop"
+    assert {2, stop} <= set(stats["stop_token_ids"])  # generation_config / config.json EOS kept
+
+
+def test_pipelined_and_forced_sync_runs_agree(tmp_path, tiny_llama):
+    args = (f"model.path={tiny_llama}", "decode.max_tokens=10", "decode.ignore_eos=true", "sampler=temperature")
+    assert run_cli(tmp_path, *args).returncode == 0
+    pipelined = read_run(tmp_path)[1][0]["token_ids"]
+    assert run_cli(tmp_path, *args, env={"MLXCEL_FORCE_SYNC": "1"}, run="sync").returncode == 0
+    stats, rows, config = read_run(tmp_path, "sync")
+    assert config["decode"]["use_pipeline"] is False
+    assert rows[0]["token_ids"] == pipelined
+
+
+def assert_one_line_error(result, code: int, *fragments: str):
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert lines, result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+def test_bad_model_inputs_give_clear_errors(tmp_path, tiny_llama):
+    missing = run_cli(tmp_path, "model.path=/nonexistent/model")
+    assert_one_line_error(missing, 2, "model.path", "/nonexistent/model")
+
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (truncated / name).write_bytes((tiny_llama / name).read_bytes())
+    data = (tiny_llama / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    result = run_cli(tmp_path, f"model.path={truncated}")
+    assert_one_line_error(result, 1, "model.safetensors")
+    assert json.loads((tmp_path / "run" / "stats.json").read_text())["status"] == "failed"
+
+    config = json.loads((tiny_llama / "config.json").read_text())
+    (truncated / "model.safetensors").write_bytes(data)
+    (truncated / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    assert_one_line_error(run_cli(tmp_path, f"model.path={truncated}"), 1, "hidden_size", "config.json")
+
+    (truncated / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    assert_one_line_error(run_cli(tmp_path, f"model.path={truncated}"), 1, "'mamba'", "llama, qwen2")
+
+
+@requires_smollm2
+def test_truncated_gguf(tmp_path):
+    from tests.conftest import find_smollm2_gguf
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(find_smollm2_gguf().read_bytes()[:1_000_000])
+    assert_one_line_error(run_cli(tmp_path, f"model.path={broken}"), 1, "broken.gguf")
+
+
+def test_bad_prompts(tmp_path, tiny_llama):
+    assert_one_line_error(run_cli(tmp_path, f"model.path={tiny_llama}", "prompt.text= "), 2, "prompt.text")
+    long_text = "hello world " * 200
+    result = run_cli(tmp_path, f"model.path={tiny_llama}", f"prompt.text={long_text}", "model.max_context=64")
+    assert_one_line_error(result, 2, "context of 64")
+    assert json.loads((tmp_path / "run" / "stats.json").read_text())["status"] == "failed"
+
+
+def test_config_errors_write_stats_and_exit_2(tmp_path):
+    result = run_cli(tmp_path, "decode.max_tokens=0", "sampler.seed=-1")
+    assert_one_line_error(result, 2, "decode.max_tokens", "sampler.seed")
+    stats = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert stats["status"] == "failed" and stats["error"]["type"] == "ConfigError"

@@ -30,7 +30,6 @@ NonNegativeInt = Annotated[int, Strict(), Ge(0)]
 
 EMBEDDED_MODELS = ("smollm2",)
 DEFAULT_PREFILL_CHUNK = 2048
-HINT = "fix: override it on the command line (e.g. decode.max_tokens=128) or in the YAML file"
 ENV_HINT = "fix: unset the environment variable or give it a valid value"
 NO_VALUE = object()  # reject(value=NO_VALUE): print no "(got ...)"
 _INPUT = object()  # reject's default: the value the validator was given
@@ -298,9 +297,16 @@ def validate_config(data: dict) -> RunConfig:
         issues += check_paths(cfg)
     if issues:
         from_env = [issue.path.startswith("MLXCEL_") for issue in issues]
-        hints = ([HINT] if not all(from_env) else []) + ([ENV_HINT] if any(from_env) else [])
+        first = next((issue.path for issue in issues if not issue.path.startswith("MLXCEL_")), None)
+        hints = ([make_hint(first)] if first else []) + ([ENV_HINT] if any(from_env) else [])
         raise ConfigError(issues, hint="\n".join(hints))
     return cfg
+
+
+def make_hint(key: str) -> str:
+    """Point at the first bad key: the fix is an override or an edit of its group's YAML."""
+    group = key.split(".")[0]
+    return f"fix: override it on the command line (e.g. {key}=...) or edit conf/{group}/ (or your own config)"
 
 
 def check_paths(cfg: RunConfig) -> list[ConfigIssue]:

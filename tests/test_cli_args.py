@@ -180,7 +180,7 @@ def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys
     assert capsys.readouterr().err.splitlines() == [
         "mlxcel: config error: sampler.selector.kind: not implemented yet; this version implements: greedy, categorical (got 'mirostat_v2')",
         "mlxcel: config error: decode.max_tokens: must be > 0 (got 0)",
-        "mlxcel: config error: fix: override it on the command line (e.g. decode.max_tokens=128) or in the YAML file",
+        "mlxcel: config error: fix: override it on the command line (e.g. sampler.selector.kind=...) or edit conf/sampler/ (or your own config)",
     ]
 
 
@@ -263,7 +263,7 @@ def test_config_error_exits_2_without_traceback(tmp_path):
     assert result.stderr.splitlines() == [
         "mlxcel: config error: model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')",
         "mlxcel: config error: decode.max_tokens: must be > 0 (got -1)",
-        "mlxcel: config error: fix: override it on the command line (e.g. decode.max_tokens=128) or in the YAML file",
+        "mlxcel: config error: fix: override it on the command line (e.g. model.dtype=...) or edit conf/model/ (or your own config)",
     ]
     assert result.stdout == ""
 

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxcel.config import RunConfig, SamplerConfig, validate_config
+from mlxcel.config import make_hint, RunConfig, SamplerConfig, validate_config
 from mlxcel.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -25,14 +25,15 @@ def with_values(**groups: dict) -> dict:
     return data
 
 
-HINT = "fix: override it on the command line (e.g. decode.max_tokens=128) or in the YAML file"
 ENV_HINT = "fix: unset the environment variable or give it a valid value"
 
 
-def issue_lines(data: dict, hints: tuple[str, ...] = (HINT,)) -> list[str]:
+def issue_lines(data: dict, hints: tuple[str, ...] | None = None) -> list[str]:
     with pytest.raises(ConfigError) as info:
         validate_config(data)
     lines = info.value.format().splitlines()
+    if hints is None:  # the hint names the first bad key
+        hints = (make_hint(lines[0].split(":")[0]),)
     assert tuple(lines[-len(hints):]) == hints
     return lines[: -len(hints)]
 
@@ -213,7 +214,7 @@ def test_force_sync_turns_the_pipeline_off(monkeypatch):
     assert cfg.decode.use_pipeline() is True
     monkeypatch.setenv("MLXCEL_FORCE_SYNC", "maybe")
     assert issue_lines(BASE, (ENV_HINT,)) == ["MLXCEL_FORCE_SYNC: environment variable: must be 1 or 0 (got 'maybe')"]
-    assert issue_lines(with_values(decode={"max_tokens": 0}), (HINT, ENV_HINT)) == [
+    assert issue_lines(with_values(decode={"max_tokens": 0}), (make_hint('decode.max_tokens'), ENV_HINT)) == [
         "decode.max_tokens: must be > 0 (got 0)",
         "MLXCEL_FORCE_SYNC: environment variable: must be 1 or 0 (got 'maybe')",
     ]

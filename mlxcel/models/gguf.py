@@ -18,8 +18,10 @@ from mlxcel.errors import MlxcelError
 
 GGUF_GROUP_SIZE = 32
 
-# GGUF architecture name -> (our family, config overrides)
-SUPPORTED_GGUF_ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {})}
+# GGUF architecture name -> our family. llama.cpp's converter permutes Q/K rows only for the
+# llama architecture (it runs interleaved RoPE there); qwen2 keeps HF's layout (NEOX RoPE).
+SUPPORTED_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+INTERLEAVED_ROPE_ARCHS = {"llama"}
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -54,12 +56,13 @@ def read_metadata_value(metadata: dict[str, Any], key: str, default: Any = None)
 
 
 def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, dict]:
-    """Translate GGUF metadata into an HF-style config dict for the family's ModelArgs."""
+    """Translate GGUF metadata into an HF-style config dict for the family's ModelArgs
+    (plus `rope_traditional`, which only GGUF files set)."""
     arch = read_metadata_value(metadata, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         supported = ", ".join(sorted(SUPPORTED_GGUF_ARCHS))
         raise MlxcelError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {supported})")
-    family, overrides = SUPPORTED_GGUF_ARCHS[arch]
+    family = SUPPORTED_GGUF_ARCHS[arch]
 
     def get(key: str, default: Any = None, required: bool = True) -> Any:
         value = read_metadata_value(metadata, f"{arch}.{key}", default)
@@ -83,7 +86,7 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         "rope_theta": get("rope.freq_base", 10000.0),
         "max_position_embeddings": get("context_length", 4096),
         "eos_token_id": read_metadata_value(metadata, "tokenizer.ggml.eos_token_id"),
-        **overrides,
+        "rope_traditional": arch in INTERLEAVED_ROPE_ARCHS,
     }
     if config["vocab_size"] is None:
         raise MlxcelError(f"{path}: GGUF metadata gives no vocabulary size")

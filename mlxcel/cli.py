@@ -68,17 +68,14 @@ def quote_free_text(args: list[str]) -> list[str]:
 def run_job(cfg: Any) -> Any:
     """The Hydra task: composed config -> RunConfig -> runner."""
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
 
     from mlxcel.config import validate_config
-
     from mlxcel.errors import ConfigError
     from mlxcel.outputs import write_failure_stats
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    data = OmegaConf.to_container(cfg, resolve=True)
-    data.pop("hydra", None)
     try:
+        data = read_job_config(cfg)
         run_cfg = validate_config(data)
     except ConfigError as ex:  # Hydra already made the run folder: say in it why nothing ran
         write_failure_stats(out_dir, ex)
@@ -86,6 +83,21 @@ def run_job(cfg: Any) -> Any:
     from mlxcel import runner  # lazy: loads MLX and the model code only for a valid config
 
     return runner.run(run_cfg, out_dir=out_dir)
+
+
+def read_job_config(cfg: Any) -> dict:
+    """The composed config as plain data (without Hydra's own node); a `???` left unset by a
+    preset is reported as a config error naming the key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    from mlxcel.errors import ConfigError, ConfigIssue
+
+    try:
+        return {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+                for key in cfg if key != "hydra"}
+    except MissingMandatoryValue as ex:
+        raise ConfigError(ConfigIssue(ex.full_key, f"required: this preset has no default; set {ex.full_key}=...", has_value=False)) from ex
 
 
 def describe_hydra_error(ex: BaseException) -> str:

@@ -214,34 +214,68 @@ class Message(Group):
     _check_content = field_validator("content")(_check_not_blank)
 
 
+class PromptRow(Group):
+    """One prompt of a batch job: a JSONL line of prompt.file, or an item of prompt.rows."""
+
+    id: Annotated[str, Strict()] | Annotated[int, Strict()] | None = None  # default: the line (item) number, from 1
+    prompt: str | None = None  # one user message, templated
+    messages: list[Message] | None = None  # a conversation
+    max_tokens: PositiveInt | None = None  # default: decode.max_tokens
+    seed: NonNegativeInt | None = None  # default: sampler.seed
+    n: PositiveInt = 1  # samples of this prompt
+
+    _check_prompt = field_validator("prompt")(_check_not_blank)
+
+    @model_validator(mode="after")
+    def _check_one_source(self) -> PromptRow:
+        if (self.prompt is None) == (not self.messages):
+            raise reject("each row needs exactly one of 'prompt' (text) or 'messages' (a conversation)", "prompt", NO_VALUE)
+        return self
+
+
 class PromptConfig(Group):
     text: str | None = None
     system: str | None = None  # "" is allowed: it stops a template from adding its default system prompt
     messages: list[Message] | None = None
+    file: str | None = None  # a JSONL file of rows (see PromptRow): a batch job
+    rows: list[PromptRow] | None = None  # the same rows inline in YAML
 
     _check_text = field_validator("text")(_check_not_blank)
 
     @model_validator(mode="after")
     def _check_one_source(self) -> PromptConfig:
-        if self.text is None and not self.messages:
-            raise reject("required: set prompt.text or prompt.messages (a non-empty list)", "text", NO_VALUE)
-        if self.text is not None and self.messages:
-            raise reject("set prompt.text or prompt.messages, not both", "messages", [m.model_dump() for m in self.messages])
+        sources = [name for name in ("text", "messages", "file", "rows") if getattr(self, name) not in (None, [])]
+        if not sources:
+            raise reject("required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows", "text", NO_VALUE)
+        if len(sources) > 1:
+            hint = "; for a batch job use the preset: prompt=jsonl prompt.file=PATH" if "text" in sources else ""
+            raise reject(f"set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got {', '.join(sources)}){hint}", sources[1], NO_VALUE)
         if self.system is not None and self.messages and any(m.role == "system" for m in self.messages):
             raise reject("prompt.messages already has a system message; set one or the other", "system", self.system)
         return self
 
+    @property
+    def is_batch(self) -> bool:
+        return self.file is not None or self.rows is not None
+
     def to_messages(self) -> list[dict]:
         """The conversation as role/content dicts, the system message first when set."""
-        head = [] if self.system is None else [{"role": "system", "content": self.system}]
-        if self.messages:
-            return head + [m.model_dump() for m in self.messages]
-        return head + [{"role": "user", "content": self.text}]
+        return self.with_system([m.model_dump() for m in self.messages] if self.messages else [{"role": "user", "content": self.text}])
+
+    def with_system(self, messages: list[dict]) -> list[dict]:
+        """prompt.system goes first, unless the conversation brings its own system message."""
+        if self.system is None or any(m["role"] == "system" for m in messages):
+            return messages
+        return [{"role": "system", "content": self.system}, *messages]
 
 
 class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
+    batch_size: PositiveInt = 8  # rows generated together
+    resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
+    dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
+    progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise
 
     @field_validator("name")
     @classmethod
@@ -311,7 +345,12 @@ def make_hint(key: str) -> str:
 
 def check_paths(cfg: RunConfig) -> list[ConfigIssue]:
     """Files named by the config must exist (relative paths: from the launch directory)."""
-    paths = {"model.path": cfg.model.path, "tokenizer.path": cfg.tokenizer.path, "template.file": cfg.template.file}
+    paths = {
+        "model.path": cfg.model.path,
+        "tokenizer.path": cfg.tokenizer.path,
+        "template.file": cfg.template.file,
+        "prompt.file": cfg.prompt.file,
+    }
     return [
         ConfigIssue(key, "no such file or directory", path)
         for key, path in paths.items()

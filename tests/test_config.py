@@ -123,8 +123,8 @@ ERROR_CASES = [
     ({"decode": {"stop_token_ids": 5}}, "decode.stop_token_ids: must be a list (got 5)"),
     ({"decode": {"ignore_eos": "yes"}}, "decode.ignore_eos: must be true or false (got 'yes')"),
     ({"prompt": {"text": "  \n"}}, "prompt.text: must not be empty or only whitespace (got '  \\n')"),
-    ({"prompt": {"text": None}}, "prompt.text: required: set prompt.text or prompt.messages (a non-empty list)"),
-    ({"prompt": {"messages": [{"role": "user", "content": "x"}]}}, "prompt.messages: set prompt.text or prompt.messages, not both (got [{'role': 'user', 'content': 'x'}])"),
+    ({"prompt": {"text": None}}, "prompt.text: required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows"),
+    ({"prompt": {"messages": [{"role": "user", "content": "x"}]}}, "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got text, messages); for a batch job use the preset: prompt=jsonl prompt.file=PATH"),
     ({"prompt": {"text": None, "messages": [{"role": "bot", "content": "x"}]}}, "prompt.messages.0.role: must be one of: system, user, assistant, tool (got 'bot')"),
     ({"prompt": {"text": None, "messages": [{"role": "user", "content": ""}]}}, "prompt.messages.0.content: must not be empty or only whitespace (got '')"),
     ({"prompt": {"text": None, "messages": [{"role": "user"}]}}, "prompt.messages.0.content: required"),
@@ -174,7 +174,7 @@ def test_all_errors_are_reported_at_once():
 def test_missing_groups_report_their_fields():
     assert issue_lines({}) == [
         "model.path: required: a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)",
-        "prompt.text: required: set prompt.text or prompt.messages (a non-empty list)",
+        "prompt.text: required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows",
     ]
 
 
@@ -232,7 +232,7 @@ def test_resolved_dict_is_json_with_the_chain(monkeypatch):
 def compose_run(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
 def group_options() -> list[tuple[str, str]]:
@@ -249,10 +249,21 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
     overrides = [f"{group}={option}"]
     if (group, option) == ("model", "hf"):
         overrides.append(f"model.path={tmp_path}")
+    if (group, option) == ("prompt", "jsonl"):
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "hi"}\n')
+        overrides.append(f"prompt.file={tmp_path / 'rows.jsonl'}")
     data = compose_run(overrides)
     assert "hydra" not in data
     cfg = validate_config(data)
-    assert cfg.prompt.text == "What is the capital of France?"
+    if group == "prompt" and option == "jsonl":
+        assert cfg.prompt.is_batch and cfg.prompt.text is None
+    else:
+        assert cfg.prompt.text == "What is the capital of France?"
+
+
+def test_jsonl_preset_requires_the_file():
+    with pytest.raises(Exception, match="prompt.file"):
+        compose_run(["prompt=jsonl"])
 
 
 def test_default_composition():

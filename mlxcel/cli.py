@@ -46,6 +46,78 @@ def find_conf_dir() -> Path:
     return Path(str(files("mlxcel") / "conf"))  # the wheel maps conf/ to mlxcel/conf
 
 
+# ---- recipes: `mlxcel-run recipe=NAME [overrides]` runs recipes/NAME.yaml ----
+RECIPE_CONFIG_PREFIX = "recipe_"  # the recipe's name in Hydra's ConfigStore: recipe_<NAME>
+
+
+def find_recipes_dir() -> Path:
+    """recipes/ of a source checkout (plain or editable), else the recipes shipped as mlxcel.recipes."""
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "recipes").is_dir():
+        return checkout / "recipes"
+    from importlib.resources import files
+
+    return Path(str(files("mlxcel") / "recipes"))  # the wheel maps recipes/ to mlxcel/recipes
+
+
+def list_recipes() -> list[str]:
+    return sorted(path.stem for path in find_recipes_dir().glob("*.yaml"))
+
+
+def find_recipe(value: str) -> Path:
+    """recipe=NAME names recipes/NAME.yaml; a value with a slash or a .yaml suffix is a path to
+    the user's own job file."""
+    from mlxcel.errors import ConfigError, ConfigIssue
+
+    if "/" in value or os.sep in value or value.endswith((".yaml", ".yml")):
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(ConfigIssue("recipe", f"no such file: {path}", value))
+        return path
+    path = find_recipes_dir() / f"{value}.yaml"
+    if not value or not path.is_file():
+        raise ConfigError(ConfigIssue("recipe", f"unknown recipe; available: {', '.join(list_recipes()) or 'none'}", value))
+    return path
+
+
+def use_recipe(args: list[str]) -> list[str]:
+    """Replace `recipe=X` in argv by `--config-name` of the recipe, stored in Hydra's ConfigStore.
+
+    The ConfigStore rather than --config-dir: the recipe becomes the primary config without
+    adding its folder to the search path, so a user's --config-dir and hydra.searchpath keep
+    working as usual and a stray config.yaml beside a user's job file cannot hide the base
+    config (a recipe's defaults list names it: `- config`).
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from mlxcel.errors import ConfigError, ConfigIssue
+
+    picks = [arg for arg in args if arg.startswith("recipe=")]
+    if not picks:
+        return args
+    if len(picks) > 1:
+        raise ConfigError(ConfigIssue("recipe", "give one recipe", [p.partition("=")[2] for p in picks]))
+    if any(arg in ("--config-name", "-cn") or arg.startswith("--config-name=") for arg in args):
+        raise ConfigError(ConfigIssue("recipe", "recipe= picks the primary config; drop --config-name", has_value=False))
+    path = find_recipe(picks[0].partition("=")[2])
+    try:
+        node = OmegaConf.load(path)
+    except Exception as ex:  # YAML syntax: one line naming the file
+        raise ConfigError(ConfigIssue("recipe", f"cannot read {path}: {first_line(str(ex))}", has_value=False)) from ex
+    name = RECIPE_CONFIG_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)
+    ConfigStore.instance().store(name=name, node=node)
+    return ["--config-name", name, *(arg for arg in args if arg != picks[0])]
+
+
+def register_resolvers() -> None:
+    """${mlxcel.recipes_dir:}: the folder of the shipped recipes, so a recipe can name its data
+    files (recipes/data/...) wherever mlxcel is installed and wherever it is run from."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("mlxcel.recipes_dir", lambda: str(find_recipes_dir()), replace=True)
+
+
 def quote_override_value(text: str) -> str:
     """Quote `text` so Hydra's override parser and OmegaConf's resolver give back exactly `text`."""
     text = re.sub(r"(\\*)\$\{", r"\1\1\\${", text)  # OmegaConf: \${ is a literal ${
@@ -166,6 +238,38 @@ def report_error(ex: BaseException, debug: bool) -> int:
     return 1
 
 
+class SweepFailures:
+    """The failed jobs of a multirun. Each is reported as it fails and the sweep goes on: Hydra's
+    basic sweeper raises the first failure only after every job (of its batch) has run. The
+    process then exits 1 with one line naming the count and the summary."""
+
+    def __init__(self) -> None:
+        self.jobs = 0
+        self.failed: list[BaseException] = []
+        self.sweep_dir: Path | None = None
+
+    def count_job(self) -> None:
+        self.jobs += 1
+
+    def record(self, ex: BaseException, debug: bool) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra_cfg = HydraConfig.get()
+        self.failed.append(ex)
+        self.sweep_dir = Path(hydra_cfg.sweep.dir).absolute()
+        print(f"mlxcel: job {hydra_cfg.job.num} failed ({' '.join(hydra_cfg.overrides.task)}):", file=sys.stderr)
+        report_error(ex, debug)
+
+    def is_job_failure(self, ex: BaseException) -> bool:
+        return any(ex is failed for failed in self.failed)
+
+    def report(self) -> int:
+        summary = self.sweep_dir / "summary.csv" if self.sweep_dir else None
+        where = f"summary: {summary}" if summary and summary.is_file() else f"sweep folder: {self.sweep_dir}"
+        print(f"mlxcel: {len(self.failed)} of {self.jobs} jobs failed; {where}", file=sys.stderr)
+        return 1
+
+
 def main() -> None:
     """Console entry point: parse argv with Hydra, run, exit with 0, 1, 2 or 130."""
     import hydra
@@ -174,14 +278,17 @@ def main() -> None:
 
     debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0") or os.environ.get("HYDRA_FULL_ERROR") == "1"
     failures: list[BaseException] = []
+    sweep = SweepFailures()
 
     def task(cfg: Any) -> Any:
+        sweep.count_job()
         try:
             return run_job(cfg)
         except Exception as ex:
             # A sweep lets Hydra record the failed job (on_job_end) and go on; a single run keeps
             # it here so Hydra does not print its own "Error executing job" line before ours.
             if HydraConfig.get().mode == RunMode.MULTIRUN:
+                sweep.record(ex, debug)
                 raise
             failures.append(ex)
             return None
@@ -192,12 +299,15 @@ def main() -> None:
     # the job's own) reaches one handler here, which prints one line and picks the exit code.
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    sys.argv = [sys.argv[0], *quote_free_text(sys.argv[1:])]
     try:
+        register_resolvers()
+        sys.argv = [sys.argv[0], *use_recipe(quote_free_text(sys.argv[1:]))]
         hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name="config")(task)()
         if failures:
             raise failures[0]
     except (Exception, KeyboardInterrupt) as ex:
+        if sweep.is_job_failure(ex):
+            sys.exit(sweep.report())
         sys.exit(report_error(ex, debug))
     finally:
         if previous is None:

@@ -8,9 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mlxcel.errors import ConfigError, ConfigIssue
+
 CONFIG_FILE = "config.resolved.json"
 GENERATIONS_FILE = "generations.jsonl"
 STATS_FILE = "stats.json"
+PROMPTS_FILE = "prompts.jsonl"
+# Keys that may change between a run and its resumption: they do not change what a row contains.
+RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.batch_size", "runner.dry_run")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -35,6 +40,65 @@ class RunOutputs:
 
     def write_stats(self, stats: dict) -> None:
         write_json_atomic(self.dir / STATS_FILE, stats)
+
+    def write_prompts(self, rows: list[dict]) -> None:
+        with open(self.dir / PROMPTS_FILE, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def check_fresh(self) -> None:
+        """A new run never appends to another run's generations."""
+        if (self.dir / GENERATIONS_FILE).exists() and (self.dir / GENERATIONS_FILE).stat().st_size:
+            raise ConfigError(
+                ConfigIssue("hydra.run.dir", "already holds a run's generations.jsonl; set runner.resume=true to continue it, or pick a new folder", str(self.dir))
+            )
+
+    def read_done_keys(self) -> set[tuple[str, int]]:
+        """(id, sample) of every row already written. A torn last line (a crash mid-write) is cut
+        off the file, so appended rows start on a line of their own and that row runs again."""
+        path = self.dir / GENERATIONS_FILE
+        if not path.exists():
+            return set()
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            data = data[: data.rfind(b"\n") + 1]
+            with open(path, "r+b") as f:
+                f.truncate(len(data))
+        keys = set()
+        for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError(ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60]))
+            keys.add((str(row["id"]), int(row.get("sample", 0))))
+        return keys
+
+
+def check_resume(outputs: RunOutputs, resolved: dict) -> set[tuple[str, int]]:
+    """runner.resume=true: the folder must hold a run of the same config; returns the rows done."""
+    path = outputs.dir / CONFIG_FILE
+    if not path.exists():
+        raise ConfigError(ConfigIssue("runner.resume", f"{outputs.dir} has no {CONFIG_FILE}: not a run folder to resume (set hydra.run.dir to one)", True))
+    previous = flatten(json.loads(path.read_text(encoding="utf-8")))
+    current = flatten(json.loads(json.dumps(resolved, default=str)))
+    changed = [
+        ConfigIssue(key, f"differs from the run being resumed (was {previous.get(key, '<unset>')!r})", current.get(key, "<unset>"))
+        for key in sorted(previous.keys() | current.keys())
+        if key not in RESUMABLE_KEYS and previous.get(key) != current.get(key)
+    ]
+    if changed:
+        raise ConfigError(changed, hint="fix: resume with the run's own config (its .hydra/overrides.yaml), or start a new run")
+    return outputs.read_done_keys()
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def describe_error(exc: BaseException) -> dict:

@@ -1,8 +1,10 @@
-"""run(cfg, out_dir): the staged text pipeline, from a validated RunConfig to a run folder.
+"""run(cfg, out_dir): a job from a validated RunConfig to a run folder. No Hydra here.
 
-Stages: 1 load model → 2 tokenizer → 3 template + tokenize → 4 bind config to model →
-5 sampler → 6 prefill + decode (streaming detokenize) → 7 write outputs. No Hydra here.
-`stats.json` is written whatever happens: `status: failed` and the error when a stage raises.
+Stages: 1 read the rows (prompt.text / messages / file / rows) → 2 resume check → 3 load the
+pipeline (model, tokenizer, template) → 4 render + tokenize every sample (a bad one becomes an
+error row) → 5 generate batch by batch, appending each row to generations.jsonl the moment it
+finishes → 6 stats.json. `stats.json` is written whatever happens: `status: failed` or
+`interrupted` with the error and the stats so far.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ from typing import TextIO
 import mlx.core as mx
 
 from mlxcel.config import RunConfig
-from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
-from mlxcel.errors import ConfigError, ConfigIssue
-from mlxcel.models.loader import LoadedModel, load_model
-from mlxcel.outputs import RunOutputs, write_failure_stats
-from mlxcel.sampling import make_sampler
-from mlxcel.stats import GenerationStats, make_generation_stats, read_environment
-from mlxcel.template import PromptTokens, build_prompt, load_template_source
-from mlxcel.tokenizer import StreamingDetokenizer, load_tokenizer
-from mlxcel.tokenizer.base import MlxcelTokenizer
+from mlxcel.engine import RowResult
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
+from mlxcel.jobs import expand_samples, load_job_rows
+from mlxcel.outputs import RunOutputs, check_resume, write_failure_stats
+from mlxcel.pipeline import Pipeline, PreparedSample, say
+from mlxcel.progress import Progress
+from mlxcel.stats import GenerationStats, format_stats_table, make_generation_stats, measure_batch, read_environment
+from mlxcel.tokenizer import StreamingDetokenizer
+
+SPEC_FIELDS = ("prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms", "prefill_tok_per_sec", "decode_tok_per_sec")
 
 
 @dataclass
@@ -35,18 +38,32 @@ class RunResult:
     stats: GenerationStats | None = None
 
 
-def run(cfg: RunConfig, out_dir: Path, stream: TextIO | None = sys.stdout, log: TextIO | None = sys.stderr) -> RunResult:
+def run(
+    cfg: RunConfig,
+    out_dir: Path,
+    stream: TextIO | None = sys.stdout,
+    log: TextIO | None = sys.stderr,
+    overrides: list[str] | None = None,
+) -> RunResult:
     outputs = RunOutputs(out_dir)
-    outputs.write_config(cfg.resolved_dict())
-    report = {"status": "running", "environment": read_environment()}
+    report: dict = {"status": "running", "overrides": list(overrides or [])}
     try:
         select_device(cfg.runner.device)
         report["environment"] = read_environment()
-        result = run_stages(cfg, outputs, report, stream, log)
+        samples = expand_samples(load_job_rows(cfg.prompt))  # 1
+        done = check_resume(outputs, cfg.resolved_dict()) if cfg.runner.resume else set()  # 2
+        if not cfg.runner.resume:
+            outputs.check_fresh()
+        outputs.write_config(cfg.resolved_dict())
+        pipeline = Pipeline.load(cfg, load_weights=not cfg.runner.dry_run, log=log)  # 3
+        report["model"] = describe_model(pipeline)
+        report["sampler_chain"] = cfg.sampler.effective_chain()
+        if cfg.runner.dry_run:
+            return run_dry(pipeline, samples, outputs, report, log)
+        return run_job(pipeline, samples, done, outputs, report, stream, log)
     except BaseException as exc:
-        write_failure_stats(outputs.dir, exc, report)
+        write_failure_stats(outputs.dir, exc, order_report(report))
         raise
-    return result
 
 
 def select_device(device: str) -> None:
@@ -58,78 +75,13 @@ def select_device(device: str) -> None:
         mx.set_default_device(mx.gpu)
 
 
-def run_stages(cfg: RunConfig, outputs: RunOutputs, report: dict, stream: TextIO | None, log: TextIO | None) -> RunResult:
-    say(log, f"loading model {cfg.model.path} ...")
-    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights)  # 1
-    report["model"] = {**loaded.info, "generation_defaults": read_generation_defaults(loaded.generation_config)}
-    say(log, f"loaded {loaded.info['arch']} ({loaded.info['params'] / 1e6:.0f}M params, {loaded.info['dtype']}) in {loaded.info['load_ms'] / 1000:.1f} s")
-
-    prepare_start = time.perf_counter()
-    tokenizer_path = cfg.tokenizer.path or loaded.path  # 2
-    tokenizer = load_tokenizer(tokenizer_path, cfg.tokenizer.kind, gguf_metadata=loaded.gguf_metadata)
-    source = load_template_source(tokenizer, cfg.template.text, cfg.template.file)  # 3
-    prompt = build_prompt(tokenizer, cfg.prompt.to_messages(), source, enabled=cfg.template.kind != "none")
-
-    stop_ids = merge_stop_ids(cfg, loaded, tokenizer)  # 4
-    max_context = cfg.model.max_context or loaded.model.args.max_position_embeddings
-    check_prompt(prompt, max_context)
-    report["stop_token_ids"] = sorted(stop_ids)
-    report["sampler_chain"] = cfg.sampler.effective_chain()
-
-    request = GenerationRequest(  # 5
-        rows=[RowRequest(prompt.token_ids, row_id=0, history_tokens=prompt.history_tokens)],
-        sampler=make_sampler(cfg.sampler.effective_chain(), cfg.sampler.seed),
-        max_tokens=cfg.decode.max_tokens,
-        stop_token_ids=frozenset(stop_ids),
-        chunk_size=cfg.prefill.resolved_chunk_size(),
-        tile_size=cfg.prefill.tile_size,
-        pad_token_id=tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0,
-    )
-    engine = DirectEngine(loaded.model, max_context, pipeline=cfg.decode.use_pipeline())
-    detokenizers = [StreamingDetokenizer(tokenizer) for _ in request.rows]
-
-    def on_token(row: int, token: int) -> bool:
-        text = detokenizers[row].add_token(token)
-        if stream is not None and text:
-            stream.write(text)
-            stream.flush()
-        return True
-
-    state = engine.generate(request, on_token)  # 6
-    for row, detok in enumerate(detokenizers):
-        tail = detok.finalize()
-        if stream is not None and tail:
-            stream.write(tail)
-    if stream is not None:
-        stream.write("\n")
-        stream.flush()
-
-    stats = make_generation_stats(state, prepare_start)  # 7
-    generations = make_generation_rows(state, [prompt], [cfg.prompt.to_messages()], tokenizer)
-    for row in generations:
-        outputs.append_generation(row)
-    report.update(stats.to_dict())
-    report["status"] = "completed"
-    report["per_prompt"] = [{k: row[k] for k in ("id", "prompt_tokens", "generated_tokens", "finish_reason")} for row in generations]
-    outputs.write_stats(order_report(report))
-    say(log, format_summary(stats, outputs.dir))
-    return RunResult(outputs.dir, "completed", generations, stats)
-
-
-def merge_stop_ids(cfg: RunConfig, loaded: LoadedModel, tokenizer: MlxcelTokenizer) -> set[int]:
-    """EOS from the model, generation_config.json and the tokenizer, plus decode.stop_token_ids.
-    decode.ignore_eos keeps only the explicit stop ids."""
-    vocab = loaded.model.args.vocab_size
-    bad = [i for i in cfg.decode.stop_token_ids if not 0 <= i < vocab]
-    if bad:
-        raise ConfigError(ConfigIssue("decode.stop_token_ids", f"ids must be in [0, {vocab}) for this model", bad))
-    stop = set(cfg.decode.stop_token_ids)
-    if not cfg.decode.ignore_eos:
-        eos = loaded.generation_config.get("eos_token_id")
-        stop.update([eos] if isinstance(eos, int) else eos or [])
-        stop.update(loaded.model.eos_token_ids())
-        stop.update(tokenizer.eos_token_ids)
-    return stop
+def describe_model(pipeline: Pipeline) -> dict:
+    header = pipeline.header
+    info = {"arch": header.arch, "path": str(header.path), "files": header.files, "fingerprint_sha256": header.fingerprint}
+    if pipeline.loaded is not None:
+        info.update(pipeline.loaded.info)
+        info["generation_defaults"] = read_generation_defaults(pipeline.loaded.generation_config)
+    return info
 
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty")
@@ -141,54 +93,127 @@ def read_generation_defaults(generation_config: dict) -> dict:
     return {k: generation_config[k] for k in SAMPLING_KEYS if k in generation_config}
 
 
-def check_prompt(prompt: PromptTokens, max_context: int) -> None:
-    if not prompt.token_ids:
-        raise ConfigError(ConfigIssue("prompt", "the prompt encodes to no tokens", prompt.text))
-    if len(prompt.token_ids) >= max_context:
-        raise ConfigError(
-            ConfigIssue("prompt", f"{len(prompt.token_ids)} tokens do not fit the model's context of {max_context}", f"{prompt.text[:60]}...")
-        )
-
-
-def make_generation_rows(
-    state: BatchState, prompts: list[PromptTokens], messages: list[list[dict]], tokenizer: MlxcelTokenizer
-) -> list[dict]:
+def run_dry(pipeline: Pipeline, samples, outputs: RunOutputs, report: dict, log: TextIO | None) -> RunResult:
+    """Render and tokenize every prompt and plan its prefill; no weights are loaded."""
     rows = []
-    for index, (result, prompt, conversation) in enumerate(zip(state.results, prompts, messages)):
-        rows.append(
-            {
-                "id": index,
-                "messages": conversation,
-                "prompt": prompt.text,
-                "text": tokenizer.decode(result.token_ids),
-                "token_ids": result.token_ids,
-                "prompt_token_ids": prompt.token_ids,
-                "history_tokens": prompt.history_tokens,
-                "finish_reason": result.finish_reason,
-                "prompt_tokens": result.prompt_tokens,
-                "generated_tokens": len(result.token_ids),
-            }
-        )
-    return rows
+    for prepared in pipeline.prepare(samples):
+        row = {"id": prepared.sample.row.id, "sample": prepared.sample.index}
+        if prepared.error:
+            row["error"] = prepared.error
+        else:
+            prompt = prepared.prompt
+            pieces = pipeline.plan(prompt).pieces
+            row.update(
+                prompt_text=prompt.text,
+                prompt_token_ids=prompt.token_ids,
+                history_tokens=prompt.history_tokens,
+                prefill_pieces=[{"start": p.start, "end": p.end, "pad": p.pad} for p in pieces],
+            )
+        rows.append(row)
+    outputs.write_prompts(rows)
+    errors = sum("error" in r for r in rows)
+    report.update(status="dry_run", rows=len(rows), rows_with_errors=errors)
+    outputs.write_stats(order_report(report))
+    say(log, f"dry run: {len(rows)} prompt(s) rendered and tokenized ({errors} with errors), written to {outputs.dir / 'prompts.jsonl'}")
+    return RunResult(outputs.dir, "dry_run")
 
 
-SPEC_FIELDS = ("prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms", "prefill_tok_per_sec", "decode_tok_per_sec")
+def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report: dict, stream: TextIO | None, log: TextIO | None) -> RunResult:
+    cfg = pipeline.cfg
+    report["stop_token_ids"] = sorted(pipeline.stop_ids)
+    prepare_start = time.perf_counter()
+    pending = [s for s in samples if s.key not in done]
+    if done:
+        say(log, f"resuming: {len(samples) - len(pending)} row(s) already written, {len(pending)} to go")
+    prepared = pipeline.prepare(pending)
+    finish_reasons: dict[str, int] = {}
+    generations: list[dict] = []
+    batches = []
+
+    def record(row: dict) -> None:
+        outputs.append_generation(row)
+        generations.append(row)
+        finish_reasons[row["finish_reason"]] = finish_reasons.get(row["finish_reason"], 0) + 1
+
+    for failed in (p for p in prepared if p.error):
+        record(make_error_row(failed))
+    runnable = [p for p in prepared if not p.error]
+    streaming = len(samples) == 1 and stream is not None
+    progress = Progress(len(runnable), "off" if streaming else cfg.runner.progress, log)
+    try:
+        for start in range(0, len(runnable), cfg.runner.batch_size):
+            batch = runnable[start : start + cfg.runner.batch_size]
+            state = run_batch(pipeline, batch, record, progress, stream if streaming else None)
+            batches.append(measure_batch(state))
+            report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())
+    finally:
+        progress.close()
+    stats = make_generation_stats(batches, prepare_start, finish_reasons)
+    report.update(stats.to_dict())
+    errors = [row for row in generations if row["finish_reason"] == "error"]
+    if errors and len(errors) == len(generations):  # nothing ran: the job itself failed
+        raise MlxcelError(f"{errors[0]['error']}" if len(errors) == 1 else f"all {len(errors)} rows failed; the first: {errors[0]['error']}")
+    report["status"] = "completed"
+    outputs.write_stats(order_report(report))
+    if errors:
+        say(log, f"{len(errors)} of {len(generations)} rows failed (finish_reason \"error\" in generations.jsonl)")
+    if log is not None:
+        print(format_stats_table(stats) + f"\nrun folder: {outputs.dir}", file=log, flush=True)
+    return RunResult(outputs.dir, "completed", generations, stats)
+
+
+def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress: Progress, stream: TextIO | None):
+    detokenizers = [StreamingDetokenizer(pipeline.tokenizer) for _ in batch]
+
+    def on_token(row: int, token: int) -> bool:
+        text = detokenizers[row].add_token(token)
+        if stream is not None and text:
+            stream.write(text)
+            stream.flush()
+        return True
+
+    def on_row_done(row: int, result: RowResult) -> None:
+        tail = detokenizers[row].finalize()
+        if stream is not None:
+            stream.write(tail + "\n")
+            stream.flush()
+        record(make_generation_row(batch[row], result, detokenizers[row].text + tail))
+        progress.update(rows=1, tokens=len(result.token_ids))
+
+    return pipeline.generate(batch, on_token, on_row_done)
+
+
+def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) -> dict:
+    sample, prompt = prepared.sample, prepared.prompt
+    return {
+        "id": sample.row.id,
+        "sample": sample.index,
+        "messages": sample.row.messages,
+        "prompt": prompt.text,
+        "text": text,
+        "token_ids": result.token_ids,
+        "prompt_token_ids": prompt.token_ids,
+        "history_tokens": prompt.history_tokens,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "generated_tokens": len(result.token_ids),
+    }
+
+
+def make_error_row(prepared: PreparedSample) -> dict:
+    sample = prepared.sample
+    return {
+        "id": sample.row.id,
+        "sample": sample.index,
+        "messages": sample.row.messages,
+        "text": "",
+        "token_ids": [],
+        "finish_reason": "error",
+        "error": prepared.error,
+    }
 
 
 def order_report(report: dict) -> dict:
     """status and the six SPEC fields first, so stats.json reads top-down."""
     head = ["status", *SPEC_FIELDS, "ttft_ms", "peak_memory_gb"]
     return {**{k: report[k] for k in head if k in report}, **{k: v for k, v in report.items() if k not in head}}
-
-
-def format_summary(stats: GenerationStats, out_dir: Path) -> str:
-    return (
-        f"prompt {stats.prompt_tokens} tok, prefill {stats.prefill_time_ms:.0f} ms ({stats.prefill_tok_per_sec:.1f} tok/s) | "
-        f"generated {stats.generated_tokens} tok, decode {stats.decode_tok_per_sec:.1f} tok/s | ttft {stats.ttft_ms:.0f} ms | "
-        f"peak {stats.peak_memory_gb:.2f} GB\nrun folder: {out_dir}"
-    )
-
-
-def say(log: TextIO | None, message: str) -> None:
-    if log is not None:
-        print(f"mlxcel: {message}", file=log, flush=True)

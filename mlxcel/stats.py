@@ -3,7 +3,8 @@
 Definitions: token counts are sums over rows (a stop id is not counted); prefill time runs
 from the first prefill piece until the first token is on the host; decode throughput is
 generated tokens after each row's first over the time after the first token (mlx-lm's
-`generation_tps`).
+`generation_tps`). A job of several batches sums tokens and times over its batches; its
+`ttft_ms` is the first batch's, from the start of prompt preparation.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ from mlxcel.engine import BatchState
 
 
 @dataclass
+class BatchStats:
+    rows: int
+    prompt_tokens: int
+    generated_tokens: int
+    tokens_after_first: int
+    prefill_time_ms: float
+    decode_time_ms: float
+    prefill_pieces: list[dict]
+    first_token_at: float  # perf_counter when the first token reached the host
+
+
+@dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -28,34 +41,69 @@ class GenerationStats:
     decode_tok_per_sec: float = 0.0
     ttft_ms: float = 0.0  # from the start of prompt preparation to the first token on the host
     peak_memory_gb: float = 0.0
-    prefill_pieces: list[dict] = field(default_factory=list)
+    rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def make_generation_stats(state: BatchState, prepare_start: float) -> GenerationStats:
+def measure_batch(state: BatchState) -> BatchStats:
     timings, results = state.timings, state.results
     first, end = timings.first_token or timings.start, timings.end or timings.start
-    prompt_tokens = sum(r.prompt_tokens for r in results)
-    generated = sum(len(r.token_ids) for r in results)
-    after_first = sum(max(0, len(r.token_ids) - 1) for r in results)
-    prefill_s, decode_s = first - timings.start, end - first
-    reasons: dict[str, int] = {}
-    for r in results:
-        reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+    return BatchStats(
+        rows=len(results),
+        prompt_tokens=sum(r.prompt_tokens for r in results),
+        generated_tokens=sum(len(r.token_ids) for r in results),
+        tokens_after_first=sum(max(0, len(r.token_ids) - 1) for r in results),
+        prefill_time_ms=(first - timings.start) * 1000,
+        decode_time_ms=(end - first) * 1000,
+        prefill_pieces=list(timings.prefill_pieces),
+        first_token_at=first,
+    )
+
+
+def make_generation_stats(batches: list[BatchStats], prepare_start: float, finish_reasons: dict[str, int]) -> GenerationStats:
+    prefill_ms = sum(b.prefill_time_ms for b in batches)
+    decode_ms = sum(b.decode_time_ms for b in batches)
+    prompt_tokens = sum(b.prompt_tokens for b in batches)
+    after_first = sum(b.tokens_after_first for b in batches)
     return GenerationStats(
         prompt_tokens=prompt_tokens,
-        generated_tokens=generated,
-        prefill_time_ms=round(prefill_s * 1000, 3),
-        decode_time_ms=round(decode_s * 1000, 3),
-        prefill_tok_per_sec=round(prompt_tokens / prefill_s, 3) if prefill_s > 0 else 0.0,
-        decode_tok_per_sec=round(after_first / decode_s, 3) if decode_s > 0 and after_first else 0.0,
-        ttft_ms=round((first - prepare_start) * 1000, 3),
+        generated_tokens=sum(b.generated_tokens for b in batches),
+        prefill_time_ms=round(prefill_ms, 3),
+        decode_time_ms=round(decode_ms, 3),
+        prefill_tok_per_sec=round(prompt_tokens / prefill_ms * 1000, 3) if prefill_ms > 0 else 0.0,
+        decode_tok_per_sec=round(after_first / decode_ms * 1000, 3) if decode_ms > 0 and after_first else 0.0,
+        ttft_ms=round((batches[0].first_token_at - prepare_start) * 1000, 3) if batches else 0.0,
         peak_memory_gb=round(mx.get_peak_memory() / 1e9, 4),
-        prefill_pieces=list(timings.prefill_pieces),
-        finish_reasons=reasons,
+        rows=sum(finish_reasons.values()),
+        finish_reasons=dict(finish_reasons),
+        batches=[
+            {
+                "rows": b.rows,
+                "prompt_tokens": b.prompt_tokens,
+                "generated_tokens": b.generated_tokens,
+                "prefill_time_ms": round(b.prefill_time_ms, 3),
+                "decode_time_ms": round(b.decode_time_ms, 3),
+                "prefill_pieces": b.prefill_pieces,
+            }
+            for b in batches
+        ],
+    )
+
+
+def format_stats_table(stats: GenerationStats) -> str:
+    """The short table a run ends with."""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.finish_reasons.items()))
+    return "\n".join(
+        [
+            f"{'':9}{'tokens':>8}{'time':>12}{'tok/s':>10}",
+            f"{'prefill':9}{stats.prompt_tokens:>8}{stats.prefill_time_ms:>9.0f} ms{stats.prefill_tok_per_sec:>10.1f}",
+            f"{'decode':9}{stats.generated_tokens:>8}{stats.decode_time_ms:>9.0f} ms{stats.decode_tok_per_sec:>10.1f}",
+            f"ttft {stats.ttft_ms:.0f} ms | peak {stats.peak_memory_gb:.2f} GB | rows {stats.rows} ({reasons})",
+        ]
     )
 
 

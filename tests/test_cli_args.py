@@ -27,7 +27,7 @@ STUB = """
 import json, sys, types
 import mlxcel
 stub = types.ModuleType("mlxcel.runner")
-def run(cfg, out_dir):
+def run(cfg, out_dir, overrides=None):
     print(json.dumps({"text": cfg.prompt.text, "system": cfg.prompt.system, "template": cfg.template.text, "out_dir": str(out_dir)}))
     return {"ok": True}
 stub.run = run
@@ -111,8 +111,9 @@ def stub_runner(monkeypatch, tmp_path):
     calls: list[tuple] = []
     effect: dict = {}
 
-    def run(cfg, out_dir):
+    def run(cfg, out_dir, overrides=None):
         calls.append((cfg, out_dir))
+        effect["overrides"] = overrides
         if "raise" in effect:
             raise effect["raise"]
         return {"ok": True}

@@ -141,7 +141,7 @@ def test_bad_prompts(tmp_path, tiny_llama):
     assert_one_line_error(run_cli(tmp_path, f"model.path={tiny_llama}", "prompt.text= "), 2, "prompt.text")
     long_text = "hello world " * 200
     result = run_cli(tmp_path, f"model.path={tiny_llama}", f"prompt.text={long_text}", "model.max_context=64")
-    assert_one_line_error(result, 2, "context of 64")
+    assert_one_line_error(result, 1, "context of 64")
     assert json.loads((tmp_path / "run" / "stats.json").read_text())["status"] == "failed"
 
 

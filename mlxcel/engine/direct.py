@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from mlxcel.engine.engine import BatchState, Engine, OnToken
+from mlxcel.engine.engine import BatchState, Engine, OnRowDone, OnToken
 from mlxcel.engine.request import GenerationRequest
 
 
@@ -17,19 +17,22 @@ class DirectEngine:
         self.engine = Engine(model, max_context)
         self.pipeline = pipeline and not is_force_sync()
 
-    def generate(self, request: GenerationRequest, on_token: OnToken = lambda row, token: True) -> BatchState:
-        """Generate every row; `on_token(row, token)` streams each token as it reaches the host.
+    def generate(
+        self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None
+    ) -> BatchState:
+        """Generate every row; `on_token(row, token)` streams each token as it reaches the host,
+        `on_row_done(row, result)` reports each row the moment it finishes.
 
         Pipelined: step t+1's forward pass is queued before step t's token is read, so the
         host's bookkeeping and the callback overlap the device's work."""
         engine = self.engine
         state = engine.start(request)
         if not self.pipeline:
-            while engine.step(state, on_token):
+            while engine.step(state, on_token, on_row_done):
                 pass
             return state
         while True:
             if engine.can_submit(state):
                 engine.submit(state)
-            if not engine.finish_rows(state, on_token):
+            if not engine.finish_rows(state, on_token, on_row_done):
                 return state

@@ -20,6 +20,7 @@ from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import RowKey
 
 OnToken = Callable[[int, int], "bool | None"]  # (row index, token id) -> False to stop that row
+OnRowDone = Callable[[int, RowResult], None]  # (row index, its finished result)
 
 
 class PromptTooLongError(MlxcelError):
@@ -78,7 +79,7 @@ class Engine:
             cache=cache,
             plan=plan,
             results=[RowResult(prompt_tokens=len(r.prompt_ids)) for r in rows],
-            row_keys=[RowKey(r.row_id, r.sample_index) for r in rows],
+            row_keys=[RowKey(r.row_id, r.sample_index, r.seed) for r in rows],
             timings=timings,
             max_tokens=[r.max_tokens or request.max_tokens for r in rows],
         )
@@ -121,13 +122,23 @@ class Engine:
         logits = self.model(state.next_input[:, None], state.cache)
         self._queue_tokens(state, logits[:, -1, :])
 
-    def finish_rows(self, state: BatchState, on_token: OnToken) -> bool:
+    def finish_rows(self, state: BatchState, on_token: OnToken, on_row_done: OnRowDone | None = None) -> bool:
         """Materialise the oldest queued step (the one sync point), apply stop rules, stream
-        tokens. Returns whether any row is still generating."""
+        tokens, report rows that finished. Returns whether any row is still generating."""
+        active = state.active_rows
         if not state.inflight:
             self._finish_all(state, "length")  # the context is full
-            return False
-        tokens = state.inflight.popleft().tolist()
+        else:
+            self._apply_step(state, state.inflight.popleft().tolist(), on_token)
+            if state.active_rows and not state.inflight and not self.can_submit(state):
+                self._finish_all(state, "length")
+        if on_row_done is not None:
+            for i in active:
+                if state.results[i].finish_reason is not None:
+                    on_row_done(i, state.results[i])
+        return bool(state.active_rows)
+
+    def _apply_step(self, state: BatchState, tokens: list[int], on_token: OnToken) -> None:
         if state.timings.first_token is None:
             state.timings.first_token = time.perf_counter()
             mx.clear_cache()  # hand prefill's intermediate buffers back before decoding
@@ -143,13 +154,10 @@ class Engine:
             elif len(result.token_ids) >= state.max_tokens[i]:
                 result.finish_reason = "length"
         state.timings.end = time.perf_counter()
-        if state.active_rows and not state.inflight and not self.can_submit(state):
-            self._finish_all(state, "length")
-        return bool(state.active_rows)
 
-    def step(self, state: BatchState, on_token: OnToken) -> bool:
+    def step(self, state: BatchState, on_token: OnToken, on_row_done: OnRowDone | None = None) -> bool:
         """The synchronous form: finish the current step, then compute the next one fully."""
-        if not self.finish_rows(state, on_token):
+        if not self.finish_rows(state, on_token, on_row_done):
             return False
         if self.can_submit(state):
             self.submit(state)

@@ -16,6 +16,7 @@ class RowRequest:
     sample_index: int = 0
     history_tokens: int = 0  # tokens of the chat without the generation prompt (PrefillPlan rule 2)
     max_tokens: int | None = None  # None: the request's max_tokens
+    seed: int | None = None  # None: the sampler's seed
 
 
 @dataclass

@@ -24,6 +24,7 @@ class RowKey:
 
     row_id: object
     sample_index: int = 0
+    seed: int | None = None  # a per-row seed (JSONL `seed`) replaces the sampler's
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class Sampler:
     def is_greedy(self) -> bool:
         return self.draw == "greedy"
 
+    def row_seed(self, row: RowKey, position: int) -> int:
+        seed = self.seed if row.seed is None else row.seed
+        return derive_row_seed(seed, row.row_id, row.sample_index, position)
+
     def __call__(self, logits: mx.array, rows: list[RowKey], positions: list[int]) -> mx.array:
         """logits [B, V] -> token ids [B] (lazy)."""
         if self.is_greedy:
@@ -43,7 +48,7 @@ class Sampler:
         scaled = logits.astype(mx.float32) * (1.0 / self.temperature)
         noise = mx.stack(
             [
-                mx.random.gumbel(shape=(logits.shape[-1],), key=mx.random.key(derive_row_seed(self.seed, r.row_id, r.sample_index, pos)))
+                mx.random.gumbel(shape=(logits.shape[-1],), key=mx.random.key(self.row_seed(r, pos)))
                 for r, pos in zip(rows, positions)
             ]
         )

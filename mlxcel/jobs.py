@@ -1,0 +1,97 @@
+"""Batch job inputs: the rows of prompt.file (JSONL) or prompt.rows, checked all at once.
+
+Every bad line is reported with its line number, in one ConfigError; ids default to the line
+(item) number, from 1, and must be unique. A row with `n` > 1 becomes n samples.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from mlxcel.config import PromptConfig, PromptRow, format_errors
+from mlxcel.errors import ConfigError, ConfigIssue
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str | int
+    messages: list[dict]
+    max_tokens: int | None = None
+    seed: int | None = None
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generation to run: a row and which of its n samples."""
+
+    row: JobRow
+    index: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (str(self.row.id), self.index)
+
+
+def load_job_rows(prompt: PromptConfig) -> list[JobRow]:
+    if prompt.file is not None:
+        return check_rows(read_jsonl_rows(Path(prompt.file)), prompt, f"prompt.file={prompt.file}")
+    if prompt.rows is not None:
+        items = [(index, row.model_dump(exclude_unset=True)) for index, row in enumerate(prompt.rows, start=1)]
+        return check_rows(items, prompt, "prompt.rows")
+    return [JobRow(id=1, messages=prompt.to_messages())]
+
+
+def read_jsonl_rows(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed object) for every non-blank line; bad JSON is collected, not raised."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(ConfigIssue("prompt.file", f"cannot read: {exc}", str(path))) from exc
+    items, issues = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append((number, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            issues.append(ConfigIssue(f"prompt.file line {number}", f"not valid JSON ({exc.msg} at column {exc.colno})", line[:80]))
+    if issues:
+        raise ConfigError(issues, hint=f"fix: correct those lines of {path}")
+    if not items:
+        raise ConfigError(ConfigIssue("prompt.file", "has no rows (every line is blank)", str(path)))
+    return items
+
+
+def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: str) -> list[JobRow]:
+    label = "line" if source.startswith("prompt.file") else "item"
+    rows, issues, seen = [], [], {}
+    for number, data in items:
+        where = f"{source.split('=')[0]} {label} {number}"
+        if not isinstance(data, dict):
+            issues.append(ConfigIssue(where, "must be a JSON object with 'prompt' or 'messages'", data))
+            continue
+        try:
+            row = PromptRow.model_validate(data)
+        except ValidationError as err:
+            for issue in format_errors(PromptRow, err.errors()):
+                issues.append(ConfigIssue(f"{where}: {issue.path}", issue.message, issue.value, issue.has_value))
+            continue
+        row_id = row.id if row.id is not None else number
+        if str(row_id) in seen:
+            issues.append(ConfigIssue(where, f"duplicate id (first used at {label} {seen[str(row_id)]})", row_id))
+            continue
+        seen[str(row_id)] = number
+        messages = [m.model_dump() for m in row.messages] if row.messages else [{"role": "user", "content": row.prompt}]
+        rows.append(JobRow(row_id, prompt.with_system(messages), row.max_tokens, row.seed, row.n))
+    if issues:
+        raise ConfigError(issues, hint=f"fix: correct those rows of {source}")
+    return rows
+
+
+def expand_samples(rows: list[JobRow]) -> list[Sample]:
+    return [Sample(row, index) for row in rows for index in range(row.n)]

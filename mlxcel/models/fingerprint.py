@@ -1,0 +1,67 @@
+"""What a run needs to say about its model without loading it: the context length and family
+capabilities (for dry runs), and the files' sizes plus a hash of the config and weights index
+(for reproducibility records)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxcel.errors import MlxcelError
+
+
+@dataclass
+class ModelHeader:
+    path: Path
+    arch: str
+    max_context: int
+    files: dict[str, int] = field(default_factory=dict)  # name -> bytes
+    fingerprint: str = ""  # sha256 of the config and the weights index (names, shapes, dtypes)
+
+
+def read_model_header(path: Path) -> ModelHeader:
+    if path.is_file() and path.suffix == ".gguf":
+        return read_gguf_header(path)
+    return read_hf_header(path)
+
+
+def read_hf_header(folder: Path) -> ModelHeader:
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise MlxcelError(f"{folder}: no config.json (expected an HF model folder)")
+    config = json.loads(config_path.read_text())
+    digest = hashlib.sha256(config_path.read_bytes())
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        digest.update(index.read_bytes())
+    for weights in sorted(folder.glob("*.safetensors")):
+        digest.update(read_safetensors_header(weights))
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    return ModelHeader(folder, config.get("model_type", "?"), config.get("max_position_embeddings", 4096), files, digest.hexdigest())
+
+
+def read_safetensors_header(path: Path) -> bytes:
+    """The JSON header (tensor names, dtypes, shapes, offsets): the weights index of one file."""
+    with open(path, "rb") as f:
+        size_bytes = f.read(8)
+        if len(size_bytes) < 8:
+            raise MlxcelError(f"cannot read {path}: file too short for a safetensors header (is the file complete?)")
+        return f.read(struct.unpack("<Q", size_bytes)[0])
+
+
+def read_gguf_header(path: Path) -> ModelHeader:
+    from mlxcel.models.gguf import load_gguf, make_config_from_gguf
+
+    weights, metadata = load_gguf(path)  # MLX maps tensors lazily: nothing is computed here
+    _, config = make_config_from_gguf(metadata, path)
+    digest = hashlib.sha256()
+    for key in sorted(metadata):
+        value = metadata[key]
+        value = value.tolist() if hasattr(value, "tolist") else value
+        digest.update(json.dumps([key, value], default=str).encode())
+    for name in sorted(weights):
+        digest.update(f"{name}:{tuple(weights[name].shape)}:{weights[name].dtype}".encode())
+    return ModelHeader(path, config["model_type"], config["max_position_embeddings"], {path.name: path.stat().st_size}, digest.hexdigest())

@@ -1,0 +1,132 @@
+"""The staged pipeline a run (or a script) drives: model → tokenizer → template → prompts →
+PrefillPlan → engine. `Pipeline.load(cfg)` builds it; `prepare` renders and tokenizes samples
+(a bad one becomes an error row, not a failed job); `generate` runs one batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TextIO
+
+from mlxcel.config import RunConfig
+from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine.engine import OnRowDone, OnToken
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
+from mlxcel.jobs import Sample
+from mlxcel.models.fingerprint import ModelHeader, read_model_header
+from mlxcel.models.loader import LoadedModel, load_model, resolve_model_path
+from mlxcel.prefill_plan import PrefillPlan, plan_prefill
+from mlxcel.sampling import make_sampler
+from mlxcel.template import PromptTokens, build_prompt, load_template_source
+from mlxcel.tokenizer import load_tokenizer
+from mlxcel.tokenizer.base import MlxcelTokenizer
+
+
+@dataclass
+class PreparedSample:
+    sample: Sample
+    prompt: PromptTokens | None = None
+    error: str | None = None  # why this sample cannot run (it is written as an error row)
+
+
+class Pipeline:
+    def __init__(self, cfg: RunConfig, header: ModelHeader, tokenizer: MlxcelTokenizer, loaded: LoadedModel | None):
+        self.cfg = cfg
+        self.header = header
+        self.tokenizer = tokenizer
+        self.loaded = loaded
+        self.template_source = load_template_source(tokenizer, cfg.template.text, cfg.template.file)
+        self.max_context = cfg.model.max_context or (loaded.model.args.max_position_embeddings if loaded else header.max_context)
+        self.sampler = make_sampler(cfg.sampler.effective_chain(), cfg.sampler.seed)
+        self.stop_ids = self._merge_stop_ids() if loaded else set()
+
+    @classmethod
+    def load(cls, cfg: RunConfig, load_weights: bool = True, log: TextIO | None = None) -> Pipeline:
+        path = resolve_model_path(cfg.model.path)
+        header = read_model_header(path)
+        loaded = None
+        if load_weights:
+            say(log, f"loading model {cfg.model.path} ...")
+            loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights)
+            info = loaded.info
+            say(log, f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in {info['load_ms'] / 1000:.1f} s")
+        gguf_metadata = loaded.gguf_metadata if loaded else None
+        tokenizer = load_tokenizer(cfg.tokenizer.path or path, cfg.tokenizer.kind, gguf_metadata=gguf_metadata)
+        return cls(cfg, header, tokenizer, loaded)
+
+    def _merge_stop_ids(self) -> set[int]:
+        """EOS from the model, generation_config.json and the tokenizer, plus decode.stop_token_ids;
+        decode.ignore_eos keeps only the explicit stop ids."""
+        cfg, loaded = self.cfg, self.loaded
+        vocab = loaded.model.args.vocab_size
+        bad = [i for i in cfg.decode.stop_token_ids if not 0 <= i < vocab]
+        if bad:
+            raise ConfigError(ConfigIssue("decode.stop_token_ids", f"ids must be in [0, {vocab}) for this model", bad))
+        stop = set(cfg.decode.stop_token_ids)
+        if not cfg.decode.ignore_eos:
+            eos = loaded.generation_config.get("eos_token_id")
+            stop.update([eos] if isinstance(eos, int) else eos or [])
+            stop.update(loaded.model.eos_token_ids())
+            stop.update(self.tokenizer.eos_token_ids)
+        return stop
+
+    def prepare(self, samples: list[Sample]) -> list[PreparedSample]:
+        """Render and tokenize every sample; one that fails gets its error, the rest go on."""
+        prepared = []
+        for sample in samples:
+            try:
+                prompt = build_prompt(self.tokenizer, sample.row.messages, self.template_source, enabled=self.cfg.template.kind != "none")
+                self.check_length(prompt)
+                prepared.append(PreparedSample(sample, prompt))
+            except MlxcelError as exc:
+                prepared.append(PreparedSample(sample, None, str(exc)))
+        return prepared
+
+    def check_length(self, prompt: PromptTokens) -> None:
+        if not prompt.token_ids:
+            raise MlxcelError("the prompt encodes to no tokens")
+        if len(prompt.token_ids) >= self.max_context:
+            raise MlxcelError(
+                f"prompt of {len(prompt.token_ids)} tokens does not fit the model's context of {self.max_context} "
+                "(shorten it, or raise model.max_context if the model supports more)"
+            )
+
+    def plan(self, prompt: PromptTokens) -> PrefillPlan:
+        """The PrefillPlan this prompt gets when it runs alone."""
+        return plan_prefill(
+            len(prompt.token_ids),
+            chunk_size=self.cfg.prefill.resolved_chunk_size(),
+            history_boundary=prompt.history_tokens,
+            tile_size=self.cfg.prefill.tile_size,
+        )
+
+    def generate(self, batch: list[PreparedSample], on_token: OnToken | None = None, on_row_done: OnRowDone | None = None) -> BatchState:
+        if self.loaded is None:
+            raise MlxcelError("this pipeline was loaded without weights (dry run): it cannot generate")
+        cfg = self.cfg
+        rows = [
+            RowRequest(
+                p.prompt.token_ids,
+                row_id=p.sample.row.id,
+                sample_index=p.sample.index,
+                history_tokens=p.prompt.history_tokens,
+                max_tokens=p.sample.row.max_tokens,
+                seed=p.sample.row.seed,
+            )
+            for p in batch
+        ]
+        request = GenerationRequest(
+            rows=rows,
+            sampler=self.sampler,
+            max_tokens=cfg.decode.max_tokens,
+            stop_token_ids=frozenset(self.stop_ids),
+            chunk_size=cfg.prefill.resolved_chunk_size(),
+            tile_size=cfg.prefill.tile_size,
+            pad_token_id=self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else 0,
+        )
+        engine = DirectEngine(self.loaded.model, self.max_context, pipeline=cfg.decode.use_pipeline())
+        return engine.generate(request, on_token or (lambda row, token: True), on_row_done)
+
+
+def say(log: TextIO | None, message: str) -> None:
+    if log is not None:
+        print(f"mlxcel: {message}", file=log, flush=True)

@@ -1,0 +1,126 @@
+"""Batch jobs through the CLI on a tiny model: JSONL rows, error rows, resume, dry run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.test_cli_run import assert_one_line_error, run_cli
+
+ROWS = [
+    {"id": "capital", "prompt": "What is the capital of France?"},
+    {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]},
+    {"prompt": "Numbers 0123456789 and symbols", "max_tokens": 3},
+    {"id": "many", "prompt": "def add(a, b):", "n": 2},
+    {"id": "too_long", "prompt": "hello world " * 300},
+    {"id": "seeded", "prompt": "The capital of Italy", "seed": 5},
+]
+
+
+def write_rows(path: Path, rows: list[dict], extra_lines: tuple[str, ...] = ()) -> Path:
+    path.write_text("\n".join([json.dumps(r) for r in rows] + list(extra_lines)) + "\n")
+    return path
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+
+
+def by_key(rows: list[dict]) -> dict:
+    return {(str(r["id"]), r["sample"]): r for r in rows}
+
+
+def job_args(model: Path, rows_file: Path, *extra: str) -> tuple[str, ...]:
+    return (f"model.path={model}", "prompt=jsonl", f"prompt.file={rows_file}", "model.max_context=256",
+            "decode.max_tokens=6", "decode.ignore_eos=true", *extra)
+
+
+def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llama):
+    rows_file = write_rows(tmp_path / "rows.jsonl", ROWS)
+    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.batch_size=2"))
+    assert result.returncode == 0, result.stderr
+    rows = by_key(read_rows(tmp_path / "run"))
+    assert set(rows) == {("capital", 0), ("chat", 0), ("3", 0), ("many", 0), ("many", 1), ("too_long", 0), ("seeded", 0)}
+    assert rows[("too_long", 0)]["finish_reason"] == "error" and "context of 256" in rows[("too_long", 0)]["error"]
+    assert len(rows[("3", 0)]["token_ids"]) == 3 and rows[("3", 0)]["finish_reason"] == "length"
+    assert rows[("chat", 0)]["messages"][0] == {"role": "system", "content": "Be brief."}
+    stats = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert stats["status"] == "completed"
+    assert stats["finish_reasons"] == {"error": 1, "length": 6} and stats["rows"] == 7
+    assert [b["rows"] for b in stats["batches"]] == [2, 2, 2]
+    assert stats["generated_tokens"] == sum(len(r["token_ids"]) for r in rows.values())
+    assert "1 of 7 rows failed" in result.stderr
+    assert "6/6 rows" in result.stderr  # plain progress lines when stderr is not a terminal
+
+
+def test_rows_are_the_same_alone_in_batches_and_across_reruns(tmp_path, tiny_llama):
+    rows_file = write_rows(tmp_path / "rows.jsonl", [r for r in ROWS if r.get("id") != "too_long"])
+    for run, batch in (("b1", 1), ("b4", 4), ("b4again", 4)):
+        result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, f"runner.batch_size={batch}", "sampler=temperature"), run=run)
+        assert result.returncode == 0, result.stderr
+    alone, batched, again = (by_key(read_rows(tmp_path / run)) for run in ("b1", "b4", "b4again"))
+    assert {k: r["token_ids"] for k, r in alone.items()} == {k: r["token_ids"] for k, r in batched.items()}
+    assert [r["token_ids"] for r in read_rows(tmp_path / "b4")] == [r["token_ids"] for r in read_rows(tmp_path / "b4again")]
+    assert batched[("many", 0)]["token_ids"] != batched[("many", 1)]["token_ids"]  # samples draw differently
+
+
+def test_row_seed_replaces_the_sampler_seed(tmp_path, tiny_llama):
+    seeded = write_rows(tmp_path / "a.jsonl", [{"id": "s", "prompt": "The capital of Italy", "seed": 5}])
+    plain = write_rows(tmp_path / "b.jsonl", [{"id": "s", "prompt": "The capital of Italy"}])
+    assert run_cli(tmp_path, *job_args(tiny_llama, seeded, "sampler=temperature"), run="a").returncode == 0
+    assert run_cli(tmp_path, *job_args(tiny_llama, plain, "sampler=temperature", "sampler.seed=5"), run="b").returncode == 0
+    assert read_rows(tmp_path / "a")[0]["token_ids"] == read_rows(tmp_path / "b")[0]["token_ids"]
+
+
+def test_resume_skips_written_rows_and_appends_the_rest(tmp_path, tiny_llama):
+    rows_file = write_rows(tmp_path / "rows.jsonl", [r for r in ROWS if r.get("id") != "too_long"])
+    assert run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="full").returncode == 0
+    full = read_rows(tmp_path / "full")
+    # a crash after two rows, mid-way through writing the third
+    crashed = tmp_path / "crashed"
+    assert run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="crashed").returncode == 0
+    lines = (crashed / "generations.jsonl").read_text().splitlines()
+    (crashed / "generations.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])
+    fresh = run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="crashed")
+    assert_one_line_error(fresh, 2, "runner.resume=true")
+    resumed = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true", "runner.batch_size=3"), run="crashed")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "2 row(s) already written, 4 to go" in resumed.stderr
+    rows = [json.loads(line) for line in (crashed / "generations.jsonl").read_text().splitlines()]
+    assert sorted(by_key(rows)) == sorted(by_key(full)) and len(rows) == len(full)  # none lost, none twice
+    assert {k: r["token_ids"] for k, r in by_key(rows).items()} == {k: r["token_ids"] for k, r in by_key(full).items()}
+
+
+def test_resume_with_a_different_config_says_what_differs(tmp_path, tiny_llama):
+    rows_file = write_rows(tmp_path / "rows.jsonl", ROWS[:2])
+    assert run_cli(tmp_path, *job_args(tiny_llama, rows_file)).returncode == 0
+    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true", "decode.max_tokens=9"))
+    assert_one_line_error(result, 2, "decode.max_tokens: differs from the run being resumed (was 6) (got 9)")
+    missing = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true"), run="nowhere")
+    assert_one_line_error(missing, 2, "not a run folder to resume")
+
+
+def test_bad_jsonl_lines_are_reported_with_line_numbers(tmp_path, tiny_llama):
+    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": "a", "prompt": "x"}], ("not json", '{"id": "a", "prompt": "y"}', '{"text": "z"}'))
+    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file))
+    assert_one_line_error(result, 2, "prompt.file line 2: not valid JSON")
+    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": "a", "prompt": "x"}], ('{"id": "a", "prompt": "y"}', '{"text": "z"}'))
+    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="second")
+    assert_one_line_error(result, 2, "prompt.file line 2: duplicate id (first used at line 1) (got 'a')",
+                          "prompt.file line 3: text: unknown key")
+
+
+def test_inline_rows_and_dry_run(tmp_path, tiny_llama):
+    rows = "prompt.rows=[{id: a, prompt: 'Hello, world'}, {messages: [{role: user, content: hi}], n: 2}]"
+    result = run_cli(tmp_path, f"model.path={tiny_llama}", "prompt.text=null", rows, "runner.dry_run=true", "prefill.chunk_size=4")
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "run"
+    prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    assert [(p["id"], p["sample"]) for p in prompts] == [("a", 0), (2, 0), (2, 1)]
+    first = prompts[0]
+    assert first["prompt_text"].startswith("<|im_start|>user\nHello, world<|im_end|>")
+    assert first["prefill_pieces"][0] == {"start": 0, "end": first["history_tokens"], "pad": 0}
+    assert first["prefill_pieces"][-1]["end"] == len(first["prompt_token_ids"])
+    stats = json.loads((run_dir / "stats.json").read_text())
+    assert stats["status"] == "dry_run" and "params" not in stats["model"]  # no weights were loaded
+    assert not (run_dir / "generations.jsonl").exists()

@@ -154,7 +154,7 @@ def run_job(cfg: Any) -> Any:
         raise
     from mlxcel import runner  # lazy: loads MLX and the model code only for a valid config
 
-    return runner.run(run_cfg, out_dir=out_dir)
+    return runner.run(run_cfg, out_dir=out_dir, overrides=list(HydraConfig.get().overrides.task))
 
 
 def read_job_config(cfg: Any) -> dict:
@@ -170,6 +170,27 @@ def read_job_config(cfg: Any) -> dict:
                 for key in cfg if key != "hydra"}
     except MissingMandatoryValue as ex:
         raise ConfigError(ConfigIssue(ex.full_key, f"required: this preset has no default; set {ex.full_key}=...", has_value=False)) from ex
+
+
+def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
+    """Compose conf/ as mlxcel-run does, for the Python API: the defaults, CLI-style overrides,
+    then `extra` (a partial config dict) merged on top. Hydra's errors become a ConfigError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mlxcel.errors import ConfigError, ConfigIssue
+
+    register_resolvers()
+    try:
+        with initialize_config_dir(config_dir=str(find_conf_dir()), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=quote_free_text(list(overrides)))
+        OmegaConf.set_struct(cfg, False)  # unknown keys in `extra` are reported by validation, by name
+        cfg = OmegaConf.merge(cfg, extra or {})
+    except (HydraException, OmegaConfBaseException) as ex:
+        raise ConfigError(ConfigIssue("overrides", describe_hydra_error(ex), has_value=False)) from ex
+    return read_job_config(cfg)
 
 
 def describe_hydra_error(ex: BaseException) -> str:

@@ -5,7 +5,7 @@ PrefillPlan → engine. `Pipeline.load(cfg)` builds it; `prepare` renders and to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Iterator, TextIO
 
 from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
@@ -100,8 +100,19 @@ class Pipeline:
         )
 
     def generate(self, batch: list[PreparedSample], on_token: OnToken | None = None, on_row_done: OnRowDone | None = None) -> BatchState:
+        """Run one batch to the end."""
+        return self.make_engine().generate(self.make_request(batch), on_token or (lambda row, token: True), on_row_done)
+
+    def steps(self, batch: list[PreparedSample], on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[BatchState]:
+        """Run one batch, yielding after every decode step (for streaming APIs)."""
+        return self.make_engine().steps(self.make_request(batch), on_token, on_row_done)
+
+    def make_engine(self) -> DirectEngine:
         if self.loaded is None:
             raise MlxcelError("this pipeline was loaded without weights (dry run): it cannot generate")
+        return DirectEngine(self.loaded.model, self.max_context, pipeline=self.cfg.decode.use_pipeline())
+
+    def make_request(self, batch: list[PreparedSample]) -> GenerationRequest:
         cfg = self.cfg
         rows = [
             RowRequest(
@@ -114,7 +125,7 @@ class Pipeline:
             )
             for p in batch
         ]
-        request = GenerationRequest(
+        return GenerationRequest(
             rows=rows,
             sampler=self.sampler,
             max_tokens=cfg.decode.max_tokens,
@@ -123,8 +134,6 @@ class Pipeline:
             tile_size=cfg.prefill.tile_size,
             pad_token_id=self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else 0,
         )
-        engine = DirectEngine(self.loaded.model, self.max_context, pipeline=cfg.decode.use_pipeline())
-        return engine.generate(request, on_token or (lambda row, token: True), on_row_done)
 
 
 def say(log: TextIO | None, message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
 from mlxcel.engine.engine import BatchState, Engine, OnRowDone, OnToken
 from mlxcel.engine.request import GenerationRequest
@@ -21,18 +22,27 @@ class DirectEngine:
         self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None
     ) -> BatchState:
         """Generate every row; `on_token(row, token)` streams each token as it reaches the host,
-        `on_row_done(row, result)` reports each row the moment it finishes.
+        `on_row_done(row, result)` reports each row the moment it finishes."""
+        state = None
+        for state in self.steps(request, on_token, on_row_done):
+            pass
+        return state
+
+    def steps(self, request: GenerationRequest, on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[BatchState]:
+        """The decode loop as a generator: yields after each step's tokens reached the host
+        (stopping the iteration early abandons the request).
 
         Pipelined: step t+1's forward pass is queued before step t's token is read, so the
         host's bookkeeping and the callback overlap the device's work."""
         engine = self.engine
         state = engine.start(request)
-        if not self.pipeline:
-            while engine.step(state, on_token, on_row_done):
-                pass
-            return state
         while True:
-            if engine.can_submit(state):
-                engine.submit(state)
-            if not engine.finish_rows(state, on_token, on_row_done):
-                return state
+            if self.pipeline:
+                if engine.can_submit(state):
+                    engine.submit(state)
+                alive = engine.finish_rows(state, on_token, on_row_done)
+            else:
+                alive = engine.step(state, on_token, on_row_done)
+            yield state
+            if not alive:
+                return

@@ -1,0 +1,122 @@
+"""The Python API: the runner's pipeline for scripts and notebooks.
+
+    from mlxcel import load_generator
+    gen = load_generator(overrides=["decode.max_tokens=64"])        # CLI-style overrides
+    gen = load_generator({"model": {"path": "/models/qwen2.5"}})     # or a (partial) config dict
+    out = gen.generate("What is the capital of France?")             # -> Generation
+    outs = gen.generate(["Hi", [{"role": "user", "content": "Yo"}]]) # a batch -> [Generation]
+    for text in gen.stream("Tell me a story"):                      # text as it is generated
+        print(text, end="")
+    gen.stats                                                        # GenerationStats of the last call
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+from mlxcel.config import RunConfig, validate_config
+from mlxcel.engine import RowResult
+from mlxcel.jobs import JobRow, Sample
+from mlxcel.pipeline import Pipeline, PreparedSample
+from mlxcel.runner import select_device
+from mlxcel.stats import GenerationStats, make_generation_stats, measure_batch
+from mlxcel.tokenizer import StreamingDetokenizer
+
+Prompt = Union[str, list[dict]]  # a user message, or a conversation of {role, content}
+
+
+@dataclass
+class Generation:
+    id: object
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    error: str | None = None
+
+
+def load_config(config: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The CLI's composition (conf/ defaults + overrides), with `config` merged on top, validated."""
+    from mlxcel.cli import compose_config  # the Hydra side stays in cli.py
+
+    return validate_config(compose_config(list(overrides), config or {}))
+
+
+def load_generator(config: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Generator:
+    cfg = load_config(config, overrides)
+    select_device(cfg.runner.device)
+    return Generator(Pipeline.load(cfg))
+
+
+class Generator:
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.stats: GenerationStats | None = None
+
+    def generate(self, prompts: Prompt | list[Prompt], max_tokens: int | None = None, seed: int | None = None) -> Generation | list[Generation]:
+        """One prompt -> one Generation; a list of prompts -> a list, run in batches of runner.batch_size."""
+        single = isinstance(prompts, str) or is_conversation(prompts)
+        batch = [prompts] if single else list(prompts)
+        start = time.perf_counter()
+        prepared = self.prepare(batch, max_tokens, seed)
+        results: dict[int, Generation] = {}
+        measured = []
+        runnable = [(i, p) for i, p in enumerate(prepared) if not p.error]
+        size = self.pipeline.cfg.runner.batch_size
+        for offset in range(0, len(runnable), size):
+            chunk = runnable[offset : offset + size]
+            state = self.pipeline.generate([p for _, p in chunk])
+            measured.append(measure_batch(state))
+            for (index, p), result in zip(chunk, state.results):
+                results[index] = self.make_generation(p, result)
+        for index, p in enumerate(prepared):
+            if p.error:
+                results[index] = Generation(p.sample.row.id, "", [], "error", 0, p.error)
+        outputs = [results[i] for i in range(len(prepared))]
+        self.stats = make_generation_stats(measured, start, count_reasons(outputs))
+        return outputs[0] if single else outputs
+
+    def stream(self, prompt: Prompt, max_tokens: int | None = None, seed: int | None = None) -> Iterator[str]:
+        """Yield text as it is generated (never a broken UTF-8 character); stats after the end."""
+        start = time.perf_counter()
+        (prepared,) = self.prepare([prompt], max_tokens, seed)
+        if prepared.error:
+            from mlxcel.errors import MlxcelError
+
+            raise MlxcelError(prepared.error)
+        detokenizer = StreamingDetokenizer(self.pipeline.tokenizer)
+        pending: list[str] = []
+        state = None
+        for state in self.pipeline.steps([prepared], lambda row, token: pending.append(detokenizer.add_token(token))):
+            if pending:
+                yield "".join(pending)
+                pending.clear()
+        tail = detokenizer.finalize()
+        if tail:
+            yield tail
+        self.stats = make_generation_stats([measure_batch(state)], start, {state.results[0].finish_reason: 1})
+
+    def prepare(self, prompts: list[Prompt], max_tokens: int | None, seed: int | None) -> list[PreparedSample]:
+        cfg = self.pipeline.cfg.prompt
+        rows = []
+        for number, prompt in enumerate(prompts, start=1):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+            rows.append(Sample(JobRow(number, cfg.with_system(messages), max_tokens, seed)))
+        return self.pipeline.prepare(rows)
+
+    def make_generation(self, prepared: PreparedSample, result: RowResult) -> Generation:
+        text = self.pipeline.tokenizer.decode(result.token_ids)
+        return Generation(prepared.sample.row.id, text, result.token_ids, result.finish_reason, result.prompt_tokens)
+
+
+def is_conversation(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def count_reasons(generations: list[Generation]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for g in generations:
+        counts[g.finish_reason] = counts.get(g.finish_reason, 0) + 1
+    return counts

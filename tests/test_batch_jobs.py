@@ -50,6 +50,9 @@ def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llam
     assert [b["rows"] for b in stats["batches"]] == [2, 2, 2]
     assert stats["generated_tokens"] == sum(len(r["token_ids"]) for r in rows.values())
     assert "1 of 7 rows failed" in result.stderr
+    # what makes the run reproducible is recorded with it
+    assert stats["model"]["files"]["model.safetensors"] > 0 and len(stats["model"]["fingerprint_sha256"]) == 64
+    assert "runner.batch_size=2" in stats["overrides"] and {"mlx", "mlxcel", "device"} <= set(stats["environment"])
     assert "6/6 rows" in result.stderr  # plain progress lines when stderr is not a terminal
 
 

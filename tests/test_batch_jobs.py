@@ -127,3 +127,31 @@ def test_inline_rows_and_dry_run(tmp_path, tiny_llama):
     stats = json.loads((run_dir / "stats.json").read_text())
     assert stats["status"] == "dry_run" and "params" not in stats["model"]  # no weights were loaded
     assert not (run_dir / "generations.jsonl").exists()
+
+
+def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_cli_run import REPO
+
+    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": i, "prompt": f"row {i}"} for i in range(6)])
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_llama}", "prompt=jsonl", f"prompt.file={rows_file}", "decode.max_tokens=480",
+            "decode.ignore_eos=true", "runner.batch_size=1", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    generations = run_dir / "generations.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (generations.exists() and generations.read_text().count("\n") >= 1):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    rows = [json.loads(line) for line in generations.read_text().splitlines()]
+    assert 1 <= len(rows) < 6 and all(len(r["token_ids"]) == 480 for r in rows)
+    stats = json.loads((run_dir / "stats.json").read_text())
+    assert stats["status"] == "interrupted" and stats["finish_reasons"]["length"] == len(rows)

@@ -142,8 +142,21 @@ def test_recipe_dry_runs_through_the_cli(name, tmp_path):
     if name == "chunk_sweep":
         ids = [p[0]["prompt_token_ids"] for p in prompts]
         assert len(ids[0]) >= 200 and all(i == ids[0] for i in ids)
+        # every prompt token is chunked (no chat template, so no one-piece history span)
+        pieces = [len(p[0]["prefill_pieces"]) for p in prompts]
+        assert pieces == [-(-len(ids[0]) // 16), -(-len(ids[0]) // 64), 1]
     if name == "batch_jsonl":
         assert {row["id"] for row in prompts[0]} == {"capital", "haiku", "colors", "follow-up", 5, "french"}
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_command_line_sweep_replaces_the_recipes_sweep_of_that_key(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(["recipe=chunk_sweep", "prefill.chunk_size=32,128", "runner.dry_run=true", f"hydra.sweep.dir={sweep_dir}"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
+    assert [row["params"]["prefill.chunk_size"] for row in summary] == [32, 128]
 
 
 @pytest.mark.slow

@@ -38,7 +38,8 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
     sweep = tmp_path / "sweep"
     # chunk_size=0 fails validation: jobs 4 and 5 fail, the other four must still run.
     result = run_cli(
-        ["-m", f"model.path={tiny_llama}", "decode.max_tokens=4", "decode.ignore_eos=true", f"prompt.text={PROMPT}",
+        # template=none: a chat prompt up to its generation prompt is one piece whatever the chunk size
+        ["-m", f"model.path={tiny_llama}", "template=none", "decode.max_tokens=4", "decode.ignore_eos=true", f"prompt.text={PROMPT}",
          "prefill.chunk_size=4,16,0", "sampler.seed=1,2", f"hydra.sweep.dir={sweep}"],
         tmp_path,
     )
@@ -79,6 +80,17 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
     generations = [read_jsonl(Path(r["job_dir"]) / "generations.jsonl") for r in rows[:4]]
     token_ids = [g[0]["token_ids"] for g in generations]
     assert len(token_ids[0]) == 4 and all(ids == token_ids[0] for ids in token_ids)
+    prompt_tokens = rows[0]["prompt_tokens"]
+    pieces = [count_prefill_pieces(json.loads((Path(r["job_dir"]) / "stats.json").read_text())) for r in rows[:4]]
+    assert pieces == [-(-prompt_tokens // 4)] * 2 + [-(-prompt_tokens // 16)] * 2  # the chunk sizes took effect
+
+
+def count_prefill_pieces(stats: dict) -> int:
+    """Prefill pieces of the (one-row) run, wherever stats.json keeps them (per batch, or top level)."""
+    pieces = stats.get("prefill_pieces")
+    if pieces is None:
+        pieces = [piece for batch in stats.get("batches", []) for piece in batch.get("prefill_pieces", [])]
+    return len(pieces)
 
 
 @pytest.mark.slow

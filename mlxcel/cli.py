@@ -47,9 +47,6 @@ def find_conf_dir() -> Path:
 
 
 # ---- recipes: `mlxcel-run recipe=NAME [overrides]` runs recipes/NAME.yaml ----
-RECIPE_CONFIG_PREFIX = "recipe_"  # the recipe's name in Hydra's ConfigStore: recipe_<NAME>
-
-
 def find_recipes_dir() -> Path:
     """recipes/ of a source checkout (plain or editable), else the recipes shipped as mlxcel.recipes."""
     checkout = Path(__file__).resolve().parent.parent
@@ -105,7 +102,7 @@ def use_recipe(args: list[str]) -> list[str]:
         node = OmegaConf.load(path)
     except Exception as ex:  # YAML syntax: one line naming the file
         raise ConfigError(ConfigIssue("recipe", f"cannot read {path}: {first_line(str(ex))}", has_value=False)) from ex
-    name = RECIPE_CONFIG_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)
+    name = "recipe_" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)  # its name in the ConfigStore
     ConfigStore.instance().store(name=name, node=node)
     return ["--config-name", name, *(arg for arg in args if arg != picks[0])]
 
@@ -277,7 +274,7 @@ class SweepFailures:
 
         hydra_cfg = HydraConfig.get()
         self.failed.append(ex)
-        self.sweep_dir = Path(hydra_cfg.sweep.dir).absolute()
+        self.sweep_dir = Path(hydra_cfg.runtime.cwd, hydra_cfg.sweep.dir).absolute()  # relative to the launch dir
         print(f"mlxcel: job {hydra_cfg.job.num} failed ({' '.join(hydra_cfg.overrides.task)}):", file=sys.stderr)
         report_error(ex, debug)
 

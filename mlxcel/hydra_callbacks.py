@@ -8,6 +8,7 @@ A summary problem must never fail a job: it is one warning line on stderr.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             self.swept = read_swept_keys(config)
-            sweep_summary.clear_summary(Path(config.hydra.sweep.dir).absolute())
+            sweep_summary.clear_summary(find_sweep_dir(config))
         except Exception as ex:  # noqa: BLE001 - the sweep must run whatever happens here
             warn(ex)
 
@@ -44,17 +45,25 @@ class SweepSummary(Callback):
 def add_job_row(config: DictConfig, job_return: Any, swept: list[str]) -> None:
     """Append this job's row to summary.jsonl, then rewrite the CSV and the plot."""
     job_dir = Path(config.hydra.runtime.output_dir)
-    sweep_dir = Path(config.hydra.sweep.dir).absolute()
+    sweep_dir = find_sweep_dir(config)
     overrides = [str(o) for o in OmegaConf.to_container(config.hydra.overrides.task, resolve=False)]
     status = getattr(job_return, "status", None)
     job_error = job_return._return_value if status is not None and status.name == "FAILED" else None
     row = sweep_summary.make_summary_row(
         job=int(config.hydra.job.num), overrides=overrides, params=parse_overrides(overrides),
         swept=swept, job_dir=job_dir, stats=sweep_summary.read_job_stats(job_dir), job_error=job_error,
+        job_status=status.name.lower() if status is not None else None,
     )
     sweep_dir.mkdir(parents=True, exist_ok=True)
     sweep_summary.append_summary_row(sweep_dir, row)
     sweep_summary.write_summary(sweep_dir)
+
+
+def find_sweep_dir(config: DictConfig) -> Path:
+    """hydra.sweep.dir is relative to the launch directory, which is not the working directory
+    inside a job when hydra.job.chdir is true."""
+    launch_dir = OmegaConf.select(config, "hydra.runtime.cwd") or os.getcwd()
+    return Path(launch_dir, str(config.hydra.sweep.dir)).absolute()
 
 
 def read_swept_keys(config: DictConfig) -> list[str]:

@@ -31,13 +31,13 @@ def read_job_stats(job_dir: Path) -> dict | None:
 
 def make_summary_row(
     job: int, overrides: list[str], params: dict, swept: list[str], job_dir: Path,
-    stats: dict | None, job_error: BaseException | None = None,
+    stats: dict | None, job_error: BaseException | None = None, job_status: str | None = None,
 ) -> dict:
     """One summary row. stats.json decides the status; without one (the job died before it
-    could write it) the exception Hydra caught does."""
+    could write it) Hydra's job status and the exception it caught do."""
     stats = stats or {}
     error = stats.get("error") if isinstance(stats.get("error"), dict) else None
-    status = stats.get("status") or ("failed" if job_error is not None else "unknown")
+    status = stats.get("status") or ("failed" if job_error is not None else job_status or "unknown")
     if error is None and job_error is not None:
         error = {"type": type(job_error).__name__, "message": str(job_error)}
     row: dict[str, Any] = {

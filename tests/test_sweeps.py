@@ -130,12 +130,21 @@ def test_callback_adds_a_row_per_job_also_without_stats(tmp_path):
     ok = make_job_config(tmp_path, 0)
     (tmp_path / "sweep" / "0" / "stats.json").write_text(json.dumps({"status": "completed", "prefill_tok_per_sec": 10.0, "ttft_ms": 5.0}))
     callback.on_job_end(ok, JobReturn(status=JobStatus.COMPLETED))
+    quiet = make_job_config(tmp_path, 2)  # completed without a stats.json (a stubbed runner)
+    callback.on_job_end(quiet, JobReturn(status=JobStatus.COMPLETED))
     crashed = make_job_config(tmp_path, 1)  # no stats.json: the exception Hydra caught says why
     callback.on_job_end(crashed, JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("boom")))
     rows = sweep_summary.read_summary_rows(tmp_path / "sweep")
-    assert [(r["job"], r["status"], r["error"]) for r in rows] == [(0, "completed", None), (1, "failed", "boom")]
+    assert [(r["job"], r["status"], r["error"]) for r in rows] == [(0, "completed", None), (1, "failed", "boom"), (2, "completed", None)]
     assert rows[1]["error_type"] == "RuntimeError"
     assert (tmp_path / "sweep" / "summary.csv").is_file() and (tmp_path / "sweep" / "summary.png").is_file()
+
+
+def test_callback_finds_a_relative_sweep_dir_from_the_launch_dir(tmp_path):
+    from mlxcel.hydra_callbacks import find_sweep_dir
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": "multi/x"}, "runtime": {"cwd": str(tmp_path)}}})
+    assert find_sweep_dir(config) == tmp_path / "multi" / "x"  # not the job's folder under hydra.job.chdir
 
 
 def test_callback_does_nothing_in_a_single_run_and_never_raises(tmp_path, capsys):

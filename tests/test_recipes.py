@@ -206,3 +206,7 @@ def test_installed_package_finds_its_recipes_from_any_directory(tmp_path):
         dry = run_cli(["recipe=batch_jsonl", "runner.dry_run=true", f"hydra.run.dir={run_dir}"], elsewhere, pythonpath=target)
         assert dry.returncode == 0, dry.stderr
         assert len((run_dir / "prompts.jsonl").read_text().splitlines()) >= 6
+        sweep_dir = elsewhere / "sweep"  # the summary callback and the plot, from the installed package
+        sweep = run_cli(["recipe=chunk_sweep", "runner.dry_run=true", f"hydra.sweep.dir={sweep_dir}"], elsewhere, pythonpath=target)
+        assert sweep.returncode == 0, sweep.stderr
+        assert len((sweep_dir / "summary.jsonl").read_text().splitlines()) == 3 and (sweep_dir / "summary.png").is_file()

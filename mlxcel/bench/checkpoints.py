@@ -1,0 +1,210 @@
+"""The benchmark's checkpoints: HF folders (config.json + model.safetensors) that both mlxcel and
+mlx-lm read, so the two run the very same weights.
+
+- `smollm2`: the embedded SmolLM2-135M GGUF, dequantized into an HF folder (mlx-lm cannot read
+  GGUF), with llama.cpp's Q/K row permutation undone so the usual (non-interleaved) RoPE applies.
+- `qwen2.5-0.5b`, `llama-3.2-1b`: random weights in those models' shapes, seeded.
+- any other value: a path to an HF folder; its config gets a top-level `rope_theta` (mlx-lm reads
+  nothing else, transformers 5 writes it under `rope_parameters`) and its weights are linked.
+
+Folders are written once per dtype under the work dir and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxcel.models import gguf
+from mlxcel.models.loader import resolve_model_path
+
+WEIGHTS_FILE = "model.safetensors"  # mlx-lm globs model*.safetensors
+INIT_STD = 0.02  # the usual init scale: logits spread enough that greedy ties are rare
+
+# Published shapes of the real models (their config.json), random weights.
+RANDOM_SHAPES = {
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": True,
+    },
+}
+CHECKPOINT_NAMES = ("smollm2", *RANDOM_SHAPES)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).replace("mlx.core.", "")
+
+
+def prepare_checkpoint(name: str, work_dir: Path, dtype: mx.Dtype) -> Path:
+    """The HF folder for a checkpoint name or a model folder path, built on first use."""
+    if name == "smollm2":
+        return export_smollm2(work_dir / f"smollm2-{dtype_name(dtype)}", dtype)
+    if name in RANDOM_SHAPES:
+        return build_random_checkpoint(work_dir / f"{name}-{dtype_name(dtype)}", RANDOM_SHAPES[name], dtype)
+    folder = Path(name).expanduser()
+    if not (folder / "config.json").exists():
+        raise ValueError(f"{name}: not a checkpoint name ({', '.join(CHECKPOINT_NAMES)}) nor an HF model folder")
+    digest = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:8]  # two folders may share a name
+    return link_hf_folder(folder, work_dir / f"folder-{folder.resolve().name}-{digest}")
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / WEIGHTS_FILE).exists()
+
+
+def write_folder(folder: Path, config: dict, weights: dict[str, mx.array]) -> Path:
+    """Write into a temporary sibling and rename, so an interrupted build is never reused."""
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    mx.save_safetensors(str(partial / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
+def add_top_level_rope_theta(config: dict) -> dict:
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config:
+        config = {**config, "rope_theta": rope.get("rope_theta", 10000.0)}
+    return config
+
+
+def link_hf_folder(source: Path, folder: Path) -> Path:
+    """A view of `source` for mlx-lm: its config with a top-level rope_theta, its files linked."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item.resolve())
+    config = add_top_level_rope_theta(json.loads((source / "config.json").read_text()))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def unpermute_from_llama_cpp(weight: mx.array, n_head: int) -> mx.array:
+    """Undo convert_hf_to_gguf.py's LlamaModel.permute (interleaved pairs -> rotate-half rows)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def export_smollm2(folder: Path, dtype: mx.Dtype) -> Path:
+    if is_complete(folder):
+        return folder
+    path = resolve_model_path("embedded:smollm2")
+    weights, metadata = gguf.load_gguf(path)
+    family, config = gguf.make_config_from_gguf(metadata, path)
+    interleaved = config.pop("rope_traditional")
+    weights = dequantize_gguf(gguf.rename_gguf_weights(weights))
+    if interleaved:  # HF layout, so both engines run the standard RoPE on the same rows
+        for key in list(weights):
+            if key.endswith("self_attn.q_proj.weight"):
+                weights[key] = unpermute_from_llama_cpp(weights[key], config["num_attention_heads"])
+            elif key.endswith("self_attn.k_proj.weight"):
+                weights[key] = unpermute_from_llama_cpp(weights[key], config["num_key_value_heads"])
+    config.update(
+        architectures=[f"{family.capitalize()}ForCausalLM"],
+        tie_word_embeddings="lm_head.weight" not in weights,
+        torch_dtype=dtype_name(dtype),
+    )
+    return write_folder(folder, config, {k: v.astype(dtype) for k, v in weights.items()})
+
+
+def dequantize_gguf(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """GGUF Q4/Q8 triples -> dense fp32 (fp16 scales would round every weight otherwise)."""
+    dense = {}
+    for key, value in weights.items():
+        if key.endswith((".scales", ".biases")):
+            continue
+        prefix = key[: -len(".weight")] if key.endswith(".weight") else None
+        if prefix is not None and f"{prefix}.scales" in weights:
+            value = mx.dequantize(
+                value,
+                weights[f"{prefix}.scales"].astype(mx.float32),
+                weights[f"{prefix}.biases"].astype(mx.float32),
+                group_size=gguf.GGUF_GROUP_SIZE,
+                bits=gguf.read_quantized_bits(weights, prefix),
+            )
+        dense[key] = value.astype(mx.float32)
+    return dense
+
+
+def list_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of a Llama / Qwen2 checkpoint."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    qkv_bias = config["model_type"] == "qwen2"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
+        if qkv_bias:
+            for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim), ("v_proj", kv_heads * head_dim)):
+                shapes[p + f"self_attn.{proj}.bias"] = (rows,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def build_random_checkpoint(folder: Path, shape: dict, dtype: mx.Dtype, seed: int = 0) -> Path:
+    if is_complete(folder):
+        return folder
+    weights = {}
+    for index, (key, dims) in enumerate(sorted(list_weight_shapes(shape).items())):
+        if key.endswith("norm.weight"):
+            weights[key] = mx.ones(dims, dtype=dtype)
+        else:  # one key per tensor: the same weights whatever else changes
+            weights[key] = (INIT_STD * mx.random.normal(dims, key=mx.random.key(seed * 100003 + index))).astype(dtype)
+        mx.eval(weights[key])
+    config = {**shape, "torch_dtype": dtype_name(dtype)}
+    return write_folder(folder, config, weights)

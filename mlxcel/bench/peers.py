@@ -1,0 +1,130 @@
+"""One generation by each engine, timed the same way on the same clock.
+
+Both sides get token ids (no tokenizer, no detokenizer, no stop ids) and decode greedily for
+exactly `gen` tokens per row. The marks are the host clock when the first token of every row is
+on the host (TTFT) and when the last one is; definitions follow mlxcel.stats:
+prefill tok/s = prompt tokens / TTFT, decode tok/s = tokens after each row's first / (end - first).
+
+mlx-lm is driven at its model level, as its own CLI drives it: `generate_step` (what
+`stream_generate` wraps, minus the detokenizer) under its `wired_limit` at batch 1, and
+`BatchGenerator` (what `batch_generate` wraps) above it. We time mlx-lm ourselves rather than
+take its `generation_tps`, which divides all N tokens by the time after the first (N-1 steps).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.models.loader import load_model
+from mlxcel.sampling import Sampler
+
+ENGINES = ("mlxcel", "mlx-lm")
+
+
+@dataclass
+class Run:
+    prompt_tokens: int  # summed over rows
+    tokens_after_first: int  # summed over rows
+    ttft_s: float
+    decode_s: float
+    peak_bytes: int  # the engine's weights + what the run allocated on top
+    token_ids: list[list[int]]
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "prefill_tok_s": self.prompt_tokens / self.ttft_s,
+            "decode_tok_s": self.tokens_after_first / self.decode_s if self.decode_s > 0 else float("nan"),
+            "ttft_ms": self.ttft_s * 1000,
+            "peak_gb": self.peak_bytes / 1e9,
+        }
+
+
+@dataclass
+class Peer:
+    name: str
+    model: object
+    weight_bytes: int
+
+    def generate(self, prompts: list[list[int]], gen: int) -> Run:
+        """One timed generation; peak memory counts only this engine's weights and run."""
+        mx.synchronize()
+        base = mx.get_active_memory()  # both engines' weights are resident; count only ours
+        mx.reset_peak_memory()
+        run = GENERATORS[self.name](self.model, prompts, gen)
+        mx.synchronize()  # work still queued (mlx-lm computes one step ahead) must not leak into the next run
+        run.peak_bytes = mx.get_peak_memory() - base + self.weight_bytes
+        return run
+
+
+def count_weight_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def load_peer(name: str, folder, dtype: mx.Dtype) -> Peer:
+    if name == "mlxcel":
+        model = load_model(str(folder), dtype=str(dtype).replace("mlx.core.", "")).model
+    else:
+        from mlx_lm.utils import load_model as load_mlx_lm_model
+
+        model, _ = load_mlx_lm_model(folder)
+        model.set_dtype(dtype)  # mlx-lm keeps the stored dtype; mlxcel casts to the bench dtype
+        mx.eval(model.parameters())
+    return Peer(name, model, count_weight_bytes(model))
+
+
+def generate_mlxcel(model, prompts: list[list[int]], gen: int) -> Run:
+    # The tightest context; the engine allocates no more than a run of this length needs.
+    engine = DirectEngine(model, max_context=max(map(len, prompts)) + gen + 1, pipeline=True)
+    rows = [RowRequest(prompt, row_id=i) for i, prompt in enumerate(prompts)]
+    state = engine.generate(GenerationRequest(rows=rows, sampler=Sampler("greedy"), max_tokens=gen))
+    t = state.timings
+    tokens = [list(r.token_ids) for r in state.results]
+    return Run(sum(map(len, prompts)), sum(len(ids) - 1 for ids in tokens), t.first_token - t.start, t.end - t.first_token, 0, tokens)
+
+
+def generate_mlx_lm(model, prompts: list[list[int]], gen: int) -> Run:
+    return generate_mlx_lm_single(model, prompts[0], gen) if len(prompts) == 1 else generate_mlx_lm_batch(model, prompts, gen)
+
+
+def generate_mlx_lm_single(model, prompt: list[int], gen: int) -> Run:
+    from mlx_lm.generate import generate_step, generation_stream, wired_limit
+
+    tokens: list[int] = []
+    with wired_limit(model, [generation_stream]):
+        start = time.perf_counter()
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=gen):
+            now = time.perf_counter()
+            if not tokens:
+                first = now
+            tokens.append(token)
+    return Run(len(prompt), len(tokens) - 1, first - start, now - first, 0, [tokens])
+
+
+def generate_mlx_lm_batch(model, prompts: list[list[int]], gen: int) -> Run:
+    from mlx_lm.generate import BatchGenerator
+
+    # All rows in one prefill batch, as mlxcel prefills them (mlx-lm's default would prefill 8
+    # at a time and start decoding the first 8 while the rest still prefill).
+    generator = BatchGenerator(model, max_tokens=gen, completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    try:
+        start = time.perf_counter()
+        uids = generator.insert(prompts, [gen] * len(prompts))
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        first = None
+        while responses := generator.next_generated():
+            now = time.perf_counter()
+            first = first or now
+            for response in responses:
+                tokens[response.uid].append(response.token)
+    finally:
+        generator.close()
+    ids = [tokens[uid] for uid in uids]
+    return Run(sum(map(len, prompts)), sum(len(t) - 1 for t in ids), first - start, now - first, 0, ids)
+
+
+GENERATORS = {"mlxcel": generate_mlxcel, "mlx-lm": generate_mlx_lm}

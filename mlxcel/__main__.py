@@ -1,4 +1,4 @@
-from mlxcel.cli import main
+from mlxcel.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

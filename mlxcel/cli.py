@@ -288,6 +288,16 @@ class SweepFailures:
         return 1
 
 
+def entry() -> None:
+    """`mlxcel-run` and `python -m mlxcel`: first, on a Linux CPU, re-execute once with OpenBLAS
+    preloaded instead of MLX's reference BLAS (mlxcel/blas.py); then `main`. In-process callers
+    (tests, embedding) call `main` and keep their process."""
+    from mlxcel.blas import reexec_with_openblas
+
+    reexec_with_openblas(sys.argv[1:])
+    main()
+
+
 def main() -> None:
     """Console entry point: parse argv with Hydra, run, exit with 0, 1, 2 or 130."""
     import hydra

@@ -134,6 +134,7 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
         outputs.append_generation(row)
         generations.append(row)
         finish_reasons[row["finish_reason"]] = finish_reasons.get(row["finish_reason"], 0) + 1
+        report["finish_reasons"] = dict(finish_reasons)  # current even if the job is interrupted now
 
     for failed in (p for p in prepared if p.error):
         record(make_error_row(failed))

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 
 import mlxcel
+from mlxcel.blas import describe_blas
 from mlxcel.engine import BatchState
 
 
@@ -116,6 +117,7 @@ def read_environment() -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "device": str(device),
+        "blas": describe_blas(),
     }
     if device == mx.gpu:
         try:

@@ -25,10 +25,13 @@ import mlx.core as mx
 import mlxcel
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import bench_model, format_agreement, format_table, log
-from mlxcel.models.loader import is_optimized_blas_loaded, pick_dtype
+from mlxcel.errors import MlxcelError
+from mlxcel.blas import MARKER, describe_blas, plan_blas_preload
+from mlxcel.models.loader import pick_dtype
 
-# (models, prompt lengths, batch sizes, gen tokens, reps). The CPU set fits a few minutes on a
-# 2-core VM with MLX's bundled BLAS (prefill there is ~10 tok/s on SmolLM2, so prompts stay short).
+# (models, prompt lengths, batch sizes, gen tokens, reps). The CPU set takes ~4 minutes on a 2-core
+# x86_64 VM with OpenBLAS (0.5B shape: ~60 tok/s prefill, ~3.4 tok/s decode at batch 1); 512-token
+# prompts at batch 8 would add ~10 minutes there, so ask for them with --prompt-lengths 128,512.
 GPU_DEFAULTS = (["smollm2", "qwen2.5-0.5b", "llama-3.2-1b"], [128, 512], [1, 8, 32], 128, 5)
 CPU_DEFAULTS = (["smollm2", "qwen2.5-0.5b"], [128], [1, 8], 16, 3)
 QUICK = (["smollm2"], [64], [1], 8, 1)
@@ -85,8 +88,8 @@ def describe_environment(dtype: mx.Dtype) -> dict:
     from importlib.metadata import version
 
     device = str(mx.default_device())
-    if mx.default_device() == mx.cpu and sys.platform == "linux":
-        device += ", OpenBLAS loaded" if is_optimized_blas_loaded() else ", MLX's bundled BLAS"
+    if mx.default_device() == mx.cpu:
+        device += f", BLAS {describe_blas()}"
     return {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -96,6 +99,20 @@ def describe_environment(dtype: mx.Dtype) -> dict:
         "mlx_lm": version("mlx-lm"),
         "mlxcel": f"{mlxcel.__version__} ({read_mlxcel_commit()})",
     }
+
+
+def reexec_with_openblas(argv: list[str]) -> None:
+    """As mlxcel-run does (mlxcel/blas.py): on a Linux CPU, run once more with OpenBLAS preloaded
+    instead of the mlx-cpu wheel's reference BLAS (~20x slower prefill). Both engines share this
+    process, so they always share a BLAS; MLXCEL_BLAS=off keeps the reference one."""
+    library, hint = plan_blas_preload(dict(os.environ))
+    if hint:
+        log(hint.removeprefix("mlxcel: "))
+    if library is None:
+        return
+    env = {**os.environ, MARKER: library, "LD_PRELOAD": ":".join(filter(None, [library, os.environ.get("LD_PRELOAD")]))}
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "mlxcel.bench", *argv], env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models:
         start = time.perf_counter()
-        folder = prepare_checkpoint(name, work_dir, dtype)
+        try:
+            folder = prepare_checkpoint(name, work_dir, dtype)
+        except (MlxcelError, ValueError) as exc:  # a missing package or a wrong path: one line, no traceback
+            print(f"mlxcel.bench: {name}: {exc}", file=sys.stderr)
+            return 1
         log(f"{name}: checkpoint {folder} ready in {time.perf_counter() - start:.1f} s")
         results += bench_model(
             name, folder, args.prompt_lengths, args.batch_sizes, args.gen, args.reps, dtype, warm_each_case=mx.default_device() == mx.gpu
@@ -127,4 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if importlib.util.find_spec("mlx_lm") is not None:  # else main() says how to install it, at once
+        reexec_with_openblas(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -13,6 +13,7 @@ take its `generation_tps`, which divides all N tokens by the time after the firs
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -52,13 +53,22 @@ class Peer:
 
     def generate(self, prompts: list[list[int]], gen: int) -> Run:
         """One timed generation; peak memory counts only this engine's weights and run."""
-        mx.synchronize()
+        synchronize_streams()
         base = mx.get_active_memory()  # both engines' weights are resident; count only ours
         mx.reset_peak_memory()
         run = GENERATORS[self.name](self.model, prompts, gen)
-        mx.synchronize()  # work still queued (mlx-lm computes one step ahead) must not leak into the next run
+        synchronize_streams()  # both engines queue one step ahead: that work must not overlap the next run
         run.peak_bytes = mx.get_peak_memory() - base + self.weight_bytes
         return run
+
+
+def synchronize_streams() -> None:
+    """Wait for the default stream and mlx-lm's own generation stream (mx.synchronize() alone
+    waits only for the default one; on the CPU each stream has its own thread)."""
+    mx.synchronize()
+    mlx_lm_generate = sys.modules.get("mlx_lm.generate")
+    if mlx_lm_generate is not None:
+        mx.synchronize(mlx_lm_generate.generation_stream)
 
 
 def count_weight_bytes(model) -> int:

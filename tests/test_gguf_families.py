@@ -117,7 +117,7 @@ def test_q8_0_gguf_loads_natively_and_matches_transformers(arch, tiny_llama, tin
     folder = tiny_llama if arch == "llama" else tiny_qwen2
     path = write_gguf_from_hf(folder, arch, tmp_path / f"{arch}-q8.gguf", quant="Q8_0")
     quantized, loaded = mlxcel_logits(path, "quantized")
-    assert type(loaded.model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    assert type(loaded.model.model.layers[0].mlp.gate_up_proj).__name__ == "QuantizedLinear"
     dequantized, _ = mlxcel_logits(path, "dequantize")
     import transformers
 

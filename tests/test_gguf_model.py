@@ -55,7 +55,7 @@ def test_logits_match_transformers_gguf_loader(smollm2, prompt_ids):
 def test_native_quantized_weights_agree_with_dequantized(smollm2, prompt_ids):
     quantized = load_model("embedded:smollm2", dtype="float32", gguf_weights="quantized")
     assert quantized.info["weights"] == "quantized"
-    assert type(quantized.model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    assert type(quantized.model.model.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"  # fused at load
     ids = mx.array([prompt_ids])
     a = np.array(quantized.model(ids, quantized.model.make_cache())[0, -1])
     b = np.array(smollm2.model(ids, smollm2.model.make_cache())[0, -1])

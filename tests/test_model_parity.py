@@ -67,8 +67,22 @@ def test_rope_theta_read_from_rope_parameters_only(tmp_path, tiny_llama):
     assert loaded.model.args.rope_theta == theta
 
 
-def test_qwen2_has_qkv_bias_and_no_o_bias(tiny_qwen2):
-    loaded = load_model(str(tiny_qwen2), dtype="float32")
-    attn = loaded.model.model.layers[0].self_attn
+def test_qwen2_has_qkv_bias_and_no_o_bias(tiny_qwen2, monkeypatch):
+    monkeypatch.setenv("MLXCEL_FUSE", "0")
+    attn = load_model(str(tiny_qwen2), dtype="float32").model.model.layers[0].self_attn
     assert "bias" in attn.q_proj and "bias" in attn.k_proj and "bias" in attn.v_proj
     assert "bias" not in attn.o_proj
+    monkeypatch.setenv("MLXCEL_FUSE", "1")
+    fused = load_model(str(tiny_qwen2), dtype="float32").model.model.layers[0]
+    assert fused.self_attn.qkv_proj.bias.shape == (64 + 2 * 32,) and "q_proj" not in fused.self_attn
+    assert fused.mlp.gate_up_proj.weight.shape == (2 * 128, 64)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_and_separate_projections_agree(family, tiny_llama, tiny_qwen2, monkeypatch):
+    folder = tiny_llama if family == "llama" else tiny_qwen2
+    monkeypatch.setenv("MLXCEL_FUSE", "0")
+    separate, _ = mlxcel_logits(folder, PROMPT)
+    monkeypatch.setenv("MLXCEL_FUSE", "1")
+    fused, _ = mlxcel_logits(folder, PROMPT)
+    assert np.abs(separate - fused).max() <= 1e-4

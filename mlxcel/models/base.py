@@ -82,3 +82,36 @@ class RoPE(nn.Module):
         return mx.fast.rope(
             x, self.dims, traditional=self.traditional, base=self.base, scale=1.0, offset=offset, freqs=self._freqs
         )
+
+
+def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
+    """One layer computing several projections of the same input (QKV, gate/up): fewer, larger
+    matmuls per token. Concatenates along the output dimension; None when the layers cannot be
+    fused (mixed quantization, mixed bias)."""
+    first = layers[0]
+    if any(type(layer) is not type(first) for layer in layers):
+        return None
+    has_bias = ["bias" in layer for layer in layers]
+    if any(has_bias) and not all(has_bias):
+        return None
+    if isinstance(first, nn.QuantizedLinear):
+        if any((layer.bits, layer.group_size, getattr(layer, "mode", None)) != (first.bits, first.group_size, getattr(first, "mode", None)) for layer in layers):
+            return None
+        fused = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        nn.Module.__init__(fused)
+        fused.group_size, fused.bits = first.group_size, first.bits
+        if hasattr(first, "mode"):
+            fused.mode = first.mode
+        for name in ("weight", "scales", "biases"):
+            if name in first:
+                setattr(fused, name, mx.concatenate([layer[name] for layer in layers], axis=0))
+        fused.freeze()
+    elif isinstance(first, nn.Linear):
+        fused = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(fused)
+        fused.weight = mx.concatenate([layer.weight for layer in layers], axis=0)
+    else:
+        return None
+    if all(has_bias):
+        fused.bias = mx.concatenate([layer.bias for layer in layers], axis=0)
+    return fused

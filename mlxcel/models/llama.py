@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.models.base import RoPE, read_rope_scaling, read_rope_theta
+from mlxcel.models.base import RoPE, fuse_linears, read_rope_scaling, read_rope_theta
 from mlxcel.models.cache import KVCache, make_attention_mask, make_kv_caches
 
 REQUIRED_KEYS = (
@@ -87,11 +87,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.o_proj_bias)
         self.rope = RoPE(self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
 
+    def fuse(self) -> None:
+        """Q, K and V as one matmul (after the weights are loaded under their own names)."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if "qkv_proj" not in self:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return tuple(mx.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1))
+
     def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.project_qkv(x)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.rope_offset()
         q, k = self.rope(q, offset), self.rope(k, offset)
         k, v = cache.update_and_fetch(k, v)
@@ -107,8 +121,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
+    def fuse(self) -> None:
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -169,6 +193,11 @@ class Model(nn.Module):
 
     def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list[KVCache]:
         return make_kv_caches(len(self.model.layers), batch_size, left_pad)
+
+    def fuse_projections(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         # Rotary tables are recomputed; tied checkpoints may still carry an lm_head copy.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto"
         loaded = load_hf_model(resolved, target_dtype)
     else:
         raise ConfigError(ConfigIssue("model.path", "expected a model folder (config.json + *.safetensors) or a .gguf file", str(resolved)))
+    if fuse_projections_enabled() and hasattr(loaded.model, "fuse_projections"):
+        loaded.model.fuse_projections()  # QKV and gate/up as single matmuls: fewer ops per token
     mx.eval(loaded.model.parameters())
     loaded.info.update(
         path=str(resolved),
@@ -79,6 +82,11 @@ def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto"
         load_ms=round((time.perf_counter() - start) * 1000, 1),
     )
     return loaded
+
+
+def fuse_projections_enabled() -> bool:
+    """MLXCEL_FUSE=0 keeps separate projections (to measure the fusion, or to debug)."""
+    return os.environ.get("MLXCEL_FUSE", "1") not in ("0", "false", "off")
 
 
 def import_family(model_type: str, source: Path):

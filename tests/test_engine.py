@@ -158,3 +158,20 @@ def test_kv_cache_grows_in_steps(model):
         sizes.add(cache[0].keys.shape[2])
     assert sizes == {GROW_STEP, 2 * GROW_STEP}  # reallocated once, not per token
     assert cache[0].offset == len(PROMPTS[0]) + GROW_STEP
+
+
+@pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
+def test_compiled_decode_step_matches_eager(model, sampler, monkeypatch):
+    eager = tokens_of(generate(model, PROMPTS, sampler, max_tokens=40))
+    assert DirectEngine(model, 512).engine.decoder is None  # opt-in
+    monkeypatch.setenv("MLXCEL_COMPILE", "1")
+    assert DirectEngine(model, 512).engine.decoder is not None
+    assert tokens_of(generate(model, PROMPTS, sampler, max_tokens=40)) == eager
+
+
+def test_compiled_step_crosses_a_cache_growth(model, monkeypatch):
+    """The buffer grows (and the step is traced again) mid-generation: tokens still match eager."""
+    prompt = [PROMPTS[0] * 6]  # 222 tokens: growth at 256 happens while decoding
+    eager = tokens_of(generate(model, prompt, max_tokens=60))
+    monkeypatch.setenv("MLXCEL_COMPILE", "1")
+    assert tokens_of(generate(model, prompt, max_tokens=60)) == eager

@@ -14,6 +14,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from mlxcel.engine.compiled import CompiledDecoder, is_compile_enabled
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
 from mlxcel.errors import MlxcelError
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
@@ -25,6 +26,15 @@ OnRowDone = Callable[[int, RowResult], None]  # (row index, its finished result)
 
 class PromptTooLongError(MlxcelError):
     pass
+
+
+def get_compiled_decoder(model) -> CompiledDecoder:
+    """One compiled step per model, kept across requests (tracing costs more than a step)."""
+    decoder = getattr(model, "_mlxcel_decoder", None)
+    if decoder is None:
+        decoder = CompiledDecoder(model)
+        model._mlxcel_decoder = decoder
+    return decoder
 
 
 @dataclass
@@ -49,6 +59,7 @@ class Engine:
     def __init__(self, model, max_context: int):
         self.model = model
         self.max_context = max_context
+        self.decoder = get_compiled_decoder(model) if is_compile_enabled() else None
 
     def start(self, request: GenerationRequest) -> BatchState:
         """Prefill every row (left-padded to one length) and queue the first token."""
@@ -119,8 +130,11 @@ class Engine:
 
     def submit(self, state: BatchState) -> None:
         """Queue the forward pass and draw for the next token (asynchronous)."""
-        logits = self.model(state.next_input[:, None], state.cache)
-        self._queue_tokens(state, logits[:, -1, :])
+        if self.decoder is not None:
+            logits = self.decoder(state.next_input, state.cache)
+        else:
+            logits = self.model(state.next_input[:, None], state.cache)[:, -1, :]
+        self._queue_tokens(state, logits)
 
     def finish_rows(self, state: BatchState, on_token: OnToken, on_row_done: OnRowDone | None = None) -> bool:
         """Materialise the oldest queued step (the one sync point), apply stop rules, stream

@@ -32,6 +32,11 @@ class KVCache:
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` positions in place (the compiled step writes into the buffer)."""
+        if self.keys is not None and needed > self.keys.shape[2]:
+            self._grow(self.keys[..., :0, :], self.values[..., :0, :], needed)
+
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         B, n_kv, _, k_dim = keys.shape
         v_dim = values.shape[3]

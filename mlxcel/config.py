@@ -78,7 +78,7 @@ class TemplateConfig(Group):
         if self.kind == "none":
             for name in ("text", "file"):
                 if getattr(self, name) is not None:
-                    raise reject(f"must be null with template.kind=none (no template)", name, getattr(self, name))
+                    raise reject("must be null with template.kind=none (no template)", name, getattr(self, name))
         return self
 
 

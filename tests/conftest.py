@@ -98,6 +98,24 @@ def load_reference(folder: Path):
 
 
 @pytest.fixture(scope="session")
+def installed_mlxcel(tmp_path_factory) -> Path:
+    """mlxcel installed non-editable (`pip install --target`) from a copy of this checkout: the
+    folder to put on PYTHONPATH to run it as a user who installed the wheel would."""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    source = tmp_path_factory.mktemp("src") / "mlxcel"
+    ignore = shutil.ignore_patterns(".git", "outputs", "tests", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".venv", ".gpu*", ".gguf*")
+    shutil.copytree(repo, source, ignore=ignore)
+    target = tmp_path_factory.mktemp("site")
+    install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    return target
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import types
@@ -270,13 +269,8 @@ def test_config_error_exits_2_without_traceback(tmp_path):
 
 
 @pytest.mark.slow
-def test_installed_package_finds_its_conf_from_any_directory(tmp_path):
-    source = tmp_path / "src"
-    ignore = shutil.ignore_patterns(".git", "outputs", "tests", "build", "*.egg-info", "__pycache__", ".pytest_cache")
-    shutil.copytree(REPO, source, ignore=ignore)
-    target = tmp_path / "site"
-    install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)]
-    subprocess.run(install, check=True, capture_output=True, timeout=300)
+def test_installed_package_finds_its_conf_from_any_directory(tmp_path, installed_mlxcel):
+    target = installed_mlxcel
     assert (target / "mlxcel" / "conf" / "sampler" / "temperature.yaml").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -185,13 +184,8 @@ def test_recipe_works_with_a_users_config_dir(tmp_path):
 
 
 @pytest.mark.slow
-def test_installed_package_finds_its_recipes_from_any_directory(tmp_path):
-    source = tmp_path / "src"
-    ignore = shutil.ignore_patterns(".git", "outputs", "tests", "build", "*.egg-info", "__pycache__", ".pytest_cache")
-    shutil.copytree(REPO, source, ignore=ignore)
-    target = tmp_path / "site"
-    install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)]
-    subprocess.run(install, check=True, capture_output=True, timeout=300)
+def test_installed_package_finds_its_recipes_from_any_directory(tmp_path, installed_mlxcel):
+    target = installed_mlxcel
     shipped = target / "mlxcel" / "recipes"
     assert sorted(p.stem for p in shipped.glob("*.yaml")) == RECIPES and (shipped / "data" / "prompts.jsonl").is_file()
     elsewhere = tmp_path / "elsewhere"

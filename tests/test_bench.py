@@ -15,8 +15,20 @@ import numpy as np
 import pytest
 
 from mlxcel.bench import __main__ as bench_cli
-from mlxcel.bench.checkpoints import list_weight_shapes, prepare_checkpoint, unpermute_from_llama_cpp, RANDOM_SHAPES
-from mlxcel.bench.harness import METRICS, bench_model, compare_token_ids, format_agreement, format_table, make_table_rows
+from mlxcel.bench.checkpoints import (
+    RANDOM_SHAPES,
+    list_weight_shapes,
+    prepare_checkpoint,
+    unpermute_from_llama_cpp,
+)
+from mlxcel.bench.harness import (
+    METRICS,
+    bench_model,
+    compare_token_ids,
+    format_agreement,
+    format_table,
+    make_table_rows,
+)
 from tests.conftest import requires_smollm2
 
 requires_mlx_lm = pytest.mark.skipif(

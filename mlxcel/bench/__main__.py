@@ -25,11 +25,11 @@ import mlx.core as mx
 import mlxcel
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import bench_model, format_agreement, format_table, log
-from mlxcel.errors import MlxcelError
 from mlxcel.blas import MARKER, describe_blas, plan_blas_preload
+from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import pick_dtype
 
-# (models, prompt lengths, batch sizes, gen tokens, reps). The CPU set takes ~4 minutes on a 2-core
+# (models, prompt lengths, batch sizes, gen tokens, reps). The CPU set takes ~4.5 minutes on a 2-core
 # x86_64 VM with OpenBLAS (0.5B shape: ~60 tok/s prefill, ~3.4 tok/s decode at batch 1); 512-token
 # prompts at batch 8 would add ~10 minutes there, so ask for them with --prompt-lengths 128,512.
 GPU_DEFAULTS = (["smollm2", "qwen2.5-0.5b", "llama-3.2-1b"], [128, 512], [1, 8, 32], 128, 5)
@@ -78,7 +78,7 @@ def read_mlxcel_commit() -> str:
     root = Path(mlxcel.__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=False).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")

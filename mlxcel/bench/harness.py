@@ -12,7 +12,6 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 import mlx.core as mx

@@ -175,3 +175,11 @@ def test_compiled_step_crosses_a_cache_growth(model, monkeypatch):
     eager = tokens_of(generate(model, prompt, max_tokens=60))
     monkeypatch.setenv("MLXCEL_COMPILE", "1")
     assert tokens_of(generate(model, prompt, max_tokens=60)) == eager
+
+
+def test_logits_at_one_position_equal_the_full_row(model):
+    ids = mx.array([PROMPTS[0]])
+    full = model(ids, model.make_cache())
+    one = model(ids, model.make_cache(), logits_at=20)
+    assert one.shape == (1, 1, full.shape[-1])
+    assert np.abs(np.array(one[:, 0]) - np.array(full[:, 20])).max() < 1e-5

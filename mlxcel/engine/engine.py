@@ -104,7 +104,8 @@ class Engine:
             chunk = tokens[:, piece.start : piece.end]
             if piece.pad:
                 chunk = mx.concatenate([chunk, mx.zeros((chunk.shape[0], piece.pad), chunk.dtype)], axis=1)
-            logits = self.model(chunk, cache)
+            is_last = index == len(plan.pieces) - 1
+            logits = self.model(chunk, cache, logits_at=piece.length - 1 if is_last else None)
             if piece.pad:
                 for layer_cache in cache:
                     layer_cache.trim(piece.pad)
@@ -112,7 +113,7 @@ class Engine:
             if index < len(plan.pieces) - 1:
                 mx.eval([c.state for c in cache])  # keep the graph per piece small; logits never built
         mx.eval([c.state for c in cache])  # after_prefill must see the prefill materialised
-        return logits[:, piece.length - 1, :]
+        return logits[:, -1, :]
 
     def _queue_tokens(self, state: BatchState, logits: mx.array) -> None:
         positions = [state.produced_steps] * len(state.results)

@@ -22,14 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, fiel
 from pydantic_core import PydanticCustomError
 
 from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.models.embedded import EMBEDDED_MODELS
+from mlxcel.prefill_plan import DEFAULT_CHUNK_SIZE
 
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 PositiveInt = Annotated[int, Strict(), Gt(0)]
 NonNegativeInt = Annotated[int, Strict(), Ge(0)]
 
-EMBEDDED_MODELS = ("smollm2",)
-DEFAULT_PREFILL_CHUNK = 2048
 ENV_HINT = "fix: unset the environment variable or give it a valid value"
 NO_VALUE = object()  # reject(value=NO_VALUE): print no "(got ...)"
 _INPUT = object()  # reject's default: the value the validator was given
@@ -187,7 +187,7 @@ class PrefillConfig(Group):
         """chunk_size, else $MLXCEL_PREFILL_CHUNK, else 2048."""
         if self.chunk_size is not None:
             return self.chunk_size
-        return read_env_int("MLXCEL_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK)
+        return read_env_int("MLXCEL_PREFILL_CHUNK", DEFAULT_CHUNK_SIZE)
 
 
 class DecodeConfig(Group):

@@ -51,4 +51,5 @@ def test_config_dict_and_overrides_are_validated(tiny_llama):
         load_config({"decode": {"max_tokns": 3}})
     with pytest.raises(ConfigError, match="available options in 'sampler'"):
         load_config(overrides=["sampler=nope"])
-    assert json.dumps(cfg.resolved_dict())  # JSON-ready, as the runner writes it
+    resolved = json.loads(json.dumps(cfg.resolved_dict()))  # JSON-ready, as the runner writes it
+    assert resolved["sampler"]["chain"][-1] == {"stage": "draw", "kind": "categorical"}

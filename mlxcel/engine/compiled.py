@@ -15,15 +15,15 @@ dispatch it saves. Attending over the used length only is the next step.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
+
+from mlxcel.config import read_env_flag
 
 from mlxcel.models.cache import KVCache
 
 
 def is_compile_enabled() -> bool:
-    return os.environ.get("MLXCEL_COMPILE", "0") in ("1", "true", "on")
+    return read_env_flag("MLXCEL_COMPILE")
 
 
 class BufferView:

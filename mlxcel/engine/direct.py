@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 from mlxcel.engine.engine import BatchState, Engine, OnRowDone, OnToken
+from mlxcel.config import read_env_flag
 from mlxcel.engine.request import GenerationRequest
-
-
-def is_force_sync() -> bool:
-    return os.environ.get("MLXCEL_FORCE_SYNC", "") not in ("", "0", "false", "False")
 
 
 class DirectEngine:
     def __init__(self, model, max_context: int, pipeline: bool = True):
         self.engine = Engine(model, max_context)
-        self.pipeline = pipeline and not is_force_sync()
+        self.pipeline = pipeline and not read_env_flag("MLXCEL_FORCE_SYNC")
 
     def generate(
         self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None

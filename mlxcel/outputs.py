@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ class RunOutputs:
         write_json_atomic(self.dir / CONFIG_FILE, resolved)
 
     def append_generation(self, row: dict) -> None:
-        with open(self.dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
+        with defer_interrupt(), open(self.dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -113,3 +116,22 @@ def write_failure_stats(out_dir: Path, exc: BaseException, report: dict | None =
     report["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     report["error"] = describe_error(exc)
     RunOutputs(out_dir).write_stats(report)
+
+
+@contextmanager
+def defer_interrupt():
+    """Hold Ctrl-C until the block ends, so a row is either fully on disk and counted or not at
+    all (an interrupt mid-write would leave a torn line or a row missing from stats.json)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, None)
+        elif caught and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)

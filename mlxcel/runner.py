@@ -21,7 +21,7 @@ from mlxcel.config import RunConfig
 from mlxcel.engine import RowResult
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import expand_samples, load_job_rows
-from mlxcel.outputs import RunOutputs, check_resume, write_failure_stats
+from mlxcel.outputs import RunOutputs, check_resume, defer_interrupt, write_failure_stats
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
 from mlxcel.stats import GenerationStats, format_stats_table, make_generation_stats, measure_batch, read_environment
@@ -131,10 +131,11 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     batches = []
 
     def record(row: dict) -> None:
-        outputs.append_generation(row)
-        generations.append(row)
-        finish_reasons[row["finish_reason"]] = finish_reasons.get(row["finish_reason"], 0) + 1
-        report["finish_reasons"] = dict(finish_reasons)  # current even if the job is interrupted now
+        with defer_interrupt():  # on disk and counted together, or neither
+            outputs.append_generation(row)
+            generations.append(row)
+            finish_reasons[row["finish_reason"]] = finish_reasons.get(row["finish_reason"], 0) + 1
+            report["finish_reasons"] = dict(finish_reasons)  # current even if the job is interrupted now
 
     for failed in (p for p in prepared if p.error):
         record(make_error_row(failed))

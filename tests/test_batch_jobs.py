@@ -155,3 +155,21 @@ def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
     assert 1 <= len(rows) < 6 and all(len(r["token_ids"]) == 480 for r in rows)
     stats = json.loads((run_dir / "stats.json").read_text())
     assert stats["status"] == "interrupted" and stats["finish_reasons"]["length"] == len(rows)
+
+
+def test_ctrl_c_inside_a_row_write_waits_for_the_write(tmp_path):
+    import signal
+
+    import pytest
+
+    from mlxcel.outputs import RunOutputs, defer_interrupt
+
+    outputs = RunOutputs(tmp_path)
+    counted = []
+    with pytest.raises(KeyboardInterrupt):
+        with defer_interrupt():
+            signal.raise_signal(signal.SIGINT)  # arrives mid-block: held, not raised here
+            outputs.append_generation({"id": 1})
+            counted.append(1)
+    assert counted == [1] and (tmp_path / "generations.jsonl").read_text() == '{"id": 1}\n'
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

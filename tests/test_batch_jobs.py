@@ -166,10 +166,9 @@ def test_ctrl_c_inside_a_row_write_waits_for_the_write(tmp_path):
 
     outputs = RunOutputs(tmp_path)
     counted = []
-    with pytest.raises(KeyboardInterrupt):
-        with defer_interrupt():
-            signal.raise_signal(signal.SIGINT)  # arrives mid-block: held, not raised here
-            outputs.append_generation({"id": 1})
-            counted.append(1)
+    with pytest.raises(KeyboardInterrupt), defer_interrupt():
+        signal.raise_signal(signal.SIGINT)  # arrives mid-block: held, not raised here
+        outputs.append_generation({"id": 1})
+        counted.append(1)
     assert counted == [1] and (tmp_path / "generations.jsonl").read_text() == '{"id": 1}\n'
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -28,6 +28,7 @@ CORPUS = [
     "日本語のテキストと中文文本。",
     "한국어 문장입니다. 안녕하세요!",
     "Emoji: 😀👍🏽🇫🇷 👨\u200d👩\u200d👧 🤖",
+    "Rare: 𓀀 🧿 ꙮ 뷁 (byte fallback in small vocabularies)",
     "Combining: e\u0301 a\u0308 n\u0303, \u00c5 vs A\u030a; Z\u0351\u0346a\u0352l\u036bg\u0361o",
     "   leading spaces, trailing spaces   ",
     "multiple\n\n\nnewlines\r\n and\t\ttabs \t \n mixed",
@@ -229,8 +230,8 @@ def test_gguf_unsupported_metadata_errors():
     _, metadata = mx.load(str(path), return_metadata=True)
     with pytest.raises(MlxcelError, match="tokenizer.ggml.pre='mystery'"):
         load_tokenizer(path, gguf_metadata={**metadata, "tokenizer.ggml.pre": "mystery"})
-    with pytest.raises(MlxcelError, match="tokenizer.ggml.model='llama' is not supported yet"):
-        load_tokenizer(path, gguf_metadata={**metadata, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(MlxcelError, match="tokenizer.ggml.model='bert' is not supported yet"):
+        load_tokenizer(path, gguf_metadata={**metadata, "tokenizer.ggml.model": "bert"})
     without = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.model"}
     with pytest.raises(MlxcelError, match="no tokenizer"):
         load_tokenizer(path, gguf_metadata=without)
@@ -397,7 +398,11 @@ def test_detect_kind(tmp_path):
         folder = tmp_path / kind
         folder.mkdir()
         (folder / name).write_text("")
-        assert detect_tokenizer_kind(folder) == kind
+        assert detect_tokenizer_kind(folder) == detect_tokenizer_kind(folder / name) == kind
+    llama3 = tmp_path / "llama3"
+    llama3.mkdir()
+    (llama3 / "tokenizer.model").write_text("IQ== 0\nIg== 1\n")  # tiktoken ranks under SentencePiece's name
+    assert detect_tokenizer_kind(llama3) == "tiktoken"
     gguf_file = tmp_path / "m.gguf"
     gguf_file.write_bytes(b"")
     assert detect_tokenizer_kind(gguf_file) == "gguf"
@@ -413,14 +418,14 @@ def test_missing_path_and_empty_folder(tmp_path):
         assert expected in str(info.value)
 
 
-def test_unknown_and_unsupported_kinds(tmp_path):
+def test_unknown_kind_and_missing_files(tmp_path):
     with pytest.raises(MlxcelError, match="tokenizer.kind=bpe: unknown kind"):
         load_tokenizer(tmp_path, kind="bpe")
     (tmp_path / "tokenizer.model").write_bytes(b"")
-    with pytest.raises(MlxcelError, match="tokenizer.kind=sentencepiece: not supported yet"):
+    with pytest.raises(MlxcelError, match="tokenizer.model: cannot read the SentencePiece model"):
         load_tokenizer(tmp_path)
-    with pytest.raises(MlxcelError, match="tokenizer.kind=tiktoken: not supported yet"):
-        load_tokenizer(tmp_path, kind="tiktoken")
+    with pytest.raises(MlxcelError, match="tokenizer.model: the ranks file is empty"):
+        load_tokenizer(tmp_path, kind="tiktoken")  # a tokenizer.model may hold tiktoken ranks (Llama 3)
     with pytest.raises(MlxcelError, match="has no tokenizer.json"):
         load_tokenizer(tmp_path, kind="hf")
     with pytest.raises(MlxcelError, match="exactly one .gguf"):

@@ -20,13 +20,15 @@ class FastTokenizer:
         eos_tokens: list[str] | None = None,
         unk_token: str | None = None,
         pad_token: str | None = None,
-        chat_template: str | None = None,
+        chat_templates: dict[str, str] | None = None,
         eos_token_ids: list[int] | None = None,
         bos_token_id: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.backend = backend
-        self.chat_template = chat_template
+        # Named templates ("default", "tool_use", ...); chat_template is the default one.
+        self.chat_templates = dict(chat_templates or {})
+        self.chat_template = self.chat_templates.get("default", next(iter(self.chat_templates.values()), None))
         self.bos_token = bos_token
         self.eos_token = eos_tokens[0] if eos_tokens else None
         self.unk_token = unk_token

@@ -1,8 +1,10 @@
 """GGUF tokenizers: rebuild a `tokenizers.Tokenizer` from llama.cpp's metadata keys.
 
-Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) so far. The pre-tokenizer regexes come
-from llama.cpp's llama-vocab.cpp (keyed by `tokenizer.ggml.pre`), since llama.cpp is what wrote
-these files and the model was trained with the matching split.
+Byte-level BPE (`tokenizer.ggml.model == "gpt2"`): the pre-tokenizer regexes come from
+llama.cpp's llama-vocab.cpp (keyed by `tokenizer.ggml.pre`), since llama.cpp is what wrote these
+files and the model was trained with the matching split. SentencePiece vocabularies
+(`"llama"`: pieces, scores, types) are rebuilt into a SentencePiece model and run by the
+sentencepiece backend, as llama.cpp's SPM tokenizer mirrors SentencePiece.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer.fast import FastTokenizer, make_post_processor
+from mlxcel.tokenizer.sentencepiece import SentencePieceTokenizer, load_processor
+from mlxcel.tokenizer.spm_proto import UNKNOWN, make_spm_model
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -66,7 +70,7 @@ def read_value(value: Any) -> Any:
     return value
 
 
-def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> FastTokenizer:
+def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> FastTokenizer | SentencePieceTokenizer:
     meta = metadata if metadata is not None else load_gguf_metadata(path)
 
     def get(key: str, default: Any = None) -> Any:
@@ -75,9 +79,12 @@ def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> F
     model = get("tokenizer.ggml.model")
     if model is None:
         raise MlxcelError(f"{path}: the GGUF has no tokenizer (no tokenizer.ggml.model key)")
+    if model == "llama":
+        return load_gguf_spm(path, get, read_gguf_templates(meta))
     if model != "gpt2":
         raise MlxcelError(
-            f"{path}: GGUF tokenizer.ggml.model={model!r} is not supported yet; only 'gpt2' (byte-level BPE) is"
+            f"{path}: GGUF tokenizer.ggml.model={model!r} is not supported yet; 'gpt2' (byte-level BPE) and "
+            "'llama' (SentencePiece) are; give the model folder's own tokenizer with tokenizer.path=..."
         )
     tokens: list[str] = list(get("tokenizer.ggml.tokens") or [])
     types: list[int] = list(get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -101,12 +108,64 @@ def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> F
         eos_tokens=[eos] if eos is not None else [],
         unk_token=token_at("tokenizer.ggml.unknown_token_id"),
         pad_token=token_at("tokenizer.ggml.padding_token_id"),
-        chat_template=get("tokenizer.chat_template"),
+        chat_templates=read_gguf_templates(meta),
         eos_token_ids=[i for i in eos_ids if isinstance(i, int)],
         bos_token_id=get("tokenizer.ggml.bos_token_id") if bos is not None else None,
     )
     result.vocab_size = max(result.vocab_size, len(tokens))  # duplicate strings still own an id
     return result
+
+
+def read_gguf_templates(meta: dict[str, Any]) -> dict[str, str]:
+    """tokenizer.chat_template (default) and tokenizer.chat_template.NAME (named, e.g. tool_use)."""
+    prefix = "tokenizer.chat_template"
+    templates = {}
+    for key, value in meta.items():
+        if key == prefix or key.startswith(prefix + "."):
+            value = read_value(value)
+            if isinstance(value, str):
+                templates["default" if key == prefix else key[len(prefix) + 1 :]] = value
+    return templates
+
+
+def load_gguf_spm(path: Path, get: Any, templates: dict[str, str]) -> SentencePieceTokenizer:
+    tokens: list[str] = list(get("tokenizer.ggml.tokens") or [])
+    scores: list[float] = list(get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    types: list[int] = list(get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if not tokens or len(scores) != len(tokens) or len(types) != len(tokens):
+        raise MlxcelError(
+            f"{path}: GGUF llama vocabulary is inconsistent ({len(tokens)} tokens, {len(scores)} scores, {len(types)} types)"
+        )
+    if UNKNOWN not in types:
+        raise MlxcelError(f"{path}: GGUF llama vocabulary has no unknown token (token_type 2); SentencePiece needs one")
+    data = make_spm_model(
+        list(zip(tokens, scores, types)),
+        add_dummy_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+        remove_extra_whitespaces=bool(get("tokenizer.ggml.remove_extra_whitespaces", False)),
+    )
+    processor = load_processor(data, path)
+
+    def id_at(key: str) -> int | None:
+        i = get(key)
+        return i if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    bos_id = id_at("tokenizer.ggml.bos_token_id")
+    eos_ids = [id_at(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    eos_ids = [i for i in eos_ids if i is not None]
+    pad_id = id_at("tokenizer.ggml.padding_token_id")
+    return SentencePieceTokenizer(
+        processor,
+        backend="gguf",
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_tokens=[tokens[i] for i in eos_ids],
+        add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's SPM default
+        add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+        legacy=True,  # llama.cpp puts the space prefix after every special token
+        chat_templates=templates,
+        bos_token_id=bos_id,
+        eos_token_ids=eos_ids,
+        pad_token=tokens[pad_id] if pad_id is not None else None,
+    )
 
 
 def split_merge(merge: str) -> tuple[str, str]:

@@ -38,7 +38,7 @@ def load_hf_tokenizer(folder: Path) -> FastTokenizer:
         eos_tokens=eos,
         unk_token=read_token_string(config.get("unk_token")),
         pad_token=read_token_string(config.get("pad_token")),
-        chat_template=load_chat_template(folder, config),
+        chat_templates=load_chat_templates(folder, config),
     )
 
 
@@ -108,12 +108,37 @@ def apply_config_added_tokens(tokenizer: Tokenizer, config: dict[str, Any]) -> N
 
 
 def load_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    """chat_template.jinja wins over the config's `chat_template` (as in transformers)."""
+    """The default template (see load_chat_templates)."""
+    templates = load_chat_templates(folder, config)
+    return templates.get("default", next(iter(templates.values()), None))
+
+
+def load_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Every template of the folder by name ("default" for the unnamed one).
+
+    As in transformers: the config's `chat_template` (a string, or named templates
+    [{"name", "template"}]), overridden by chat_template.json, overridden by chat_template.jinja;
+    additional_chat_templates/NAME.jinja adds NAME.
+    """
+    templates = read_named_templates(config.get("chat_template"))
+    json_file = folder / "chat_template.json"
+    if json_file.is_file():
+        templates.update(read_named_templates(read_json(json_file).get("chat_template")))
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
-    return template if isinstance(template, str) else None
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+    extra = folder / "additional_chat_templates"
+    for path in sorted(extra.glob("*.jinja")) if extra.is_dir() else ():
+        templates[path.stem] = path.read_text(encoding="utf-8")
+    return templates
+
+
+def read_named_templates(value: Any) -> dict[str, str]:
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list):  # [{"name": ..., "template": ...}]
+        pairs = (t for t in value if isinstance(t, dict))
+        return {t["name"]: t["template"] for t in pairs if isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if isinstance(v, str)}
+    return {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +14,23 @@ _FOLDER_FILES = (("hf", "tokenizer.json"), ("sentencepiece", "tokenizer.model"),
 
 
 def detect_tokenizer_kind(path: str | Path) -> str:
-    """`.gguf` file -> gguf; folder with tokenizer.json -> hf; tokenizer.model -> sentencepiece;
-    *.tiktoken -> tiktoken; else a folder holding exactly one .gguf -> gguf."""
+    """`.gguf` file -> gguf; folder with tokenizer.json -> hf; tokenizer.model -> sentencepiece
+    (tiktoken when it holds tiktoken ranks); *.tiktoken -> tiktoken; else a folder holding exactly
+    one .gguf -> gguf. A tokenizer file named directly counts as its folder."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
+    if path.is_file():  # a tokenizer file named directly: its folder is read
+        by_name = {"tokenizer.json": "hf", "tokenizer.model": "sentencepiece"}
+        kind = "tiktoken" if path.suffix == ".tiktoken" else by_name.get(path.name)
+        if kind is not None:
+            return "tiktoken" if kind == "sentencepiece" and is_tiktoken_file(path) else kind
     if not path.is_dir():
         what = "file" if path.exists() else "path"
         raise MlxcelError(f"tokenizer: {what} {path} is neither a model folder nor a .gguf file")
     for kind, pattern in _FOLDER_FILES:
         if any(path.glob(pattern)):
-            return kind
+            return "tiktoken" if kind == "sentencepiece" and is_tiktoken_file(path / pattern) else kind
     if len(list(path.glob("*.gguf"))) == 1:
         return "gguf"
     looked_for = ", ".join(p for _, p in _FOLDER_FILES) + ", one *.gguf"
@@ -53,11 +60,26 @@ def load_tokenizer(path: str | Path, kind: str = "auto", gguf_metadata: dict[str
         from mlxcel.tokenizer.gguf import load_gguf_tokenizer
 
         return load_gguf_tokenizer(find_gguf_file(path), gguf_metadata)
-    # The sentencepiece and tiktoken backends slot in here (one module each).
-    raise MlxcelError(
-        f"tokenizer.kind={kind}: not supported yet; this version reads tokenizer.json (kind=hf) and GGUF files "
-        f"(kind=gguf) only ({path})"
-    )
+    folder = path if path.is_dir() else path.parent
+    if kind == "sentencepiece":
+        from mlxcel.tokenizer.sentencepiece import load_sentencepiece_tokenizer
+
+        if not (folder / "tokenizer.model").is_file():
+            raise MlxcelError(f"tokenizer.kind=sentencepiece: {folder} has no tokenizer.model")
+        return load_sentencepiece_tokenizer(folder)
+    from mlxcel.tokenizer.tiktoken_bpe import load_tiktoken_tokenizer
+
+    return load_tiktoken_tokenizer(folder)
+
+
+def is_tiktoken_file(path: Path) -> bool:
+    """A tokenizer.model that holds tiktoken ranks (text lines 'base64 rank'), as Llama 3's originals do."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(64).split(b"\n")[0]
+    except OSError:
+        return False
+    return re.fullmatch(rb"[A-Za-z0-9+/=]+ [0-9]+", head) is not None
 
 
 def find_gguf_file(path: Path) -> Path:

@@ -3,7 +3,19 @@
 Scripts: `from mlxcel import load_generator` (see mlxcel/api.py); the CLI is `mlxcel-run`.
 """
 
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
+
+# MLX's CUDA backend (0.32) launches a CUDA graph every MLX_MAX_OPS_PER_BUFFER ops (default 20),
+# and a batch-1 decode step is ~400 small ops: decode runs host-bound on per-graph overhead.
+# On the H200 (Qwen2.5-0.5B shape, batch 1) 20 -> 200 alone gave ~+10%, and 100 was as fast as
+# 200 or faster; later MLX releases pick 100 for Hopper themselves. MLX reads it once, at its
+# first GPU commit, so it is set here, before any work. Linux only (CUDA): Metal has its own
+# per-device default; the CPU backend never reads it. A value the user set is kept.
+if _sys.platform == "linux":
+    _os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "100")
 
 
 def __getattr__(name: str):

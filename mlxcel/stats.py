@@ -9,6 +9,7 @@ generated tokens after each row's first over the time after the first token (mlx
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
@@ -120,6 +121,7 @@ def read_environment() -> dict:
         "blas": describe_blas(),
     }
     if device == mx.gpu:
+        env["mlx_max_ops_per_buffer"] = os.environ.get("MLX_MAX_OPS_PER_BUFFER")
         try:
             env["device_info"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
         except Exception:  # device_info is backend-specific; its absence is not an error

@@ -86,3 +86,36 @@ def test_fused_and_separate_projections_agree(family, tiny_llama, tiny_qwen2, mo
     monkeypatch.setenv("MLXCEL_FUSE", "1")
     fused, _ = mlxcel_logits(folder, PROMPT)
     assert np.abs(separate - fused).max() <= 1e-4
+
+
+def test_one_row_bias_split_gives_the_fused_linear_result(tiny_qwen2, monkeypatch):
+    """The CUDA-only batch-1 path (gemv + bias add instead of one biased matmul) computes the
+    same decode logits; forced on here so the CPU exercises it."""
+    from mlxcel.models import base
+
+    model = load_model(str(tiny_qwen2), dtype="float32").model
+    prompt = mx.array([[5, 9, 14, 3, 27, 8]])
+
+    def decode_logits() -> mx.array:
+        cache = model.make_cache(1)
+        model(prompt, cache)
+        return model(mx.array([[11]]), cache)[:, -1, :]
+
+    monkeypatch.setattr(base, "SPLIT_ONE_ROW_BIAS", False)
+    fused = decode_logits()
+    monkeypatch.setattr(base, "SPLIT_ONE_ROW_BIAS", True)
+    split = decode_logits()
+    assert mx.abs(fused - split).max().item() < 1e-5
+
+
+def test_import_sets_the_cuda_graph_size_unless_the_user_did():
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, mlxcel; print(os.environ.get('MLX_MAX_OPS_PER_BUFFER'))"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_MAX_OPS_PER_BUFFER"}
+    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert default == ("100" if sys.platform == "linux" else "None")
+    kept = subprocess.run([sys.executable, "-c", code], env={**env, "MLX_MAX_OPS_PER_BUFFER": "7"}, capture_output=True, text=True, check=True).stdout.strip()
+    assert kept == "7"

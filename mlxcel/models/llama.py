@@ -8,7 +8,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.models.base import RoPE, fuse_linears, read_rope_scaling, read_rope_theta
+from mlxcel.models.base import (
+    RoPE,
+    apply_linear,
+    fuse_linears,
+    read_rope_scaling,
+    read_rope_theta,
+    swiglu,
+)
 from mlxcel.models.cache import KVCache, make_attention_mask, make_kv_caches
 
 REQUIRED_KEYS = (
@@ -96,9 +103,9 @@ class Attention(nn.Module):
 
     def project_qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "qkv_proj" not in self:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return apply_linear(self.q_proj, x), apply_linear(self.k_proj, x), apply_linear(self.v_proj, x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return tuple(mx.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1))
+        return tuple(mx.split(apply_linear(self.qkv_proj, x), [q_size, q_size + kv_size], axis=-1))
 
     def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
@@ -110,7 +117,7 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset), self.rope(k, offset)
         k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return apply_linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -132,7 +139,7 @@ class MLP(nn.Module):
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class TransformerBlock(nn.Module):

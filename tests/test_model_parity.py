@@ -119,3 +119,12 @@ def test_import_sets_the_cuda_graph_size_unless_the_user_did():
     assert default == ("100" if sys.platform == "linux" else "None")
     kept = subprocess.run([sys.executable, "-c", code], env={**env, "MLX_MAX_OPS_PER_BUFFER": "7"}, capture_output=True, text=True, check=True).stdout.strip()
     assert kept == "7"
+
+
+def test_fused_swiglu_equals_silu_times_up():
+    import mlx.nn as nn
+
+    from mlxcel.models.base import fused_swiglu
+
+    gate, up = mx.random.normal((2, 3, 64), key=mx.random.key(1)), mx.random.normal((2, 3, 64), key=mx.random.key(2))
+    assert mx.abs(fused_swiglu(gate, up) - nn.silu(gate) * up).max().item() < 1e-6

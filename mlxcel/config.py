@@ -6,7 +6,7 @@ here imports Hydra, so the runner and tests can build configs directly.
 
 Adding a field: declare it on its group model (ints/floats/bools are strict so `true` is not 1).
 Adding a group: a model here, a `RunConfig` field, a `conf/<group>/` folder. Adding a sampler
-stage: a model in `PROCESSORS`. Custom checks raise `reject(...)`, which keeps the path.
+stage: a model in `PROCESSORS` (mlxcel/sampling/config.py). Custom checks raise `reject(...)`, which keeps the path.
 """
 
 from __future__ import annotations
@@ -82,80 +82,8 @@ class TemplateConfig(Group):
         return self
 
 
-# ---- sampler (shared/SAMPLERS.md): the order is fixed here, never taken from the YAML ----
-CHAIN_ORDER = ("logit_bias", "penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
-SELECTOR_KINDS = ("greedy", "categorical", "mirostat_v1", "mirostat_v2", "adaptive_p")
-IMPLEMENTED_SELECTORS = ("greedy", "categorical")
-
-
-class TemperatureConfig(Group):
-    value: Float = 0.8
-    dynatemp_range: Float = 0.0
-    dynatemp_exponent: Float = 1.0
-
-    @field_validator("dynatemp_range")
-    @classmethod
-    def _check_range(cls, value: float) -> float:
-        if value != 0.0:
-            raise reject("dynamic temperature is not implemented yet; only 0.0 (off) is supported")
-        return value
-
-
-PROCESSORS: dict[str, type[Group]] = {"temperature": TemperatureConfig}
-
-
-class SelectorConfig(Group):
-    kind: str = "categorical"
-
-    @field_validator("kind")
-    @classmethod
-    def _check_kind(cls, kind: str) -> str:
-        if kind in IMPLEMENTED_SELECTORS:
-            return kind
-        if kind in SELECTOR_KINDS:
-            raise reject("not implemented yet; this version implements: " + ", ".join(IMPLEMENTED_SELECTORS))
-        raise reject("unknown selector; known: " + ", ".join(SELECTOR_KINDS))
-
-
-class SamplerConfig(Group):
-    seed: NonNegativeInt = 0
-    min_keep: NonNegativeInt = 0
-    # stage name -> its parameters, every one filled (validated by the stage's model in PROCESSORS)
-    processors: dict[str, dict] = Field(default_factory=dict)
-    selector: SelectorConfig = Field(default_factory=SelectorConfig)
-
-    @field_validator("processors", mode="before")
-    @classmethod
-    def _check_processors(cls, value: Any) -> Any:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            return value  # the dict type check reports it
-        checked, nested = {}, []  # nested: (model, loc prefix, pydantic-style errors)
-        for name, params in value.items():
-            if name not in PROCESSORS:
-                message = "not implemented yet; this version implements: " + ", ".join(PROCESSORS)
-                if name not in CHAIN_ORDER:
-                    message = "unknown sampler stage; known: " + ", ".join(CHAIN_ORDER)
-                nested.append((None, (), [{"type": "mlxcel", "loc": (name,), "input": params, "ctx": {"mlxcel": (None, message, params)}}]))
-                continue
-            try:  # null or {} turns the stage on with its defaults
-                checked[name] = PROCESSORS[name].model_validate({} if params is None else params).model_dump()
-            except ValidationError as err:
-                nested.append((PROCESSORS[name], (name,), err.errors()))
-        if nested:
-            raise PydanticCustomError("mlxcel_nested", "invalid sampler stages", {"nested": nested})
-        return checked
-
-    def effective_chain(self) -> list[dict]:
-        """The chain in its real order, every parameter filled; temperature <= 0 means a greedy draw."""
-        chain = [{"stage": name, **self.processors[name]} for name in CHAIN_ORDER if name in self.processors]
-        draw = self.selector.kind
-        if "temperature" in self.processors and self.processors["temperature"]["value"] <= 0:
-            chain = [stage for stage in chain if stage["stage"] != "temperature"]
-            draw = "greedy"  # as llama.cpp: not an error
-        selector_params = self.selector.model_dump(exclude={"kind"})
-        return chain + [{"stage": "draw", "kind": draw, **selector_params}]
+# ---- sampler (shared/SAMPLERS.md): its schema lives with the sampler chain ----
+from mlxcel.sampling.config import CHAIN_ORDER, PROCESSORS, SELECTOR_KINDS, SamplerConfig, SelectorConfig, TemperatureConfig  # noqa: E402,F401
 
 
 # ---- the other stages ----
@@ -195,6 +123,7 @@ class DecodeConfig(Group):
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     ignore_eos: Bool = False
     pipeline: Bool = True
+    logprobs: NonNegativeInt = 0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
 
     def use_pipeline(self) -> bool:
         """Pipelined decode unless decode.pipeline=false or MLXCEL_FORCE_SYNC=1."""

@@ -15,7 +15,7 @@ from mlxcel.jobs import Sample
 from mlxcel.models.fingerprint import ModelHeader, read_model_header
 from mlxcel.models.loader import LoadedModel, load_model, resolve_model_path
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
-from mlxcel.sampling import make_sampler
+from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.template import PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
@@ -36,8 +36,8 @@ class Pipeline:
         self.loaded = loaded
         self.template_source = load_template_source(tokenizer, cfg.template.text, cfg.template.file)
         self.max_context = cfg.model.max_context or (loaded.model.args.max_position_embeddings if loaded else header.max_context)
-        self.sampler = make_sampler(cfg.sampler.effective_chain(), cfg.sampler.seed)
         self.stop_ids = self._merge_stop_ids() if loaded else set()
+        self.sampler = self.make_sampler() if loaded else None
 
     @classmethod
     def load(cls, cfg: RunConfig, load_weights: bool = True, log: TextIO | None = None) -> Pipeline:
@@ -68,6 +68,14 @@ class Pipeline:
             stop.update(loaded.model.eos_token_ids())
             stop.update(self.tokenizer.eos_token_ids)
         return stop
+
+    def make_sampler(self) -> SamplerChain:
+        """The sampler chain bound to this model: its vocabulary, EOS ids, DRY breakers tokenized."""
+        loaded, tokenizer = self.loaded, self.tokenizer
+        eos = loaded.generation_config.get("eos_token_id")
+        eos_ids = set([eos] if isinstance(eos, int) else eos or []) | set(loaded.model.eos_token_ids()) | set(tokenizer.eos_token_ids)
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        return make_sampler_chain(self.cfg.sampler, loaded.model.args.vocab_size, encode=encode, eos_token_ids=sorted(eos_ids))
 
     def prepare(self, samples: list[Sample]) -> list[PreparedSample]:
         """Render and tokenize every sample; one that fails gets its error, the rest go on."""
@@ -133,6 +141,7 @@ class Pipeline:
             chunk_size=cfg.prefill.resolved_chunk_size(),
             tile_size=cfg.prefill.tile_size,
             pad_token_id=self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else 0,
+            logprobs=cfg.decode.logprobs,
         )
 
 

@@ -199,6 +199,7 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
         "generated_tokens": len(result.token_ids),
+        **({"logprobs": result.logprobs} if result.logprobs is not None else {}),  # decode.logprobs > 0
     }
 
 

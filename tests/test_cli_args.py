@@ -175,10 +175,10 @@ def test_debug_shows_the_traceback(stub_runner, monkeypatch, capsys):
 
 
 def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys):
-    assert run_main(monkeypatch, "decode.max_tokens=0", "sampler.selector.kind=mirostat_v2") == 2
+    assert run_main(monkeypatch, "decode.max_tokens=0", "sampler.selector.kind=beam") == 2
     assert stub_runner.calls == []
     assert capsys.readouterr().err.splitlines() == [
-        "mlxcel: config error: sampler.selector.kind: not implemented yet; this version implements: greedy, categorical (got 'mirostat_v2')",
+        "mlxcel: config error: sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')",
         "mlxcel: config error: decode.max_tokens: must be > 0 (got 0)",
         "mlxcel: config error: fix: override it on the command line (e.g. sampler.selector.kind=...) or edit conf/sampler/ (or your own config)",
     ]
@@ -187,8 +187,8 @@ def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys
 @pytest.mark.parametrize(
     "args, line",
     [
-        (["sampler=nope"], "could not find config 'sampler/nope'; available options in 'sampler': greedy, temperature"),
-        (["decode.max_tokenz=1"], "decode.max_tokenz: unknown key; valid keys: max_tokens, stop_token_ids, ignore_eos, pipeline; to append to your config use +decode.max_tokenz=1"),
+        (["sampler=nope"], "could not find config 'sampler/nope'; available options in 'sampler': adaptive_p, default, dry, dynatemp, greedy, min_p, mirostat, mirostat_v1, penalties, temperature, top_n_sigma, typical, xtc"),
+        (["decode.max_tokenz=1"], "decode.max_tokenz: unknown key; valid keys: max_tokens, stop_token_ids, ignore_eos, pipeline, logprobs; to append to your config use +decode.max_tokenz=1"),
         (["foo=1"], "foo: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner; to append to your config use +foo=1"),
         (["~sampler.processors.top_p"], "Could not delete from config. 'sampler.processors.top_p' does not exist."),
         (["decode.max_tokens=${oops}"], "decode.max_tokens: Interpolation key 'oops' not found"),
@@ -241,7 +241,7 @@ def test_stubbed_run_gets_the_exact_text(tmp_path):
 @pytest.mark.parametrize(
     "arg, needle",
     [
-        ("sampler=nope", "greedy, temperature"),
+        ("sampler=nope", "greedy, min_p, mirostat"),
         ("+decode.max_tokens=5", "++decode.max_tokens=5"),
         ("decode.max_tokens=[1", "cannot parse override 'decode.max_tokens=[1'"),
         ("foo=1", "foo: unknown key"),

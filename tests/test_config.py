@@ -99,7 +99,13 @@ ERROR_CASES = [
     ({"template": {"kind": "none", "text": "x"}}, "template.text: must be null with template.kind=none (no template) (got 'x')"),
     ({"sampler": {"seed": -1}}, "sampler.seed: must be >= 0 (got -1)"),
     ({"sampler": {"min_keep": 1.5}}, "sampler.min_keep: must be an integer >= 0 (got 1.5)"),
-    ({"sampler": {"processors": {"top_k": {"k": 40}}}}, "sampler.processors.top_k: not implemented yet; this version implements: temperature (got {'k': 40})"),
+    ({"sampler": {"processors": {"top_k": {"k": 4.5}}}}, "sampler.processors.top_k.k: must be an integer (got 4.5)"),
+    ({"sampler": {"processors": {"top_p": {"p": 1.5}}}}, "sampler.processors.top_p.p: must be in [0.0, 1.0]; 1.0 turns top-p off (got 1.5)"),
+    ({"sampler": {"processors": {"penalties": {"repeat": 0.0}}}}, "sampler.processors.penalties.repeat: must be > 0; 1.0 turns it off (got 0.0)"),
+    ({"sampler": {"processors": {"dry": {"last_n": -2}}}}, "sampler.processors.dry.last_n: must be >= -1; -1 = the whole history, 0 = off (got -2)"),
+    ({"sampler": {"processors": {"dry": {"breakers": [""]}}}}, "sampler.processors.dry.breakers: each breaker must be a string of 1 to 40 characters (got '')"),
+    ({"sampler": {"processors": {"logit_bias": {"bias": {"x": 1.0}}}}}, "sampler.processors.logit_bias.bias: keys must be token ids (integers >= 0) (got 'x')"),
+    ({"sampler": {"processors": {"xtc": {"threshold": 2.0}}}}, "sampler.processors.xtc.threshold: must be in [0.0, 1.0]; values above 0.5 turn XTC off (got 2.0)"),
     (
         {"sampler": {"processors": {"top_q": {}}}},
         "sampler.processors.top_q: unknown sampler stage; known: logit_bias, penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature (got {})",
@@ -107,12 +113,19 @@ ERROR_CASES = [
     ({"sampler": {"processors": {"temperature": {"value": "hot"}}}}, "sampler.processors.temperature.value: must be a number (got 'hot')"),
     ({"sampler": {"processors": {"temperature": {"valu": 1.0}}}}, "sampler.processors.temperature.valu: unknown key; valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)"),
     (
-        {"sampler": {"processors": {"temperature": {"dynatemp_range": 0.5}}}},
-        "sampler.processors.temperature.dynatemp_range: dynamic temperature is not implemented yet; only 0.0 (off) is supported (got 0.5)",
+        {"sampler": {"processors": {"temperature": {"dynatemp_range": -0.5}}}},
+        "sampler.processors.temperature.dynatemp_range: must be >= 0.0; 0.0 turns dynamic temperature off (got -0.5)",
     ),
     ({"sampler": {"processors": {"temperature": 0.5}}}, "sampler.processors.temperature: must be a mapping (got 0.5)"),
     ({"sampler": {"processors": [1]}}, "sampler.processors: must be a mapping (got [1])"),
-    ({"sampler": {"selector": {"kind": "mirostat_v2"}}}, "sampler.selector.kind: not implemented yet; this version implements: greedy, categorical (got 'mirostat_v2')"),
+    (
+        {"sampler": {"processors": {"top_k": {}}, "selector": {"kind": "mirostat_v2"}}},
+        "sampler.processors.top_k: cannot be combined with sampler.selector.kind=mirostat_v2 (mirostat does its own truncation); "
+        "remove it with '~sampler.processors.top_k' or choose another selector (got {'k': 40})",
+    ),
+    ({"sampler": {"selector": {"kind": "mirostat_v2", "tau": -1.0}}}, "sampler.selector.tau: must be >= 0.0 (got -1.0)"),
+    ({"sampler": {"selector": {"kind": "adaptive_p", "decay": 1.0}}}, "sampler.selector.decay: must be in [0.0, 0.99] (got 1.0)"),
+    ({"sampler": {"selector": {"kind": "mirostat_v1", "target": 0.5}}}, "sampler.selector.target: unknown key; valid keys: kind, tau, eta (got 0.5)"),
     ({"sampler": {"selector": {"kind": "beam"}}}, "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')"),
     ({"sampler": {"selector": {"kind": "greedy", "tau": 5.0}}}, "sampler.selector.tau: unknown key; valid keys: kind (got 5.0)"),
     ({"prefill": {"chunk_size": 0}}, "prefill.chunk_size: must be > 0 (got 0)"),
@@ -158,12 +171,12 @@ def test_all_errors_are_reported_at_once():
     data = with_values(
         model={"dtype": "fp8"},
         decode={"max_tokens": 0, "stop_token_ids": [-1]},
-        sampler={"processors": {"top_p": {"p": 0.9}, "temperature": {"value": "x"}}},
+        sampler={"processors": {"top_p": {"p": 1.9}, "temperature": {"value": "x"}}},
         runner={"name": "a b"},
     )
     assert issue_lines(data) == [
         "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')",
-        "sampler.processors.top_p: not implemented yet; this version implements: temperature (got {'p': 0.9})",
+        "sampler.processors.top_p.p: must be in [0.0, 1.0]; 1.0 turns top-p off (got 1.9)",
         "sampler.processors.temperature.value: must be a number (got 'x')",
         "decode.max_tokens: must be > 0 (got 0)",
         "decode.stop_token_ids.0: must be >= 0 (got -1)",
@@ -284,10 +297,10 @@ def test_temperature_preset_and_overrides():
     assert removed.sampler.processors == {}
 
 
-def test_unimplemented_stage_added_with_plus_plus_is_rejected():
-    with pytest.raises(ConfigError) as info:
-        validate_config(compose_run(["++sampler.processors.min_p.p=0.05"]))
-    assert info.value.issues[0].format() == "sampler.processors.min_p: not implemented yet; this version implements: temperature (got {'p': 0.05})"
+def test_stage_added_with_plus_plus_takes_the_other_defaults():
+    cfg = validate_config(compose_run(["sampler=temperature", "++sampler.processors.top_k.k=5", "++sampler.processors.min_p.p=0.1"]))
+    assert [stage["stage"] for stage in cfg.sampler.effective_chain()] == ["top_k", "min_p", "temperature", "draw"]
+    assert cfg.sampler.processors["top_k"] == {"k": 5}
 
 
 def test_hf_model_without_path_is_a_config_error():

@@ -18,7 +18,7 @@ from mlxcel.engine.compiled import CompiledDecoder, is_compile_enabled
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
 from mlxcel.errors import MlxcelError
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
-from mlxcel.sampling import RowKey
+from mlxcel.sampling import BatchSampler, RowKey
 
 OnToken = Callable[[int, int], "bool | None"]  # (row index, token id) -> False to stop that row
 OnRowDone = Callable[[int, RowResult], None]  # (row index, its finished result)
@@ -46,9 +46,10 @@ class BatchState:
     row_keys: list[RowKey]
     timings: GenerationTimings
     max_tokens: list[int]
-    inflight: deque = field(default_factory=deque)  # lazy token arrays [B], oldest first
+    inflight: deque = field(default_factory=deque)  # lazy Draws (tokens [B], logprobs), oldest first
     next_input: mx.array | None = None
     produced_steps: int = 0  # token steps queued so far (materialised or in flight)
+    sampling: BatchSampler | None = None  # the rows' sampler state (keys, history, mirostat mu, ...) on the device
 
     @property
     def active_rows(self) -> list[int]:
@@ -89,11 +90,12 @@ class Engine:
             request=request,
             cache=cache,
             plan=plan,
-            results=[RowResult(prompt_tokens=len(r.prompt_ids)) for r in rows],
+            results=[RowResult(prompt_tokens=len(r.prompt_ids), logprobs=[] if request.logprobs else None) for r in rows],
             row_keys=[RowKey(r.row_id, r.sample_index, r.seed) for r in rows],
             timings=timings,
             max_tokens=[r.max_tokens or request.max_tokens for r in rows],
         )
+        state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
         logits = self._run_prefill(tokens, cache, plan, timings)
         self.model.after_prefill()
         self._queue_tokens(state, logits)
@@ -116,11 +118,10 @@ class Engine:
         return logits[:, -1, :]
 
     def _queue_tokens(self, state: BatchState, logits: mx.array) -> None:
-        positions = [state.produced_steps] * len(state.results)
-        tokens = state.request.sampler(logits, state.row_keys, positions)
-        mx.async_eval(tokens)
-        state.inflight.append(tokens)
-        state.next_input = tokens
+        draw = state.sampling.sample(logits)  # lazy: the sampler's state stays on the device
+        mx.async_eval(draw.arrays() + state.sampling.state_arrays())
+        state.inflight.append(draw)
+        state.next_input = draw.tokens
         state.produced_steps += 1
 
     def can_submit(self, state: BatchState) -> bool:
@@ -144,7 +145,7 @@ class Engine:
         if not state.inflight:
             self._finish_all(state, "length")  # the context is full
         else:
-            self._apply_step(state, state.inflight.popleft().tolist(), on_token)
+            self._apply_step(state, *state.inflight.popleft().to_host(), on_token)
             if state.active_rows and not state.inflight and not self.can_submit(state):
                 self._finish_all(state, "length")
         if on_row_done is not None:
@@ -153,7 +154,7 @@ class Engine:
                     on_row_done(i, state.results[i])
         return bool(state.active_rows)
 
-    def _apply_step(self, state: BatchState, tokens: list[int], on_token: OnToken) -> None:
+    def _apply_step(self, state: BatchState, tokens: list[int], logprobs: list[dict] | None, on_token: OnToken) -> None:
         if state.timings.first_token is None:
             state.timings.first_token = time.perf_counter()
             mx.clear_cache()  # hand prefill's intermediate buffers back before decoding
@@ -164,6 +165,8 @@ class Engine:
                 result.finish_reason = "stop"
                 continue
             result.token_ids.append(token)
+            if logprobs is not None:
+                result.logprobs.append({"token": token, **logprobs[i]})
             if on_token(i, token) is False:
                 result.finish_reason = "cancelled"
             elif len(result.token_ids) >= state.max_tokens[i]:
@@ -176,7 +179,7 @@ class Engine:
             return False
         if self.can_submit(state):
             self.submit(state)
-            mx.eval(state.inflight[-1])
+            mx.eval(state.inflight[-1].arrays())
         return True
 
     def _finish_all(self, state: BatchState, reason: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlxcel.sampling import Sampler
+from mlxcel.sampling import SamplerChain
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -22,12 +22,13 @@ class RowRequest:
 @dataclass
 class GenerationRequest:
     rows: list[RowRequest]
-    sampler: Sampler
+    sampler: SamplerChain
     max_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()  # merged EOS + stop ids; never emitted
     chunk_size: int = 2048
     tile_size: int | None = None
     pad_token_id: int = 0
+    logprobs: int = 0  # > 0: each token's logprob and the top-N alternatives (RowResult.logprobs)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class RowResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    logprobs: list[dict] | None = None  # per token {token, logprob, top: [[id, logprob], ...]}
 
 
 @dataclass

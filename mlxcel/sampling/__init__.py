@@ -1,3 +1,11 @@
-from mlxcel.sampling.chain import RowKey, Sampler, derive_row_seed, make_sampler
+from mlxcel.sampling.chain import (
+    BatchSampler,
+    Draw,
+    RowKey,
+    Sampler,
+    SamplerChain,
+    make_sampler_chain,
+)
+from mlxcel.sampling.rng import derive_row_seed
 
-__all__ = ["RowKey", "Sampler", "derive_row_seed", "make_sampler"]
+__all__ = ["BatchSampler", "Draw", "RowKey", "Sampler", "SamplerChain", "derive_row_seed", "make_sampler_chain"]

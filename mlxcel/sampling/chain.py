@@ -1,21 +1,37 @@
-"""The sampler chain, first part: greedy and a seeded categorical draw with temperature.
+"""The sampler chain: shared/SAMPLERS.md's stages in their fixed order, then the draw.
 
-The chain runs batch-wide on the device with no host read. Each row draws from its own
-random stream, derived from (seed, prompt id, sample index, position), so a row's tokens do
-not depend on which other rows share its batch.
+`make_sampler_chain(config, vocab_size)` builds a `SamplerChain` once per job; `chain.start(rows,
+histories)` gives a batch its `BatchSampler`, whose `sample(logits)` draws one token per row.
+
+One path for every chain: the whole step (stages, draw, state update) is one lazy device graph
+over the batch, compiled with `mx.compile` while its shapes stay fixed. Stateless chains carry only
+the rows' keys; stateful ones carry [B, ...] state arrays (history for penalties/DRY, mirostat's
+mu, adaptive-p's W and T) that the step updates on the device. Nothing is read back to the host,
+so the engine keeps the forward pass a step ahead with every sampler.
 """
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
+from mlxcel.sampling import history as hist
+from mlxcel.sampling import processors as proc
+from mlxcel.sampling import selectors as sel
+from mlxcel.sampling.config import SamplerConfig
+from mlxcel.sampling.rng import (
+    XTC_STREAM,
+    derive_row_seed,
+    make_base_keys,
+    make_gumbel,
+    make_uniform,
+)
 
-def derive_row_seed(seed: int, row_id: object, sample_index: int, position: int) -> int:
-    digest = hashlib.blake2b(f"{seed}|{row_id}|{sample_index}|{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+STATEFUL_DRAWS = ("mirostat_v1", "mirostat_v2", "adaptive_p")
 
 
 @dataclass(frozen=True)
@@ -27,40 +43,227 @@ class RowKey:
     seed: int | None = None  # a per-row seed (JSONL `seed`) replaces the sampler's
 
 
-@dataclass(frozen=True)
-class Sampler:
-    draw: str  # "greedy" | "categorical"
-    temperature: float = 1.0
-    seed: int = 0
+@dataclass
+class Draw:
+    """One step's tokens [B] (lazy), with their logprobs and the top-N alternatives when asked."""
+
+    tokens: mx.array
+    logprobs: mx.array | None = None  # [B]
+    top_ids: mx.array | None = None  # [B, N]
+    top_logprobs: mx.array | None = None  # [B, N]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
+
+    def to_host(self) -> tuple[list[int], list[dict] | None]:
+        """(token ids, per row {logprob, top: [[id, logprob], ...]} or None): the sync point."""
+        tokens = self.tokens.tolist()
+        if self.logprobs is None:
+            return tokens, None
+        chosen, ids, values = self.logprobs.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        rows = []
+        for lp, row_ids, row_values in zip(chosen, ids, values):
+            top = sorted(zip(row_ids, row_values), key=lambda item: (-item[1], item[0]))
+            rows.append({"logprob": lp, "top": [[int(i), v] for i, v in top]})
+        return tokens, rows
+
+
+class SamplerChain:
+    def __init__(self, config: SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=()):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.chain = config.effective_chain()
+        self.stages = self.chain[:-1]
+        self.draw = self.chain[-1]
+        self.seed = config.seed
+        self.bias = make_bias_vector(config, vocab_size, eos_token_ids) if self.has("logit_bias") else None
+        dry = self.get("dry")
+        self.breakers = hist.make_breakers(dry["breakers"], encode) if dry else []
+        self.exempt = hist.make_exempt_mask(self.breakers, vocab_size)
+        windows = [self.get(name)["last_n"] for name in ("penalties", "dry") if self.has(name)]
+        self.uses_history = bool(windows)
+        self.history_width = None if not windows or min(windows) < 0 else max(windows)  # None: whole history
+        self.uses_suffix = dry is not None
+        self._compiled = mx.compile(self.run_step)
+
+    def has(self, name: str) -> bool:
+        return any(stage["stage"] == name for stage in self.stages)
+
+    def get(self, name: str) -> dict | None:
+        return next((stage for stage in self.stages if stage["stage"] == name), None)
+
+    @property
+    def is_stateful(self) -> bool:
+        return self.uses_history or self.draw["kind"] in STATEFUL_DRAWS
 
     @property
     def is_greedy(self) -> bool:
-        return self.draw == "greedy"
+        return self.draw["kind"] == "greedy"
 
-    def row_seed(self, row: RowKey, position: int) -> int:
-        seed = self.seed if row.seed is None else row.seed
-        return derive_row_seed(seed, row.row_id, row.sample_index, position)
+    # ---- the step ----
+    def apply_stages(self, x: mx.array, keys: mx.array, position: mx.array, state: dict, with_xtc: bool = True) -> mx.array:
+        """Every stage before the draw, in the chain's order."""
+        for stage in self.stages:
+            name = stage["stage"]
+            if name == "logit_bias":
+                x = proc.apply_logit_bias(x, self.bias)
+            elif name == "penalties":
+                x = hist.apply_penalties(x, state["history"], stage["repeat"], stage["frequency"], stage["presence"], stage["last_n"])
+            elif name == "dry":
+                x = hist.apply_dry(x, state["history"], state["suffix"], stage, self.breakers, self.exempt)
+            elif name == "top_n_sigma":
+                x = proc.apply_top_n_sigma(x, stage["n"])
+            elif name == "top_k":
+                x = proc.apply_top_k(x, stage["k"], stage["min_keep"])
+            elif name == "typical_p":
+                x = proc.apply_typical_p(x, stage["p"], stage["min_keep"])
+            elif name == "top_p":
+                x = proc.apply_top_p(x, stage["p"], stage["min_keep"])
+            elif name == "min_p":
+                x = proc.apply_min_p(x, stage["p"], stage["min_keep"])
+            elif name == "xtc" and with_xtc:
+                u = make_uniform(keys, position, XTC_STREAM, 1)
+                x = proc.apply_xtc(x, u, stage["probability"], stage["threshold"], stage["min_keep"])
+            elif name == "temperature":
+                if stage["dynatemp_range"] > 0:
+                    x = proc.apply_dynamic_temperature(x, stage["value"], stage["dynatemp_range"], stage["dynatemp_exponent"])
+                else:
+                    x = proc.apply_temperature(x, stage["value"])
+        return x
+
+    def run_step(self, logits: mx.array, keys: mx.array, position: mx.array, state: dict):
+        """(tokens [B], the logits drawn from, the next state): a pure function of arrays."""
+        x = self.apply_stages(logits.astype(mx.float32), keys, position, state)
+        kind, draw, state = self.draw["kind"], self.draw, dict(state)
+        if kind == "greedy":
+            tokens, z = sel.draw_greedy(x), x
+        else:
+            gumbel = make_gumbel(keys, position, x.shape[-1])
+            if kind == "categorical":
+                tokens, z = sel.draw_categorical(x, gumbel), x
+            elif kind == "mirostat_v2":
+                tokens, z, state["mu"] = sel.draw_mirostat_v2(x, gumbel, state["mu"], draw["tau"], draw["eta"])
+            elif kind == "mirostat_v1":
+                tokens, z, state["mu"] = sel.draw_mirostat_v1(x, gumbel, state["mu"], draw["tau"], draw["eta"])
+            else:
+                decay = sel.clamp_decay(draw["decay"])
+                tokens, z, state["weight"], state["total"] = sel.draw_adaptive_p(x, gumbel, state["weight"], state["total"], draw["target"], decay)
+        if self.uses_history:
+            state["history"], state["suffix"] = hist.append_token(state["history"], state.get("suffix"), tokens, self.history_width is not None)
+            if state["suffix"] is None:
+                del state["suffix"]
+        return tokens, z, state
+
+    # ---- batches ----
+    def start(self, rows: list[RowKey], histories: list[list[int]] | None = None, logprobs: int = 0) -> BatchSampler:
+        """A batch's sampler: its rows' keys and the initial state (history = prompt tokens)."""
+        keys = make_base_keys([derive_row_seed(self.seed if r.seed is None else r.seed, r.row_id, r.sample_index) for r in rows])
+        return BatchSampler(self, keys, self.make_state(len(rows), histories), logprobs)
+
+    def make_state(self, batch: int, histories: list[list[int]] | None) -> dict:
+        state = {}
+        if self.uses_history:
+            if histories is None or len(histories) != batch or not all(histories):
+                raise MlxcelError("penalties and DRY need every row's history (at least one token)")
+            array = hist.make_history(histories, self.history_width)
+            state["history"] = mx.array(array)
+            if self.uses_suffix:
+                state["suffix"] = mx.array(hist.make_suffix_lengths(array))
+        kind = self.draw["kind"]
+        if kind.startswith("mirostat"):
+            state["mu"] = mx.full((batch,), 2.0 * self.draw["tau"], mx.float32)
+        elif kind == "adaptive_p":
+            decay = sel.clamp_decay(self.draw["decay"])
+            state["weight"] = mx.full((batch,), self.draw["target"] / (1 - decay), mx.float32)
+            state["total"] = mx.full((batch,), 1 / (1 - decay), mx.float32)
+        return state
+
+    def logprobs(self, logits: mx.array, history: list[list[int]] | None = None) -> mx.array:
+        """[B, V] log-probabilities of the distribution the draw samples from, -inf for removed
+        tokens, over the deterministic stages (XTC's gate, mirostat and adaptive-p left out).
+        Greedy: the distribution of the processed logits (the draw takes its argmax)."""
+        batch = logits.shape[0]
+        state = self.make_state(batch, history) if self.uses_history else {}
+        keys = mx.zeros((batch, 2), mx.uint32)
+        x = self.apply_stages(logits.astype(mx.float32), keys, mx.array(0, mx.uint32), state, with_xtc=False)
+        return sel.log_softmax(x)
 
     def __call__(self, logits: mx.array, rows: list[RowKey], positions: list[int]) -> mx.array:
-        """logits [B, V] -> token ids [B] (lazy)."""
-        if self.is_greedy:
-            return mx.argmax(logits, axis=-1)
-        scaled = logits.astype(mx.float32) * (1.0 / self.temperature)
-        noise = mx.stack(
-            [
-                mx.random.gumbel(shape=(logits.shape[-1],), key=mx.random.key(self.row_seed(r, pos)))
-                for r, pos in zip(rows, positions)
-            ]
+        """A stateless chain's tokens for rows at the given positions (no batch state)."""
+        if self.is_stateful:
+            raise MlxcelError("this sampler chain keeps per-row state: draw through chain.start(rows, histories).sample(logits)")
+        keys = self.start(rows).keys
+        position = mx.array(positions, dtype=mx.uint32)[:, None]
+        return self.run_step(logits, keys, position, {})[0]
+
+
+class BatchSampler:
+    """One batch's sampler: the rows' keys, the step (position), and the chain's state."""
+
+    def __init__(self, chain: SamplerChain, keys: mx.array, state: dict, logprobs: int = 0):
+        self.chain = chain
+        self.keys = keys
+        self.state = state
+        self.top_n = logprobs
+        self.step = 0
+        self.compiled = chain.history_width is not None or not chain.uses_history  # fixed shapes
+
+    def sample(self, logits: mx.array) -> Draw:
+        position = mx.array(self.step, dtype=mx.uint32)
+        run = self.chain._compiled if self.compiled else self.chain.run_step
+        tokens, z, self.state = run(logits, self.keys, position, self.state)
+        self.step += 1
+        top_n = min(self.top_n, logits.shape[-1])
+        if top_n <= 0:
+            return Draw(tokens)
+        lp = sel.log_softmax(z)
+        top_ids = mx.argpartition(-lp, top_n - 1, axis=-1)[:, :top_n]
+        return Draw(tokens, sel.take_token(lp, tokens), top_ids, mx.take_along_axis(lp, top_ids, axis=-1))
+
+    def state_arrays(self) -> list[mx.array]:
+        return list(self.state.values())
+
+
+def make_bias_vector(config: SamplerConfig, vocab_size: int, eos_token_ids) -> mx.array:
+    """[V] float32: the biases, -inf for suppressed ids and (ignore_eos) the EOS ids."""
+    params = config.processors["logit_bias"]
+    key = "sampler.processors.logit_bias"
+    issues = [ConfigIssue(f"{key}.bias.{t}", f"token id must be in [0, {vocab_size}) for this model", t) for t in params["bias"] if t >= vocab_size]
+    issues += [ConfigIssue(f"{key}.suppress", f"token ids must be in [0, {vocab_size}) for this model", t) for t in params["suppress"] if t >= vocab_size]
+    if issues:
+        raise ConfigError(issues, hint="fix: use token ids of this model's vocabulary")
+    bias = np.zeros(vocab_size, dtype=np.float32)
+    for token, value in params["bias"].items():
+        bias[int(token)] += value
+    bias[list(params["suppress"])] = -np.inf
+    if params["ignore_eos"]:
+        bias[[t for t in eos_token_ids if 0 <= t < vocab_size]] = -np.inf
+    return mx.array(bias)
+
+
+def make_sampler_chain(sampler_config: dict | SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=()) -> SamplerChain:
+    """The chain for a `sampler` group (a plain dict as in the YAML, or validated).
+
+    encode: text -> token ids without special tokens, to pre-tokenize DRY's breakers;
+    eos_token_ids: what logit_bias.ignore_eos bans."""
+    if not isinstance(sampler_config, SamplerConfig):
+        from pydantic import ValidationError
+
+        from mlxcel.config import (
+            format_errors,  # the run config's formatter (it imports this package)
         )
-        return mx.argmax(scaled + noise, axis=-1)  # Gumbel-max: an exact draw from softmax(scaled)
+
+        try:
+            sampler_config = SamplerConfig.model_validate(sampler_config)
+        except ValidationError as err:
+            raise ConfigError(format_errors(SamplerConfig, err.errors(), ("sampler",))) from None
+    return SamplerChain(sampler_config, vocab_size, encode, eos_token_ids)
 
 
-def make_sampler(chain: list[dict], seed: int = 0) -> Sampler:
-    """Build from the effective chain (config order): optional temperature stage, then the draw."""
-    draw = next((stage for stage in chain if stage["stage"] == "draw"), {"kind": "greedy"})
-    temperature = next((stage["value"] for stage in chain if stage["stage"] == "temperature"), 1.0)
-    if draw["kind"] == "greedy" or temperature <= 0:  # temperature <= 0 means greedy, as llama.cpp
-        return Sampler("greedy", seed=seed)
-    if draw["kind"] != "categorical":
-        raise ValueError(f"sampler.selector.kind={draw['kind']!r} is not implemented yet")
-    return Sampler("categorical", temperature=float(temperature), seed=seed)
+class Sampler(SamplerChain):
+    """A temperature + greedy/categorical chain by hand (scripts, tests): Sampler("greedy")."""
+
+    def __init__(self, draw: str = "greedy", temperature: float = 1.0, seed: int = 0, vocab_size: int = 0):
+        processors = {"temperature": {"value": float(temperature)}} if draw != "greedy" else {}
+        config = SamplerConfig.model_validate({"seed": seed, "processors": processors, "selector": {"kind": draw}})
+        super().__init__(config, vocab_size)

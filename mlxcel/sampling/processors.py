@@ -1,0 +1,126 @@
+"""The stateless stages of the chain (shared/SAMPLERS.md), batch-wide on [B, V] float32 logits.
+
+A removed candidate is a logit of -inf; "the candidates" are the finite logits. Truncations keep
+every token whose value ties the last one kept (a threshold, never a sort position), so equal
+logits are treated alike and no stage depends on a sort's tie order. No host read anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+NEG_INF = -math.inf
+
+
+def is_candidate(x: mx.array) -> mx.array:
+    return x > NEG_INF
+
+
+def remove_below(x: mx.array, threshold: mx.array) -> mx.array:
+    return mx.where(x >= threshold, x, NEG_INF)
+
+
+def count_candidates(x: mx.array) -> mx.array:
+    return is_candidate(x).sum(axis=-1, keepdims=True)
+
+
+def softmax_candidates(x: mx.array) -> mx.array:
+    """Probabilities over the candidates (0 for removed ones), safe when all are removed."""
+    top = mx.max(x, axis=-1, keepdims=True)
+    e = mx.exp(x - mx.where(is_candidate(top), top, 0.0))
+    return e / mx.maximum(e.sum(axis=-1, keepdims=True), 1e-38)
+
+
+def entropy(p: mx.array) -> mx.array:
+    return -mx.where(p > 0, p * mx.log(mx.maximum(p, 1e-38)), 0.0).sum(axis=-1, keepdims=True)
+
+
+def kth_largest(x: mx.array, k: int) -> mx.array:
+    """[B, 1]: the k-th largest value of each row (1-based)."""
+    return mx.min(mx.topk(x, k, axis=-1), axis=-1, keepdims=True)
+
+
+def sort_descending(x: mx.array) -> mx.array:
+    return -mx.sort(-x, axis=-1)
+
+
+def take_at(sorted_x: mx.array, count: mx.array) -> mx.array:
+    """The value at 1-based position `count` [B, 1] of each sorted row."""
+    index = mx.clip(count - 1, 0, sorted_x.shape[-1] - 1).astype(mx.int32)
+    return mx.take_along_axis(sorted_x, index, axis=-1)
+
+
+def apply_logit_bias(x: mx.array, bias: mx.array) -> mx.array:
+    return x + bias  # bias: [V], -inf for suppressed tokens (and EOS with ignore_eos)
+
+
+def apply_top_n_sigma(x: mx.array, n: float) -> mx.array:
+    """Keep logit >= max - n*sigma over the finite logits (population std)."""
+    keep = is_candidate(x)
+    count = mx.maximum(keep.sum(axis=-1, keepdims=True), 1)
+    mean = mx.where(keep, x, 0.0).sum(axis=-1, keepdims=True) / count
+    std = mx.sqrt(mx.where(keep, (x - mean) ** 2, 0.0).sum(axis=-1, keepdims=True) / count)
+    return remove_below(x, mx.max(x, axis=-1, keepdims=True) - n * std)
+
+
+def apply_top_k(x: mx.array, k: int, min_keep: int) -> mx.array:
+    k = max(k, min_keep)
+    if k >= x.shape[-1]:
+        return x
+    return remove_below(x, kth_largest(x, k))
+
+
+def apply_typical_p(x: mx.array, p: float, min_keep: int) -> mx.array:
+    """Keep candidates in order of increasing |-ln p_i - H| until the mass exceeds p (min_keep at least)."""
+    probs = softmax_candidates(x)
+    score = mx.where(probs > 0, mx.abs(-mx.log(mx.maximum(probs, 1e-38)) - entropy(probs)), math.inf)
+    order = mx.argsort(score, axis=-1)
+    sorted_score = mx.take_along_axis(score, order, axis=-1)
+    mass_before = mx.cumsum(mx.take_along_axis(probs, order, axis=-1), axis=-1, inclusive=False)
+    position = mx.arange(x.shape[-1])
+    kept = ((mass_before <= p) | (position < min_keep)).sum(axis=-1, keepdims=True)
+    return mx.where(score <= take_at(sorted_score, kept), x, NEG_INF)
+
+
+def apply_top_p(x: mx.array, p: float, min_keep: int) -> mx.array:
+    """The smallest prefix of the sorted candidates whose mass reaches p (min_keep at least)."""
+    sorted_x = sort_descending(x)
+    mass_before = mx.cumsum(softmax_candidates(sorted_x), axis=-1, inclusive=False)
+    position = mx.arange(x.shape[-1])
+    kept = ((mass_before < p) | (position < max(min_keep, 1))).sum(axis=-1, keepdims=True)
+    return remove_below(x, take_at(sorted_x, kept))
+
+
+def apply_min_p(x: mx.array, p: float, min_keep: int) -> mx.array:
+    threshold = mx.max(x, axis=-1, keepdims=True) + math.log(p)
+    if min_keep > 1:
+        threshold = mx.minimum(threshold, kth_largest(x, min(min_keep, x.shape[-1])))
+    return remove_below(x, threshold)
+
+
+def apply_xtc(x: mx.array, u: mx.array, probability: float, threshold: float, min_keep: int) -> mx.array:
+    """When the row's gate u [B, 1] <= probability: remove every candidate with p >= threshold
+    except the least probable of them, if at least two are above it and min_keep remain."""
+    probs = softmax_candidates(x)
+    above = probs >= threshold
+    n_above = above.sum(axis=-1, keepdims=True)
+    n_candidates = count_candidates(x)
+    fire = (u <= probability) & (n_candidates >= 2) & (n_above >= 2) & (n_candidates - (n_above - 1) >= min_keep)
+    least = mx.min(mx.where(above, x, math.inf), axis=-1, keepdims=True)
+    return mx.where(fire & above & (x > least), NEG_INF, x)
+
+
+def apply_temperature(x: mx.array, value: float) -> mx.array:
+    return x * (1.0 / value)
+
+
+def apply_dynamic_temperature(x: mx.array, value: float, spread: float, exponent: float) -> mx.array:
+    """T = max(0, T - range) + 2*range*(H / ln N)^exponent over the N candidates; T = 0 keeps the max."""
+    count = count_candidates(x)
+    normalized = entropy(softmax_candidates(x)) / mx.log(mx.maximum(count, 2).astype(mx.float32))
+    temperature = max(0.0, value - spread) + 2.0 * spread * mx.power(normalized, exponent)
+    top = mx.max(x, axis=-1, keepdims=True)
+    scaled = mx.where(temperature > 0, x / mx.maximum(temperature, 1e-30), mx.where(x >= top, x, NEG_INF))
+    return mx.where(count > 1, scaled, x)

@@ -22,8 +22,20 @@ from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.models import gguf
 from mlxcel.models.embedded import EMBEDDED_MODELS
 
-# model_type in config.json -> module in mlxcel.models (names are checked before any import)
-FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
+# model_type in config.json -> module in mlxcel.models (names are checked before any import).
+# A family is supported once its module exists: one file per family, added without touching this.
+FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "mistral": "mistral",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -89,10 +101,14 @@ def fuse_projections_enabled() -> bool:
     return os.environ.get("MLXCEL_FUSE", "1") not in ("0", "false", "off")
 
 
+def list_supported_families() -> list[str]:
+    return sorted(name for name, module in FAMILIES.items() if importlib.util.find_spec(f"mlxcel.models.{module}") is not None)
+
+
 def import_family(model_type: str, source: Path):
-    if model_type not in FAMILIES:
-        supported = ", ".join(sorted(FAMILIES))
-        raise MlxcelError(f"{source}: unsupported architecture {model_type!r} (supported: {supported})")
+    supported = list_supported_families()
+    if model_type not in supported:
+        raise MlxcelError(f"{source}: unsupported architecture {model_type!r} (supported: {', '.join(supported)})")
     return importlib.import_module(f"mlxcel.models.{FAMILIES[model_type]}")
 
 

@@ -22,7 +22,7 @@ from mlxcel.jobs import JobRow, Sample
 from mlxcel.pipeline import Pipeline, PreparedSample
 from mlxcel.runner import select_device
 from mlxcel.stats import GenerationStats, make_generation_stats, measure_batch
-from mlxcel.tokenizer import StreamingDetokenizer
+from mlxcel.tokenizer import TextStream
 
 Prompt = Union[str, list[dict]]  # a user message, or a conversation of {role, content}
 
@@ -67,10 +67,11 @@ class Generator:
         size = self.pipeline.cfg.runner.batch_size
         for offset in range(0, len(runnable), size):
             chunk = runnable[offset : offset + size]
-            state = self.pipeline.generate([p for _, p in chunk])
+            streams = [self.pipeline.make_text_stream() for _ in chunk]
+            state = self.pipeline.generate([p for _, p in chunk], make_on_token(streams))
             measured.append(measure_batch(state))
-            for (index, p), result in zip(chunk, state.results):
-                results[index] = self.make_generation(p, result)
+            for (index, p), result, stream in zip(chunk, state.results, streams):
+                results[index] = self.make_generation(p, result, stream)
         for index, p in enumerate(prepared):
             if p.error:
                 results[index] = Generation(p.sample.row.id, "", [], "error", 0, p.error)
@@ -86,16 +87,23 @@ class Generator:
             from mlxcel.errors import MlxcelError
 
             raise MlxcelError(prepared.error)
-        detokenizer = StreamingDetokenizer(self.pipeline.tokenizer)
+        detokenizer = self.pipeline.make_text_stream()
         pending: list[str] = []
         state = None
-        for state in self.pipeline.steps([prepared], lambda row, token: pending.append(detokenizer.add_token(token))):
+
+        def on_token(row: int, token: int) -> bool:
+            pending.append(detokenizer.add_token(token))
+            return not detokenizer.stopped  # a stop string ends the row
+
+        for state in self.pipeline.steps([prepared], on_token):
             if pending:
                 yield "".join(pending)
                 pending.clear()
         tail = detokenizer.finalize()
         if tail:
             yield tail
+        if detokenizer.stopped:
+            state.results[0].finish_reason = "stop"
         self.stats = make_generation_stats([measure_batch(state)], start, {state.results[0].finish_reason: 1})
 
     def prepare(self, prompts: list[Prompt], max_tokens: int | None, seed: int | None) -> list[PreparedSample]:
@@ -106,9 +114,21 @@ class Generator:
             rows.append(Sample(JobRow(number, cfg.with_system(messages), max_tokens, seed)))
         return self.pipeline.prepare(rows)
 
-    def make_generation(self, prepared: PreparedSample, result: RowResult) -> Generation:
-        text = self.pipeline.tokenizer.decode(result.token_ids)
+    def make_generation(self, prepared: PreparedSample, result: RowResult, stream: TextStream) -> Generation:
+        text = stream.text + stream.finalize()  # equals decode(token_ids), cut at a stop string
+        if stream.stopped:
+            result.finish_reason = "stop"
         return Generation(prepared.sample.row.id, text, result.token_ids, result.finish_reason, result.prompt_tokens)
+
+
+def make_on_token(streams: list[TextStream]):
+    """Feed each row's text stream; a stop string ends its row."""
+
+    def on_token(row: int, token: int) -> bool:
+        streams[row].add_token(token)
+        return not streams[row].stopped
+
+    return on_token
 
 
 def is_conversation(value: object) -> bool:

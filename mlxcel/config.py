@@ -67,18 +67,21 @@ class TokenizerConfig(Group):
 
 
 class TemplateConfig(Group):
-    kind: Literal["auto", "none"] = "auto"
+    kind: Literal["auto", "none", "chatml", "llama3", "gemma", "mistral"] = "auto"
+    name: str | None = None  # one of the model's named templates (e.g. tool_use); null: "default"
     text: str | None = None
     file: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables: enable_thinking, tools, documents
 
     @model_validator(mode="after")
     def _check_override(self) -> TemplateConfig:
         if self.text is not None and self.file is not None:
             raise reject("set template.text or template.file, not both", "file", self.file)
-        if self.kind == "none":
-            for name in ("text", "file"):
+        if self.kind != "auto":
+            what = "no template" if self.kind == "none" else "a built-in template"
+            for name in ("text", "file", "name"):
                 if getattr(self, name) is not None:
-                    raise reject("must be null with template.kind=none (no template)", name, getattr(self, name))
+                    raise reject(f"must be null with template.kind={self.kind} ({what})", name, getattr(self, name))
         return self
 
 
@@ -121,9 +124,17 @@ class PrefillConfig(Group):
 class DecodeConfig(Group):
     max_tokens: PositiveInt = 256
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
+    stop_strings: list[str] = Field(default_factory=list)  # text that ends a row, cut from its output
     ignore_eos: Bool = False
     pipeline: Bool = True
     logprobs: NonNegativeInt = 0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
+
+    @field_validator("stop_strings")
+    @classmethod
+    def _check_stop_strings(cls, values: list[str]) -> list[str]:
+        if any(v == "" for v in values):
+            raise reject("stop strings must not be empty (an empty one would stop before the first token)")
+        return values
 
     def use_pipeline(self) -> bool:
         """Pipelined decode unless decode.pipeline=false or MLXCEL_FORCE_SYNC=1."""

@@ -17,7 +17,7 @@ from mlxcel.models.loader import LoadedModel, load_model, resolve_model_path
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.template import PromptTokens, build_prompt, load_template_source
-from mlxcel.tokenizer import load_tokenizer
+from mlxcel.tokenizer import TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
 
 
@@ -34,7 +34,10 @@ class Pipeline:
         self.header = header
         self.tokenizer = tokenizer
         self.loaded = loaded
-        self.template_source = load_template_source(tokenizer, cfg.template.text, cfg.template.file)
+        template = cfg.template
+        self.template_source = load_template_source(
+            tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools")
+        )
         self.max_context = cfg.model.max_context or (loaded.model.args.max_position_embeddings if loaded else header.max_context)
         self.stop_ids = self._merge_stop_ids() if loaded else set()
         self.sampler = self.make_sampler() if loaded else None
@@ -82,12 +85,17 @@ class Pipeline:
         prepared = []
         for sample in samples:
             try:
-                prompt = build_prompt(self.tokenizer, sample.row.messages, self.template_source, enabled=self.cfg.template.kind != "none")
+                template = self.cfg.template
+                prompt = build_prompt(self.tokenizer, sample.row.messages, self.template_source, template.kind != "none", template.kwargs)
                 self.check_length(prompt)
                 prepared.append(PreparedSample(sample, prompt))
             except MlxcelError as exc:
                 prepared.append(PreparedSample(sample, None, str(exc)))
         return prepared
+
+    def make_text_stream(self) -> TextStream:
+        """Per-row detokenizer that also applies decode.stop_strings."""
+        return TextStream(self.tokenizer, self.cfg.decode.stop_strings)
 
     def check_length(self, prompt: PromptTokens) -> None:
         if not prompt.token_ids:

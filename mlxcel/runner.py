@@ -25,7 +25,6 @@ from mlxcel.outputs import RunOutputs, check_resume, defer_interrupt, write_fail
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
 from mlxcel.stats import GenerationStats, format_stats_table, make_generation_stats, measure_batch, read_environment
-from mlxcel.tokenizer import StreamingDetokenizer
 
 SPEC_FIELDS = ("prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms", "prefill_tok_per_sec", "decode_tok_per_sec")
 
@@ -165,17 +164,19 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
 
 
 def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress: Progress, stream: TextIO | None):
-    detokenizers = [StreamingDetokenizer(pipeline.tokenizer) for _ in batch]
+    detokenizers = [pipeline.make_text_stream() for _ in batch]
 
     def on_token(row: int, token: int) -> bool:
         text = detokenizers[row].add_token(token)
         if stream is not None and text:
             stream.write(text)
             stream.flush()
-        return True
+        return not detokenizers[row].stopped  # a stop string ends the row
 
     def on_row_done(row: int, result: RowResult) -> None:
         tail = detokenizers[row].finalize()
+        if detokenizers[row].stopped:
+            result.finish_reason = "stop"
         if stream is not None:
             stream.write(tail + "\n")
             stream.flush()

@@ -2,9 +2,15 @@
 
 Rendering follows transformers' `apply_chat_template` (Jinja2 sandbox with trim_blocks and
 lstrip_blocks, its `tojson`, `raise_exception`, `strftime_now`, `{% generation %}` and loop
-controls; the tokenizer's special-token strings as variables), so templates written for HF
-behave the same. A rendered prompt is encoded without added special tokens: the template
-writes bos itself where the model wants it (transformers does the same with tokenize=True).
+controls, `dict`/`namespace`; the tokenizer's special-token strings, `tools`, `documents` and
+template.kwargs as variables), so templates written for HF behave the same. A rendered prompt is
+encoded without added special tokens: the template writes bos itself where the model wants it
+(transformers does the same with tokenize=True).
+
+The template: template.text / template.file, else a built-in (template=chatml|llama3|gemma|
+mistral), else the model's own (`tokenizer.chat_templates`: tokenizer_config.json, chat_template
+.jinja/.json, GGUF metadata), by name (template.name; "tool_use" when tools are given, as in
+transformers; else "default").
 """
 
 from __future__ import annotations
@@ -23,8 +29,48 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer.base import MlxcelTokenizer
 
-_NO_TEMPLATE_HINT = "set template=none for a raw completion, or give one with template.text=... or template.file=..."
+_NO_TEMPLATE_HINT = (
+    "set template=none for a raw completion, template=chatml|llama3|gemma|mistral for a built-in one, "
+    "or give one with template.text=... or template.file=..."
+)
 _TEMPLATE_VARS = ("bos_token", "eos_token", "unk_token", "pad_token")
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython")
+
+# Built-in templates (template=NAME): the published formats of each family, text-only.
+BUILTIN_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+        " + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+        "{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+    # Gemma 3's: a system message becomes the first user turn's prefix.
+    "gemma": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
+        "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+        "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+    # Mistral-7B-Instruct-v0.2's: the system message goes before the first user message.
+    "mistral": (
+        "{% if messages[0]['role'] == 'system' %}{% set system_message = messages[0]['content'] %}"
+        "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}{{ bos_token }}"
+        "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{% if message['role'] == 'user' %}{% if loop.first and system_message is defined %}"
+        "{{ ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{% else %}"
+        "{{ ' [INST] ' + message['content'] + ' [/INST]' }}{% endif %}{% elif message['role'] == 'assistant' %}"
+        "{{ ' ' + message['content'] + eos_token }}{% else %}"
+        "{{ raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}"
+        "{% endif %}{% endfor %}"
+    ),
+}
 
 
 class TemplateSource(str):
@@ -45,8 +91,16 @@ class PromptTokens:
     history_tokens: int  # leading ids that encode the messages without the generation prompt
 
 
-def load_template_source(tokenizer: MlxcelTokenizer, text: str | None = None, file: str | Path | None = None) -> str | None:
-    """The template to render: an override string, else an override file, else the tokenizer's."""
+def load_template_source(
+    tokenizer: MlxcelTokenizer,
+    text: str | None = None,
+    file: str | Path | None = None,
+    kind: str = "auto",
+    name: str | None = None,
+    tools: Any = None,
+) -> str | None:
+    """The template to render: an override string, else an override file, else a built-in, else
+    the tokenizer's (by name; "tool_use" when tools are given and it exists, as transformers)."""
     if text is not None and file is not None:
         raise MlxcelError("template.text and template.file are both set; set only one")
     if text is not None:
@@ -55,10 +109,26 @@ def load_template_source(tokenizer: MlxcelTokenizer, text: str | None = None, fi
         path = Path(file).expanduser()
         if not path.is_file():
             raise MlxcelError(f"template.file={file}: no such file")
-        return TemplateSource(path.read_text(encoding="utf-8"), f"template.file={file}")
-    if tokenizer.chat_template is None:
+        try:
+            return TemplateSource(path.read_text(encoding="utf-8"), f"template.file={file}")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MlxcelError(f"template.file={file}: cannot read it as UTF-8 text ({exc})") from exc
+    if kind in BUILTIN_TEMPLATES:
+        return TemplateSource(BUILTIN_TEMPLATES[kind], f"template={kind} (built-in)")
+    named = dict(getattr(tokenizer, "chat_templates", None) or {})
+    if not named and tokenizer.chat_template is not None:
+        named = {"default": tokenizer.chat_template}
+    if name is not None:
+        if name not in named:
+            available = ", ".join(sorted(named)) or "none"
+            raise MlxcelError(f"template.name={name}: the model has no chat template of that name (it has: {available})")
+        return TemplateSource(named[name], f"the {tokenizer.backend} tokenizer's chat template {name!r}")
+    if tools is not None and "tool_use" in named:
+        return TemplateSource(named["tool_use"], f"the {tokenizer.backend} tokenizer's chat template 'tool_use'")
+    if not named:
         return None
-    return TemplateSource(tokenizer.chat_template, f"the {tokenizer.backend} tokenizer's chat template")
+    chosen = "default" if "default" in named else min(named)
+    return TemplateSource(named[chosen], f"the {tokenizer.backend} tokenizer's chat template")
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -75,8 +145,12 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+class TemplateRaised(jinja2.exceptions.TemplateError):
+    """The template called raise_exception(message)."""
+
+
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRaised(message)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
@@ -96,7 +170,39 @@ def compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     return env.from_string(source)
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the dict type itself (as transformers)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """namespace(...) that refuses underscore attributes (as transformers)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: self may be a keyword
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"templates cannot store underscore attributes on a namespace ({name!r})")
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,27 +217,78 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def check_messages(messages: list[Any]) -> None:
+    """Each message a mapping with a known role and content (or tool calls); errors name the index."""
+    if not messages:
+        raise MlxcelError("the conversation has no messages; give at least one user message")
+    for index, message in enumerate(messages):
+        where = f"message {index} (counting from 0)"
+        if not isinstance(message, dict):
+            raise MlxcelError(f"{where}: must be a mapping with 'role' and 'content' (got {type(message).__name__})")
+        role = message.get("role")
+        if role not in KNOWN_ROLES:
+            raise MlxcelError(f"{where}: unknown role {role!r}; use one of {', '.join(KNOWN_ROLES)}")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise MlxcelError(f"{where} (role {role!r}): missing 'content'; give the message text as content")
+
+
 def render_prompt(
-    source: str, messages: list[dict[str, Any]], tokenizer: MlxcelTokenizer, add_generation_prompt: bool = True, **kwargs: Any
+    source: str,
+    messages: list[dict[str, Any]],
+    tokenizer: MlxcelTokenizer,
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    **kwargs: Any,
 ) -> str:
     """Render `messages` with the template; extra kwargs become template variables."""
     origin = getattr(source, "origin", "chat template")
+    check_messages(messages)
     variables = {name: getattr(tokenizer, name, None) for name in _TEMPLATE_VARS}
     variables = {k: v for k, v in variables.items() if v is not None}
     variables.update(kwargs)  # caller's variables win, as in transformers
     try:
         template = compile_template(str(source))
-        return template.render(messages=normalize_messages(messages), add_generation_prompt=add_generation_prompt, **variables)
+        return template.render(
+            messages=normalize_messages(messages),
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
     except jinja2.TemplateSyntaxError as exc:
         raise MlxcelError(f"{origin}: invalid Jinja template at line {exc.lineno}: {exc.message}") from exc
-    except Exception as exc:  # a template can raise anything: raise_exception, TypeError, UndefinedError...
-        raise MlxcelError(f"{origin}: failed to render: {type(exc).__name__}: {exc}") from exc
+    except TemplateRaised as exc:
+        raise MlxcelError(f"{origin}: the template refused this conversation: {exc.message}") from exc
+    except Exception as exc:  # a template can raise anything: TypeError, UndefinedError...
+        line = find_template_line(exc)
+        raise MlxcelError(f"{origin}: failed to render{line}: {type(exc).__name__}: {exc}") from exc
+
+
+def find_template_line(exc: BaseException) -> str:
+    """' at line N' of the template, from the traceback frame Jinja compiled it into."""
+    tb = exc.__traceback__
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f" at line {line}" if line is not None else ""
 
 
 def build_prompt(
-    tokenizer: MlxcelTokenizer, messages: list[dict[str, Any]], template_source: str | None, enabled: bool = True
+    tokenizer: MlxcelTokenizer,
+    messages: list[dict[str, Any]],
+    template_source: str | None,
+    enabled: bool = True,
+    kwargs: dict[str, Any] | None = None,
 ) -> PromptTokens:
     """Render and encode a prompt, and find its history boundary.
+
+    The history boundary is the token count of the rendering without the generation prompt,
+    when those ids are a prefix of the full prompt's ids; otherwise 0 (no history piece: the
+    template renders the history differently when a generation prompt follows, or the tokenizer
+    merges across the boundary).
 
     With `enabled=False` (template=none, raw completion) the text is the user messages' content
     joined by newlines, encoded with the tokenizer's own special tokens (bos if it adds one).
@@ -143,9 +300,11 @@ def build_prompt(
         return PromptTokens(text=text, token_ids=tokenizer.encode(text, add_special_tokens=True), history_tokens=0)
     if template_source is None:
         raise MlxcelError(f"the tokenizer has no chat template; {_NO_TEMPLATE_HINT}")
-    text = render_prompt(template_source, messages, tokenizer, add_generation_prompt=True)
+    kwargs = dict(kwargs or {})
+    text = render_prompt(template_source, messages, tokenizer, add_generation_prompt=True, **kwargs)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    history = tokenizer.encode(render_prompt(template_source, messages, tokenizer, add_generation_prompt=False), add_special_tokens=False)
+    history_text = render_prompt(template_source, messages, tokenizer, add_generation_prompt=False, **kwargs)
+    history = tokenizer.encode(history_text, add_special_tokens=False)
     history_tokens = len(history) if ids[: len(history)] == history else 0
     return PromptTokens(text=text, token_ids=ids, history_tokens=history_tokens)
 

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 
 from mlxcel.errors import MlxcelError
-from mlxcel.template import PromptTokens, build_prompt, load_template_source, render_prompt
+from mlxcel.template import (
+    PromptTokens,
+    build_prompt,
+    load_template_source,
+    render_prompt,
+)
+from mlxcel.tokenizer import load_tokenizer
 from tests.test_tokenizer import (
     HF_TEMPLATE,
     load_hf_pair,
@@ -126,10 +133,60 @@ def test_render_errors_name_the_source(hf_pair):
     ours, _ = hf_pair
     with pytest.raises(MlxcelError, match=r"template.text: invalid Jinja template at line 2: .*endfor"):
         render_prompt(load_template_source(ours, text="ok\n{% for m in messages %}"), CONVERSATIONS[0], ours)
-    with pytest.raises(MlxcelError, match="tokenizer's chat template: failed to render: TemplateError: unknown role tool"):
+    with pytest.raises(MlxcelError, match="tokenizer's chat template: the template refused this conversation: unknown role tool"):
         render_prompt(load_template_source(ours), [{"role": "tool", "content": "x"}], ours)
-    with pytest.raises(MlxcelError, match="template.text: failed to render: UndefinedError"):
-        render_prompt(load_template_source(ours, text="{{ messages[5].content.x }}"), CONVERSATIONS[0], ours)
+    with pytest.raises(MlxcelError, match="template.text: failed to render at line 2: UndefinedError"):
+        render_prompt(load_template_source(ours, text="ok\n{{ messages[5].content.x }}"), CONVERSATIONS[0], ours)
+
+
+def test_template_file_syntax_error_names_file_and_line(hf_pair, tmp_path):
+    ours, _ = hf_pair
+    path = tmp_path / "broken.jinja"
+    path.write_text("{% for m in messages %}\n{{ m.content }}\n{% if %}\n{% endfor %}")
+    with pytest.raises(MlxcelError, match=r"template.file=.*broken.jinja: invalid Jinja template at line 3: "):
+        render_prompt(load_template_source(ours, file=path), CONVERSATIONS[0], ours)
+
+
+@pytest.mark.parametrize(
+    "messages,expected",
+    [
+        ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], r"message 1 \(counting from 0\): unknown role 'bot'; use one of system, user"),
+        ([{"role": "user"}], r"message 0 \(counting from 0\) \(role 'user'\): missing 'content'"),
+        ([{"role": "user", "content": "a"}, "hello"], r"message 1 \(counting from 0\): must be a mapping"),
+        ([], "the conversation has no messages"),
+    ],
+)
+def test_bad_messages_name_the_index(hf_pair, messages, expected):
+    ours, _ = hf_pair
+    with pytest.raises(MlxcelError, match=expected):
+        build_prompt(ours, messages, load_template_source(ours))
+
+
+def test_named_templates_and_builtins(tmp_path):
+    """Named templates as transformers picks them: tool_use when tools are given, else default,
+    or by name; a built-in kind replaces the model's template."""
+    ours, ref = load_hf_pair(str(make_hf_folder(tmp_path, template="list")))
+    assert set(ours.chat_templates) == {"default", "tool_use"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert load_template_source(ours) == ref.get_chat_template() == HF_TEMPLATE
+    assert load_template_source(ours, tools=tools) == ref.get_chat_template(tools=tools) == "TOOLS"
+    assert load_template_source(ours, name="tool_use") == ref.get_chat_template("tool_use")
+    with pytest.raises(MlxcelError, match=r"template.name=nope: the model has no chat template of that name \(it has: default, tool_use\)"):
+        load_template_source(ours, name="nope")
+    chatml = load_template_source(ours, kind="chatml")
+    assert render_prompt(chatml, CONVERSATIONS[0], ours) == (
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_json_file(tmp_path):
+    """chat_template.json (a processor's file) between the config's and chat_template.jinja."""
+    folder = make_hf_folder(tmp_path, template="config")
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": "JSON {{ messages[0].content }}"}))
+    ours, _ = load_hf_pair(str(folder))
+    assert ours.chat_template == "JSON {{ messages[0].content }}"
+    (folder / "chat_template.jinja").write_text("JINJA")
+    assert load_tokenizer(folder).chat_template == "JINJA"
 
 
 def test_sandbox_blocks_attribute_escapes(hf_pair):
@@ -144,5 +201,5 @@ def test_no_template_available(tmp_path):
     ours, ref = load_hf_pair(str(make_hf_folder(tmp_path, template="none")))
     assert ours.chat_template is None and ref.chat_template is None
     assert load_template_source(ours) is None
-    with pytest.raises(MlxcelError, match="no chat template.*template=none.*template.text=.*template.file="):
+    with pytest.raises(MlxcelError, match="no chat template.*template=none.*template=chatml.*template.text=.*template.file="):
         build_prompt(ours, CONVERSATIONS[0], load_template_source(ours))

@@ -1,7 +1,19 @@
-"""Tokenizers (hf, gguf; sentencepiece and tiktoken to come) and the streaming detokenizer."""
+"""Tokenizers (hf, sentencepiece, tiktoken, gguf), the streaming detokenizer and stop strings."""
 
 from mlxcel.tokenizer.base import TOKENIZER_KINDS, MlxcelTokenizer
-from mlxcel.tokenizer.detokenizer import StreamingDetokenizer
+from mlxcel.tokenizer.detokenizer import (
+    StopStringFilter,
+    StreamingDetokenizer,
+    TextStream,
+)
 from mlxcel.tokenizer.loader import detect_tokenizer_kind, load_tokenizer
 
-__all__ = ["TOKENIZER_KINDS", "MlxcelTokenizer", "StreamingDetokenizer", "detect_tokenizer_kind", "load_tokenizer"]
+__all__ = [
+    "TOKENIZER_KINDS",
+    "MlxcelTokenizer",
+    "StopStringFilter",
+    "StreamingDetokenizer",
+    "TextStream",
+    "detect_tokenizer_kind",
+    "load_tokenizer",
+]

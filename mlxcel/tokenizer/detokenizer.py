@@ -67,3 +67,61 @@ class StreamingDetokenizer:
         if text:
             self._chunks.append(text)
         return text
+
+
+class StopStringFilter:
+    """Cuts streamed text at the first stop string, which may span any number of tokens.
+
+    Text that could still become a stop string (a suffix that is a stop string's prefix) is held
+    back until the next chunk decides; the stop string itself and everything after it are dropped.
+    """
+
+    def __init__(self, stop_strings: list[str]):
+        self.stop_strings = [s for s in stop_strings if s]
+        self.held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped or not self.stop_strings:
+            return "" if self.stopped else text
+        buffer = self.held + text
+        found = [i for i in (buffer.find(s) for s in self.stop_strings) if i >= 0]
+        if found:
+            self.stopped, self.held = True, ""
+            return buffer[: min(found)]
+        keep = max((k for s in self.stop_strings for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
+        self.held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        rest, self.held = self.held, ""
+        return "" if self.stopped else rest
+
+
+class TextStream:
+    """Streaming detokenizer plus stop strings: what a generated row prints and keeps."""
+
+    def __init__(self, tokenizer: MlxcelTokenizer, stop_strings: list[str] | None = None, skip_special_tokens: bool = False):
+        self.detokenizer = StreamingDetokenizer(tokenizer, skip_special_tokens)
+        self.filter = StopStringFilter(list(stop_strings or []))
+        self._chunks: list[str] = []
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was found: the row should end."""
+        return self.filter.stopped
+
+    @property
+    def text(self) -> str:
+        return "".join(self._chunks)
+
+    def add_token(self, token_id: int) -> str:
+        return self._emit(self.filter.push(self.detokenizer.add_token(token_id)))
+
+    def finalize(self) -> str:
+        return self._emit(self.filter.push(self.detokenizer.finalize()) + self.filter.flush())
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._chunks.append(text)
+        return text

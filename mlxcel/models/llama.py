@@ -107,16 +107,25 @@ class Attention(nn.Module):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return tuple(mx.split(apply_linear(self.qkv_proj, x), [q_size, q_size + kv_size], axis=-1))
 
-    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+    def project_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Q, K, V as [B, heads, L, head_dim] (families with q/k norms extend this)."""
         B, L, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any) -> mx.array:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+
+    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        q, k, v = self.project_heads(x)
         offset = cache.rope_offset()
         q, k = self.rope(q, offset), self.rope(k, offset)
         k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = self.attend(q, k, v, mask)
         return apply_linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -185,13 +194,18 @@ class Model(nn.Module):
         """Logits [B, L, V]; with `logits_at`, only that position's ([B, 1, V]): a prefill needs one
         row of the vocabulary head, not one per prompt token (a quarter of a 0.5B model's FLOPs)."""
         h = embeddings
-        if mask is None:
-            mask = make_attention_mask(h.shape[1], cache[0])
-        for layer, layer_cache in zip(self.model.layers, cache):
-            h = layer(h, mask, layer_cache)
+        masks = self.make_masks(h.shape[1], cache) if mask is None else [mask] * len(cache)
+        for layer, layer_cache, layer_mask in zip(self.model.layers, cache, masks):
+            h = layer(h, layer_mask, layer_cache)
         if logits_at is not None:
             h = h[:, logits_at : logits_at + 1, :]
-        h = self.model.norm(h)
+        return self.compute_logits(self.model.norm(h))
+
+    def make_masks(self, length: int, cache: list[KVCache]) -> list:
+        """One mask per layer; every layer here sees the same one (sliding-window families differ)."""
+        return [make_attention_mask(length, cache[0])] * len(cache)
+
+    def compute_logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)

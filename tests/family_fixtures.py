@@ -1,0 +1,167 @@
+"""Tiny random checkpoints of each dense family, written by transformers' save_pretrained, and
+the checks every family runs against transformers (the oracle). Nothing downloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.models.loader import load_model
+from mlxcel.sampling import Sampler
+from tests.conftest import load_reference, write_tiny_tokenizer
+
+PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]
+LOGIT_TOLERANCE = 1e-3
+GREEDY_TOKENS = 32
+
+BASE_SHAPE = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+}
+
+# family -> (transformers config class, model class, shape defaults)
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16, "tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16, "num_key_value_heads": 1}),
+    "gemma2": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24,
+             "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24,
+             "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False}),
+}
+
+
+def make_family_checkpoint(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """Random-weight fp32 checkpoint + tokenizer + generation_config in `folder`."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tiny_tokenizer(folder)
+    config_class, model_class, defaults = FAMILIES[family]
+    shape = {**BASE_SHAPE, **defaults, "vocab_size": vocab, **overrides}
+    config = getattr(transformers, config_class)(**shape, eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():  # random init is tiny; widen it so logits are not all ~0 and argmax is stable
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            else:  # norms: off their init (ones, or zeros for Gemma's 1 + w) so a wrong offset shows
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
+    return folder
+
+
+def mlxcel_logits(folder: Path, ids: list[int]) -> tuple[np.ndarray, object]:
+    loaded = load_model(str(folder), dtype="float32")
+    return np.array(loaded.model(mx.array([ids]), loaded.model.make_cache())[0]), loaded
+
+
+def reference_logits(reference, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return reference(torch.tensor([ids])).logits[0].numpy()
+
+
+def reference_greedy(reference, ids: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def mlxcel_generate(model, prompts: list[list[int]], n: int, **request) -> list[list[int]]:
+    engine = DirectEngine(model, max_context=512)
+    rows = [RowRequest(ids, row_id=i) for i, ids in enumerate(prompts)]
+    state = engine.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=n, **request))
+    return [r.token_ids for r in state.results]
+
+
+def measure_parity(folder: Path, prompt: list[int] = PROMPT, n: int = GREEDY_TOKENS) -> dict:
+    """fp32 logits over the prompt and n greedy tokens, mlxcel against transformers."""
+    reference = load_reference(folder)
+    expected = reference_logits(reference, prompt)
+    got, loaded = mlxcel_logits(folder, prompt)
+    assert got.shape == expected.shape
+    return {
+        "max_abs_diff": float(np.abs(got - expected).max()),
+        "greedy": mlxcel_generate(loaded.model, [prompt], n)[0],
+        "reference_greedy": reference_greedy(reference, prompt, n),
+        "model": loaded.model,
+    }
+
+
+def assert_parity(folder: Path, prompt: list[int] = PROMPT) -> dict:
+    result = measure_parity(folder, prompt)
+    assert result["max_abs_diff"] <= LOGIT_TOLERANCE, result["max_abs_diff"]
+    assert result["greedy"] == result["reference_greedy"]
+    return result
+
+
+def prefill_last_logits(model, prompts: list[list[int]], pad_id: int = 0) -> np.ndarray:
+    """The last position's logits for each row, the rows left-padded into one batch."""
+    length = max(len(p) for p in prompts)
+    left_pad = [length - len(p) for p in prompts]
+    tokens = mx.array([[pad_id] * pad + p for pad, p in zip(left_pad, prompts)])
+    cache = model.make_cache(len(prompts), left_pad)
+    return np.array(model(tokens, cache, logits_at=length - 1)[:, 0, :])
+
+
+def prefill_in_pieces(model, prompt: list[int], piece: int, tile: int | None = None) -> tuple[np.ndarray, list]:
+    """As the engine's PrefillPlan: pieces of `piece` tokens, each right-padded to a multiple of
+    `tile` and the padding trimmed from the cache. Returns the last logits and the cache."""
+    cache = model.make_cache(1)
+    for start in range(0, len(prompt), piece):
+        chunk = prompt[start : start + piece]
+        pad = (-len(chunk)) % tile if tile else 0
+        logits = model(mx.array([chunk + [0] * pad]), cache, logits_at=len(chunk) - 1)
+        for layer_cache in cache:
+            layer_cache.trim(pad)
+    return np.array(logits[0, 0]), cache
+
+
+def decode_logits(model, cache, tokens: list[int]) -> np.ndarray:
+    """Feed tokens one at a time; the logits after each."""
+    out = []
+    for token in tokens:
+        out.append(np.array(model(mx.array([[token]]), cache)[0, -1]))
+    return np.stack(out)
+
+
+def assert_batch_rows_match_alone(model, prompts: list[list[int]], n: int = 12) -> None:
+    """Left-padded batch prefill gives each row its own logits, and each row its own tokens."""
+    batch = prefill_last_logits(model, prompts)
+    for row, prompt in enumerate(prompts):
+        alone = prefill_last_logits(model, [prompt])[0]
+        assert np.abs(batch[row] - alone).max() <= 1e-4, (row, np.abs(batch[row] - alone).max())
+    together = mlxcel_generate(model, prompts, n)
+    for row, prompt in enumerate(prompts):
+        assert together[row] == mlxcel_generate(model, [prompt], n)[0], row
+
+
+def assert_pieces_match_one_shot(model, prompt: list[int], piece: int, tile: int | None) -> None:
+    """Multi-piece (and tile-padded) prefill leaves the cache one-shot prefill leaves: same
+    last logits, same logits for the decode steps after."""
+    one_shot, cache_a = prefill_in_pieces(model, prompt, len(prompt))
+    pieces, cache_b = prefill_in_pieces(model, prompt, piece, tile)
+    assert np.abs(one_shot - pieces).max() <= 1e-4
+    follow = [11, 42, 7, 99, 5, 18, 23, 64, 3, 77]
+    assert np.abs(decode_logits(model, cache_a, follow) - decode_logits(model, cache_b, follow)).max() <= 1e-4

@@ -1,0 +1,39 @@
+"""Every family preset composes, names a family the loader supports, and still requires model.path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mlxcel.config import validate_config
+from mlxcel.errors import ConfigError
+from mlxcel.models.loader import FAMILIES, list_supported_families
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# preset -> the model_type it documents
+FAMILY_PRESETS = {"mistral": "mistral", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
+LANDED = [name for name in FAMILY_PRESETS if (CONF_DIR / "model" / f"{name}.yaml").exists()]
+
+
+def compose_run(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+@pytest.mark.parametrize("preset", LANDED)
+def test_family_preset_requires_a_path(preset):
+    with pytest.raises(ConfigError, match=r"model\.path: required"):
+        validate_config(compose_run([f"model={preset}"]))
+
+
+@pytest.mark.parametrize("preset", LANDED)
+def test_family_preset_validates_with_a_path_and_its_family_is_supported(preset, tmp_path):
+    cfg = validate_config(compose_run([f"model={preset}", f"model.path={tmp_path}"]))
+    assert cfg.model.path == str(tmp_path)
+    model_type = FAMILY_PRESETS[preset]
+    assert model_type in list_supported_families() and FAMILIES[model_type] in (preset, model_type)
+    assert f'model_type "{model_type}"' in (CONF_DIR / "model" / f"{preset}.yaml").read_text()

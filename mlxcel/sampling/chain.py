@@ -4,7 +4,8 @@
 histories)` gives a batch its `BatchSampler`, whose `sample(logits)` draws one token per row.
 
 One path for every chain: the whole step (stages, draw, state update) is one lazy device graph
-over the batch, compiled with `mx.compile` while its shapes stay fixed. Stateless chains carry only
+over the batch, compiled with `mx.compile` on a GPU while its shapes stay fixed (on the CPU the
+compiled step measured no faster and each new shape costs seconds of kernel compilation). Stateless chains carry only
 the rows' keys; stateful ones carry [B, ...] state arrays (history for penalties/DRY, mirostat's
 mu, adaptive-p's W and T) that the step updates on the device. Nothing is read back to the host,
 so the engine keeps the forward pass a step ahead with every sampler.
@@ -69,7 +70,9 @@ class Draw:
 
 
 class SamplerChain:
-    def __init__(self, config: SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=()):
+    def __init__(
+        self, config: SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=(), compile: bool | None = None
+    ):
         self.config = config
         self.vocab_size = vocab_size
         self.chain = config.effective_chain()
@@ -84,6 +87,7 @@ class SamplerChain:
         self.uses_history = bool(windows)
         self.history_width = None if not windows or min(windows) < 0 else max(windows)  # None: whole history
         self.uses_suffix = dry is not None
+        self.use_compile = mx.default_device() == mx.gpu if compile is None else compile
         self._compiled = mx.compile(self.run_step)
 
     def has(self, name: str) -> bool:
@@ -206,7 +210,7 @@ class BatchSampler:
         self.state = state
         self.top_n = logprobs
         self.step = 0
-        self.compiled = chain.history_width is not None or not chain.uses_history  # fixed shapes
+        self.compiled = chain.use_compile and (chain.history_width is not None or not chain.uses_history)  # fixed shapes
 
     def sample(self, logits: mx.array) -> Draw:
         position = mx.array(self.step, dtype=mx.uint32)
@@ -241,11 +245,13 @@ def make_bias_vector(config: SamplerConfig, vocab_size: int, eos_token_ids) -> m
     return mx.array(bias)
 
 
-def make_sampler_chain(sampler_config: dict | SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=()) -> SamplerChain:
+def make_sampler_chain(
+    sampler_config: dict | SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=(), compile: bool | None = None
+) -> SamplerChain:
     """The chain for a `sampler` group (a plain dict as in the YAML, or validated).
 
     encode: text -> token ids without special tokens, to pre-tokenize DRY's breakers;
-    eos_token_ids: what logit_bias.ignore_eos bans."""
+    eos_token_ids: what logit_bias.ignore_eos bans; compile: mx.compile the step (default: on a GPU)."""
     if not isinstance(sampler_config, SamplerConfig):
         from pydantic import ValidationError
 
@@ -257,7 +263,7 @@ def make_sampler_chain(sampler_config: dict | SamplerConfig, vocab_size: int, en
             sampler_config = SamplerConfig.model_validate(sampler_config)
         except ValidationError as err:
             raise ConfigError(format_errors(SamplerConfig, err.errors(), ("sampler",))) from None
-    return SamplerChain(sampler_config, vocab_size, encode, eos_token_ids)
+    return SamplerChain(sampler_config, vocab_size, encode, eos_token_ids, compile)
 
 
 class Sampler(SamplerChain):

@@ -52,7 +52,7 @@ def make_uniform(base_keys: mx.array, position: mx.array | int, stream: int, wid
     a, b = make_step_keys(base_keys, position, stream)
     index = mx.arange(width, dtype=mx.uint32)[None, :]
     h = mix32(mix32(index * _GOLD + a) ^ b)
-    return ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / 16777216.0)  # 24 bits: exact in float32
+    return ((h >> 9).astype(mx.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits + 0.5: exact in float32, never 0 or 1
 
 
 def make_gumbel(base_keys: mx.array, position: mx.array | int, width: int) -> mx.array:

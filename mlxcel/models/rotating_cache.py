@@ -168,3 +168,12 @@ class SlidingWindowLayers:
 
     def make_masks(self, length: int, cache: list) -> list:
         return make_layer_masks(length, cache)
+
+
+def read_layer_windows(config: dict, window: int | None, default_types: list[str]) -> list[int | None]:
+    """Each layer's window from config.json's `layer_types` (transformers writes it), else the
+    family's default pattern; None where the layer attends to everything."""
+    types = config.get("layer_types") or default_types
+    if len(types) != config["num_hidden_layers"]:
+        raise MlxcelError(f"config.json: layer_types has {len(types)} entries for num_hidden_layers={config['num_hidden_layers']}")
+    return [window if kind == "sliding_attention" and window else None for kind in types]

@@ -27,7 +27,7 @@ BASE_SHAPE = {
 FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16, "tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16, "num_key_value_heads": 1}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 24, "num_key_value_heads": 1}),
     "gemma2": (
         "Gemma2Config", "Gemma2ForCausalLM",
         {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24,

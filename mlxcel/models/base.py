@@ -71,20 +71,23 @@ class RoPE(nn.Module):
         self.dims = dims
         self.traditional = traditional
         self.base: float | None = base
+        self.scale = 1.0  # positions are multiplied by it (linear scaling: 1 / factor)
         self._freqs = None
         if scaling is not None:
             kind = scaling["rope_type"]
             if kind == "llama3":
                 self._freqs = make_llama3_rope_freqs(dims, base, scaling)
                 self.base = None
+            elif kind == "linear":
+                self.scale = 1.0 / scaling["factor"]
             else:
                 from mlxcel.errors import MlxcelError
 
-                raise MlxcelError(f"rope scaling type {kind!r} is not supported yet (supported: default, llama3)")
+                raise MlxcelError(f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=self.base, scale=1.0, offset=offset, freqs=self._freqs
+            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset, freqs=self._freqs
         )
 
 

@@ -143,12 +143,13 @@ class MLP(nn.Module):
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def project_gate_up(self, x: mx.array) -> tuple[mx.array, mx.array]:
         if "gate_up_proj" in self:
-            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up))
+            return tuple(mx.split(self.gate_up_proj(x), 2, axis=-1))
+        return self.gate_proj(x), self.up_proj(x)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(*self.project_gate_up(x)))
 
 
 class TransformerBlock(nn.Module):

@@ -16,6 +16,7 @@ from mlxcel.models.fingerprint import ModelHeader, read_model_header
 from mlxcel.models.loader import LoadedModel, load_model, resolve_model_path
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
+from mlxcel.sampling.history import make_piece_encoder
 from mlxcel.template import PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
@@ -77,7 +78,7 @@ class Pipeline:
         loaded, tokenizer = self.loaded, self.tokenizer
         eos = loaded.generation_config.get("eos_token_id")
         eos_ids = set([eos] if isinstance(eos, int) else eos or []) | set(loaded.model.eos_token_ids()) | set(tokenizer.eos_token_ids)
-        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        encode = make_piece_encoder(tokenizer)  # DRY's breaker strings
         return make_sampler_chain(self.cfg.sampler, loaded.model.args.vocab_size, encode=encode, eos_token_ids=sorted(eos_ids))
 
     def prepare(self, samples: list[Sample]) -> list[PreparedSample]:

@@ -347,3 +347,22 @@ def test_effective_chain_order_and_special_cases():
     assert [s["stage"] for s in miro.chain] == ["penalties", "temperature", "draw"] and miro.draw["tau"] == 5.0
     off = make_sampler_chain({"selector": {"kind": "adaptive_p"}}, 10)  # target -1: a plain draw
     assert off.draw == {"stage": "draw", "kind": "categorical"}
+
+
+def test_breakers_are_encoded_as_they_appear_mid_text():
+    """A SentencePiece dummy-prefix token in front of a breaker is dropped; real leading pieces stay."""
+
+    class Tokenizer:
+        pieces = {1: "", 2: " ", 13: "\n", 5: "a", 6: "b"}
+
+        def encode(self, text, add_special_tokens=True):
+            assert add_special_tokens is False
+            return {"\n": [1, 13], " \n": [2, 13], "ab": [5, 6]}[text]
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids)
+
+    from mlxcel.sampling.history import make_piece_encoder
+
+    encode = make_piece_encoder(Tokenizer())
+    assert (encode("\n"), encode(" \n"), encode("ab")) == ([13], [2, 13], [5, 6])

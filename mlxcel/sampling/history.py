@@ -39,6 +39,22 @@ def make_breakers(texts: list[str], encode: Callable[[str], list[int]] | None) -
     return list(dict.fromkeys(breakers))
 
 
+def make_piece_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """Encode a string as it appears mid-text: no special tokens, and no leading token that is not
+    part of it (SentencePiece's dummy-prefix space: "\n" -> ["▁", "<0x0A>"] becomes ["<0x0A>"])."""
+
+    def encode(text: str) -> list[int]:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        while len(ids) > 1:
+            head = tokenizer.decode(ids[:1])
+            if head and text.startswith(head):
+                break
+            ids = ids[1:]
+        return ids
+
+    return encode
+
+
 def make_exempt_mask(breakers: list[Breaker], vocab_size: int) -> mx.array | None:
     singles = [b.head for b in breakers if not b.tail and 0 <= b.head < vocab_size]
     if not singles:

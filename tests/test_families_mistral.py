@@ -81,3 +81,15 @@ def test_rotating_cache_refuses_to_trim_the_ring():
     with pytest.raises(MlxcelError, match="cannot trim"):
         cache.trim(1)
     np.testing.assert_equal(cache.offset, 1)
+
+
+def test_compiled_decode_refuses_sliding_window_layers_clearly(mistral_parity, monkeypatch):
+    from mlxcel.errors import MlxcelError
+    from tests.family_fixtures import mlxcel_generate
+
+    model = mistral_parity["model"]
+    assert model.supports_compiled_decode is False
+    monkeypatch.setenv("MLXCEL_COMPILE", "1")
+    monkeypatch.setattr(model, "_mlxcel_decoder", None, raising=False)
+    with pytest.raises(MlxcelError, match="MLXCEL_COMPILE"):
+        mlxcel_generate(model, [PROMPT], 4)

@@ -47,12 +47,13 @@ def test_phi3_loads_the_fused_checkpoint_projections(phi3_parity, monkeypatch, t
     layer = phi3_parity["model"].model.layers[0]
     assert layer.self_attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64) and "q_proj" not in layer.self_attn
     assert layer.mlp.gate_up_proj.weight.shape == (2 * 128, 64)
-    assert phi3_parity["model"].layer_windows == [None, None]
+    assert phi3_parity["model"].layer_windows == [None, None] and phi3_parity["model"].supports_compiled_decode
 
 
 def test_phi4_mini_partial_rotary_longrope_switches_mid_decode(phi4_mini_parity):
     rope = phi4_mini_parity["model"].model.layers[0].self_attn.rope
     assert rope.dims == 8 and rope.original_max == 64 and rope.attention_factor > 1.0
+    assert phi4_mini_parity["model"].supports_compiled_decode is False
 
 
 def test_phi3_longrope_past_the_original_context_from_the_prompt(tmp_path):

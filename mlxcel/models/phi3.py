@@ -143,6 +143,11 @@ class Model(SlidingWindowLayers, llama.Model):
         # a right-padded piece would count its padding toward the switch
         self.supports_padded_prefill = args.longrope is None
 
+    @property
+    def supports_compiled_decode(self) -> bool:
+        # the compiled step neither reads the host offsets nor recomputes at the longrope switch
+        return not any(self.layer_windows) and self.longrope_limit is None
+
     def forward_with_embeddings(self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None) -> mx.array:
         first = cache[0]
         if self.longrope_limit is None or first.offset is None or mask is not None:

@@ -101,6 +101,12 @@ class RotatingKVCache:
         size = min(self.offset, self.window)
         return self.keys[..., :size, :], self.values[..., :size, :]
 
+    def reserve(self, needed: int) -> None:
+        # Only the compiled decode step calls this: it writes whole linear buffers at the offset.
+        raise MlxcelError(
+            "the compiled decode step (MLXCEL_COMPILE=1) does not support sliding-window layers yet: unset MLXCEL_COMPILE"
+        )
+
     def trim(self, n: int) -> None:
         """Forget the last n positions: only after a multi-token piece (the ring overwrote older ones)."""
         if n <= 0:
@@ -167,6 +173,11 @@ class SlidingWindowLayers:
     each layer's window (None: full attention); caches and masks follow it."""
 
     layer_windows: list[int | None]
+
+    @property
+    def supports_compiled_decode(self) -> bool:
+        """The compiled step's linear buffers cannot hold a rotating cache (for the engine to check)."""
+        return not any(self.layer_windows)
 
     def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list:
         return make_layer_caches(self.layer_windows, batch_size, left_pad)

@@ -17,7 +17,7 @@ from mlxcel.models.loader import LoadedModel, load_model, resolve_model_path
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.sampling.history import make_piece_encoder
-from mlxcel.template import PromptTokens, build_prompt, load_template_source
+from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
 
@@ -39,6 +39,9 @@ class Pipeline:
         self.template_source = load_template_source(
             tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools")
         )
+        if template.kind == "auto" and self.template_source is None:  # one error for the run, not one per row
+            where = cfg.tokenizer.path or cfg.model.path
+            raise MlxcelError(f"template=auto: the tokenizer of {where} has no chat template; {NO_TEMPLATE_HINT}")
         self.max_context = cfg.model.max_context or (loaded.model.args.max_position_embeddings if loaded else header.max_context)
         self.stop_ids = self._merge_stop_ids() if loaded else set()
         self.sampler = self.make_sampler() if loaded else None

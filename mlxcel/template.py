@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer.base import MlxcelTokenizer
 
-_NO_TEMPLATE_HINT = (
+NO_TEMPLATE_HINT = (
     "set template=none for a raw completion, template=chatml|llama3|gemma|mistral for a built-in one, "
     "or give one with template.text=... or template.file=..."
 )
@@ -299,7 +299,7 @@ def build_prompt(
         text = join_user_contents(messages)
         return PromptTokens(text=text, token_ids=tokenizer.encode(text, add_special_tokens=True), history_tokens=0)
     if template_source is None:
-        raise MlxcelError(f"the tokenizer has no chat template; {_NO_TEMPLATE_HINT}")
+        raise MlxcelError(f"the tokenizer has no chat template; {NO_TEMPLATE_HINT}")
     kwargs = dict(kwargs or {})
     text = render_prompt(template_source, messages, tokenizer, add_generation_prompt=True, **kwargs)
     ids = tokenizer.encode(text, add_special_tokens=False)

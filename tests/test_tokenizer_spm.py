@@ -265,3 +265,14 @@ def test_runner_dry_run_with_a_forced_tokenizer_and_builtin_template(tmp_path, t
     expected = [1] + encode_segments("v3", " ", True) + [3] + encode_segments("v3", " Be brief.\n\nHi 😀 ", True) + [4]
     assert row["prompt_token_ids"] == expected
     assert row["history_tokens"] == len(expected)  # this template adds no generation prompt
+
+
+def test_run_without_a_template_fails_once_with_the_fix(tmp_path, tiny_llama):
+    from mlxcel import load_config
+    from mlxcel.errors import MlxcelError as Error
+    from mlxcel.runner import run
+
+    folder = make_folder(tmp_path / "tok", "v1")  # a bare tokenizer.model: no chat template
+    cfg = load_config({"model": {"path": str(tiny_llama)}}, overrides=[f"tokenizer.path={folder}", "runner.dry_run=true"])
+    with pytest.raises(Error, match=r"template=auto: the tokenizer of .*tok has no chat template; set template=none .*template=chatml"):
+        run(cfg, tmp_path / "out", stream=None, log=None)

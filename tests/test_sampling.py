@@ -352,15 +352,15 @@ def test_effective_chain_order_and_special_cases():
 def test_breakers_are_encoded_as_they_appear_mid_text():
     """A SentencePiece dummy-prefix token in front of a breaker is dropped; real leading pieces stay."""
 
-    class Tokenizer:
-        pieces = {1: "", 2: " ", 13: "\n", 5: "a", 6: "b"}
+    pieces = {1: "", 2: " ", 13: "\n", 5: "a", 6: "b"}
 
+    class Tokenizer:
         def encode(self, text, add_special_tokens=True):
             assert add_special_tokens is False
             return {"\n": [1, 13], " \n": [2, 13], "ab": [5, 6]}[text]
 
         def decode(self, ids):
-            return "".join(self.pieces[i] for i in ids)
+            return "".join(pieces[i] for i in ids)
 
     from mlxcel.sampling.history import make_piece_encoder
 

@@ -5,7 +5,8 @@
 
 Each case times one sampling step (random logits [B, V] in, token ids evaluated out), alternating
 mlxcel (its step under mx.compile, and eager) and mlx-lm round by round; the table gives medians
-in ms per step and the ratio of mlxcel's default (compiled on a GPU, eager on a CPU) to mlx-lm. mlx-lm's
+in ms per step and the ratio of mlxcel's default (compiled on a GPU or for batch x vocab >= 2^20
+on a CPU, else eager) to mlx-lm. mlx-lm's
 step includes the log-softmax its generate loop applies before its sampler. Cases mlx-lm cannot
 express (DRY, mirostat, adaptive-p, ...) show mlxcel alone. mlx-lm is the optional `bench` extra.
 """
@@ -20,6 +21,7 @@ import time
 import mlx.core as mx
 
 from mlxcel.sampling import RowKey, make_sampler_chain
+from mlxcel.sampling.chain import should_compile
 
 # name: (mlxcel sampler config, mlx-lm make_sampler kwargs or None, mlx-lm logits-processor kwargs or None)
 CASES = {
@@ -108,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         have_peer = False
     print(f"device {mx.default_device()}, vocab {args.vocab}, {args.dtype} logits, median ms per step over {args.steps} steps x {args.reps} rounds")
     print("| case | batch | mlxcel compiled ms | mlxcel eager ms | mlx-lm ms | mlxcel / mlx-lm |\n| --- | --- | --- | --- | --- | --- |")
-    default = "compiled" if mx.default_device() == mx.gpu else "eager"
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         logits = mx.random.normal((batch, args.vocab), key=mx.random.key(0)).astype(getattr(mx, args.dtype)) * 3
         mx.eval(logits)
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     times[key].append(time_steps(step, args.steps))
             compiled, eager = statistics.median(times["compiled"]), statistics.median(times["eager"])
             theirs = f"{statistics.median(times['theirs']):.2f}" if "theirs" in times else "-"
+            default = "compiled" if should_compile(None, batch, args.vocab) else "eager"
             ratio = f"{statistics.median(times[default]) / statistics.median(times['theirs']):.2f}" if "theirs" in times else "-"
             print(f"| {name} | {batch} | {compiled:.2f} | {eager:.2f} | {theirs} | {ratio} |", flush=True)
     return 0

@@ -4,8 +4,9 @@
 histories)` gives a batch its `BatchSampler`, whose `sample(logits)` draws one token per row.
 
 One path for every chain: the whole step (stages, draw, state update) is one lazy device graph
-over the batch, compiled with `mx.compile` on a GPU while its shapes stay fixed (on the CPU the
-compiled step measured no faster and each new shape costs seconds of kernel compilation). Stateless chains carry only
+over the batch, compiled with `mx.compile` while its shapes stay fixed, where that pays: on a GPU,
+and on the CPU for large batches (there each new shape costs seconds of kernel compilation, and a
+compiled step only wins once batch x vocabulary reaches millions of entries). Stateless chains carry only
 the rows' keys; stateful ones carry [B, ...] state arrays (history for penalties/DRY, mirostat's
 mu, adaptive-p's W and T) that the step updates on the device. Nothing is read back to the host,
 so the engine keeps the forward pass a step ahead with every sampler.
@@ -87,7 +88,7 @@ class SamplerChain:
         self.uses_history = bool(windows)
         self.history_width = None if not windows or min(windows) < 0 else max(windows)  # None: whole history
         self.uses_suffix = dry is not None
-        self.use_compile = mx.default_device() == mx.gpu if compile is None else compile
+        self.compile = compile  # None: where it pays (see should_compile)
         self._compiled = mx.compile(self.run_step)
 
     def has(self, name: str) -> bool:
@@ -210,7 +211,8 @@ class BatchSampler:
         self.state = state
         self.top_n = logprobs
         self.step = 0
-        self.compiled = chain.use_compile and (chain.history_width is not None or not chain.uses_history)  # fixed shapes
+        fixed_shapes = chain.history_width is not None or not chain.uses_history
+        self.compiled = fixed_shapes and should_compile(chain.compile, len(keys), chain.vocab_size)
 
     def sample(self, logits: mx.array) -> Draw:
         position = mx.array(self.step, dtype=mx.uint32)
@@ -226,6 +228,15 @@ class BatchSampler:
 
     def state_arrays(self) -> list[mx.array]:
         return list(self.state.values())
+
+
+CPU_COMPILE_MIN_ENTRIES = 1 << 20  # batch x vocabulary; measured on a 2-core VM at vocab 152k (README)
+
+
+def should_compile(requested: bool | None, batch: int, vocab_size: int) -> bool:
+    if requested is not None:
+        return requested
+    return mx.default_device() == mx.gpu or batch * vocab_size >= CPU_COMPILE_MIN_ENTRIES
 
 
 def make_bias_vector(config: SamplerConfig, vocab_size: int, eos_token_ids) -> mx.array:
@@ -251,7 +262,7 @@ def make_sampler_chain(
     """The chain for a `sampler` group (a plain dict as in the YAML, or validated).
 
     encode: text -> token ids without special tokens, to pre-tokenize DRY's breakers;
-    eos_token_ids: what logit_bias.ignore_eos bans; compile: mx.compile the step (default: on a GPU)."""
+    eos_token_ids: what logit_bias.ignore_eos bans; compile: mx.compile the step (default: where it pays)."""
     if not isinstance(sampler_config, SamplerConfig):
         from pydantic import ValidationError
 

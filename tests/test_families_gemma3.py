@@ -20,18 +20,18 @@ def gemma3_parity(tmp_path_factory):
     return assert_parity(make_family_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3_text", seed=10))
 
 
-def test_gemma_matches_transformers(gemma3_parity):
+def test_gemma3_matches_transformers(gemma3_parity):
     model = gemma3_parity["model"]
     assert model.args.tie_word_embeddings and "lm_head" not in model
     assert model.eos_token_ids() == [2]
 
 
-def test_gemma_batch_rows_match_alone(gemma3_parity):
+def test_gemma3_batch_rows_match_alone(gemma3_parity):
     assert_batch_rows_match_alone(gemma3_parity["model"], [PROMPT, PROMPT[6:30], PROMPT[:11], PROMPT[2:39]])
 
 
 @pytest.mark.parametrize("piece,tile", [(16, None), (12, 8)])
-def test_gemma_pieces_match_one_shot(gemma3_parity, piece, tile):
+def test_gemma3_pieces_match_one_shot(gemma3_parity, piece, tile):
     assert_pieces_match_one_shot(gemma3_parity["model"], PROMPT, piece, tile)
 
 
@@ -48,7 +48,7 @@ def test_gemma3_linear_scaled_global_rope_matches_transformers(tmp_path):
     assert [layer.self_attn.rope.scale for layer in model.model.layers] == [1.0, 1.0, 0.125, 1.0]
 
 
-def test_gemma3_reads_pre_transformers5_rope_keys(tmp_path, gemma3_parity):
+def test_gemma3_reads_pre_transformers5_rope_keys(tmp_path):
     """Hub configs from before transformers 5: rope_theta, rope_local_base_freq, rope_scaling,
     sliding_window_pattern and no layer_types; the same model as the new layout."""
     import json

@@ -128,3 +128,25 @@ def test_fused_swiglu_equals_silu_times_up():
 
     gate, up = mx.random.normal((2, 3, 64), key=mx.random.key(1)), mx.random.normal((2, 3, 64), key=mx.random.key(2))
     assert mx.abs(fused_swiglu(gate, up) - nn.silu(gate) * up).max().item() < 1e-6
+
+
+def test_fused_qkv_prefill_peak_memory_is_no_higher_than_separate(tmp_path, monkeypatch):
+    """A prefill's peak memory with fused QKV stays at the unfused level (V stored into the cache
+    as a view of the fused output once kept every layer's QKV buffer alive: deep and
+    attention-heavy here, so that would show)."""
+    folder = make_tiny_checkpoint(tmp_path / "deep", "llama", num_hidden_layers=12, hidden_size=128, intermediate_size=128)
+
+    def prefill_peak(fuse: str) -> int:
+        monkeypatch.setenv("MLXCEL_FUSE", fuse)
+        model = load_model(str(folder), dtype="float32").model
+        mx.eval(model.parameters())
+        tokens = mx.random.randint(3, 60, (8, 256), key=mx.random.key(0))
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        cache = model.make_cache(8)
+        mx.eval(model(tokens, cache, logits_at=255), [c.state for c in cache])
+        return mx.get_peak_memory() - base
+
+    separate, fused = prefill_peak("0"), prefill_peak("1")
+    assert fused <= separate * 1.05, (fused, separate)

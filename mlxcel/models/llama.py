@@ -105,7 +105,13 @@ class Attention(nn.Module):
         if "qkv_proj" not in self:
             return apply_linear(self.q_proj, x), apply_linear(self.k_proj, x), apply_linear(self.v_proj, x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return tuple(mx.split(apply_linear(self.qkv_proj, x), [q_size, q_size + kv_size], axis=-1))
+        q, k, v = mx.split(apply_linear(self.qkv_proj, x), [q_size, q_size + kv_size], axis=-1)
+        if x.shape[1] > 1:
+            # V goes into the cache as a view of the fused output, which kept every layer's whole
+            # QKV buffer alive to the end of a prefill (+0.36 GB at batch 8 x 512 on SmolLM2,
+            # 0.83 vs 0.47 GB above the weights); a copy frees it at once. Decode skips it.
+            v = mx.contiguous(v)
+        return q, k, v
 
     def project_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Q, K, V as [B, heads, L, head_dim] (families with q/k norms extend this)."""

@@ -83,13 +83,11 @@ def test_rotating_cache_refuses_to_trim_the_ring():
     np.testing.assert_equal(cache.offset, 1)
 
 
-def test_compiled_decode_refuses_sliding_window_layers_clearly(mistral_parity, monkeypatch):
-    from mlxcel.errors import MlxcelError
+def test_compiled_decode_falls_back_to_the_eager_step_on_sliding_window_layers(mistral_parity, monkeypatch):
     from tests.family_fixtures import mlxcel_generate
 
     model = mistral_parity["model"]
     assert model.supports_compiled_decode is False
+    eager = mlxcel_generate(model, [PROMPT], 8)
     monkeypatch.setenv("MLXCEL_COMPILE", "1")
-    monkeypatch.setattr(model, "_mlxcel_decoder", None, raising=False)
-    with pytest.raises(MlxcelError, match="MLXCEL_COMPILE"):
-        mlxcel_generate(model, [PROMPT], 4)
+    assert mlxcel_generate(model, [PROMPT], 8) == eager

@@ -60,7 +60,9 @@ class Engine:
     def __init__(self, model, max_context: int):
         self.model = model
         self.max_context = max_context
-        self.decoder = get_compiled_decoder(model) if is_compile_enabled() else None
+        # Families whose caches the compiled step cannot drive (rotating windows, longrope) say so.
+        compiled = is_compile_enabled() and getattr(model, "supports_compiled_decode", True)
+        self.decoder = get_compiled_decoder(model) if compiled else None
 
     def start(self, request: GenerationRequest) -> BatchState:
         """Prefill every row (left-padded to one length) and queue the first token."""

@@ -148,10 +148,28 @@ def _check_not_blank(text: str | None) -> str | None:
 
 
 class Message(Group):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    """A chat message as transformers' templates take it: tool calls on an assistant message,
+    and `tool_call_id` / `name` on a tool result."""
 
-    _check_content = field_validator("content")(_check_not_blank)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: [{"type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # tool: which call this answers
+    name: str | None = None  # tool: the function's name
+
+    @model_validator(mode="after")
+    def _check_content(self) -> Message:
+        if self.role == "assistant" and self.tool_calls:
+            return self  # a message that only calls tools may have no text
+        if self.content is None:
+            raise reject("required (only an assistant message with tool_calls may omit it)", "content", NO_VALUE)
+        if not self.content.strip():
+            raise reject("must not be empty or only whitespace", "content", self.content)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the keys given: templates test `message.tool_calls is defined`."""
+        return self.model_dump(exclude_none=True)
 
 
 class PromptRow(Group):
@@ -163,6 +181,7 @@ class PromptRow(Group):
     max_tokens: PositiveInt | None = None  # default: decode.max_tokens
     seed: NonNegativeInt | None = None  # default: sampler.seed
     n: PositiveInt = 1  # samples of this prompt
+    tools: list[dict[str, Any]] | None = None  # this row's tool definitions (default: template.kwargs.tools)
 
     _check_prompt = field_validator("prompt")(_check_not_blank)
 
@@ -200,7 +219,7 @@ class PromptConfig(Group):
 
     def to_messages(self) -> list[dict]:
         """The conversation as role/content dicts, the system message first when set."""
-        return self.with_system([m.model_dump() for m in self.messages] if self.messages else [{"role": "user", "content": self.text}])
+        return self.with_system([m.to_dict() for m in self.messages] if self.messages else [{"role": "user", "content": self.text}])
 
     def with_system(self, messages: list[dict]) -> list[dict]:
         """prompt.system goes first, unless the conversation brings its own system message."""

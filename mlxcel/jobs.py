@@ -23,6 +23,7 @@ class JobRow:
     max_tokens: int | None = None
     seed: int | None = None
     n: int = 1
+    tools: list[dict] | None = None  # the row's own tool definitions, if any
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
             issues.append(ConfigIssue(where, f"duplicate id (first used at {label} {seen[str(row_id)]})", row_id))
             continue
         seen[str(row_id)] = number
-        messages = [m.model_dump() for m in row.messages] if row.messages else [{"role": "user", "content": row.prompt}]
-        rows.append(JobRow(row_id, prompt.with_system(messages), row.max_tokens, row.seed, row.n))
+        messages = [m.to_dict() for m in row.messages] if row.messages else [{"role": "user", "content": row.prompt}]
+        rows.append(JobRow(row_id, prompt.with_system(messages), row.max_tokens, row.seed, row.n, row.tools))
     if issues:
         raise ConfigError(issues, hint=f"fix: correct those rows of {source}")
     return rows

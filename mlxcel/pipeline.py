@@ -90,7 +90,8 @@ class Pipeline:
         for sample in samples:
             try:
                 template = self.cfg.template
-                prompt = build_prompt(self.tokenizer, sample.row.messages, self.template_source, template.kind != "none", template.kwargs)
+                kwargs = template.kwargs if sample.row.tools is None else {**template.kwargs, "tools": sample.row.tools}
+                prompt = build_prompt(self.tokenizer, sample.row.messages, self.template_source, template.kind != "none", kwargs)
                 self.check_length(prompt)
                 prepared.append(PreparedSample(sample, prompt))
             except MlxcelError as exc:

@@ -172,3 +172,34 @@ def test_ctrl_c_inside_a_row_write_waits_for_the_write(tmp_path):
         counted.append(1)
     assert counted == [1] and (tmp_path / "generations.jsonl").read_text() == '{"id": 1}\n'
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_jsonl_tool_call_conversations_with_row_tools_render_as_transformers(tmp_path):
+    """Assistant tool calls, tool results (tool_call_id, name) and per-row `tools` reach the
+    template as transformers passes them; a row without tools renders without them."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import make_tiny_checkpoint
+    from tests.test_template_real import TEMPLATES, TOOLS, WEATHER_TOOL
+
+    tiny_llama = make_tiny_checkpoint(tmp_path / "long_context", "llama", max_position_embeddings=2048)  # tool schemas are long
+
+    template = TEMPLATES / "qwen2.5.jinja"
+    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": "t", "messages": TOOLS, "tools": [WEATHER_TOOL]}, {"id": "plain", "messages": TOOLS[:2]}])
+    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file), f"template.file={template}", "runner.dry_run=true", "model.max_context=2048")
+    assert result.returncode == 0, result.stderr
+    prompts = {p["id"]: p for p in map(json.loads, (tmp_path / "run" / "prompts.jsonl").read_text().splitlines())}
+    reference = AutoTokenizer.from_pretrained(str(tiny_llama))
+    source = template.read_text(encoding="utf-8")
+    expected = reference.apply_chat_template(TOOLS, chat_template=source, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    assert prompts["t"]["prompt_text"] == expected and "get_weather" in expected
+    plain = reference.apply_chat_template(TOOLS[:2], chat_template=source, tokenize=False, add_generation_prompt=True)
+    assert prompts["plain"]["prompt_text"] == plain and "get_weather" not in plain
+
+
+def test_message_checks_name_the_field(tmp_path, tiny_llama):
+    rows_file = write_rows(tmp_path / "rows.jsonl", [{"messages": [{"role": "user"}]}, {"messages": [{"role": "assistant", "content": " "}]}])
+    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file))
+    assert result.returncode == 2
+    assert "messages.0.content: required (only an assistant message with tool_calls may omit it)" in result.stderr
+    assert "messages.0.content: must not be empty or only whitespace" in result.stderr

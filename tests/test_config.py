@@ -140,7 +140,7 @@ ERROR_CASES = [
     ({"prompt": {"messages": [{"role": "user", "content": "x"}]}}, "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got text, messages); for a batch job use the preset: prompt=jsonl prompt.file=PATH"),
     ({"prompt": {"text": None, "messages": [{"role": "bot", "content": "x"}]}}, "prompt.messages.0.role: must be one of: system, user, assistant, tool (got 'bot')"),
     ({"prompt": {"text": None, "messages": [{"role": "user", "content": ""}]}}, "prompt.messages.0.content: must not be empty or only whitespace (got '')"),
-    ({"prompt": {"text": None, "messages": [{"role": "user"}]}}, "prompt.messages.0.content: required"),
+    ({"prompt": {"text": None, "messages": [{"role": "user"}]}}, "prompt.messages.0.content: required (only an assistant message with tool_calls may omit it)"),
     (
         {"prompt": {"text": None, "system": "s", "messages": [{"role": "system", "content": "t"}]}},
         "prompt.system: prompt.messages already has a system message; set one or the other (got 's')",

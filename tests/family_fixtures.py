@@ -39,6 +39,15 @@ FAMILIES = {
              "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]},
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False}),
+    "mixtral": (
+        "MixtralConfig", "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "tie_word_embeddings": False},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+             "tie_word_embeddings": False},
+    ),
 }
 
 

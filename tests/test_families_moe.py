@@ -1,0 +1,215 @@
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE) against transformers, and the stacked-expert
+layers (gather_mm / gather_qmm) against a per-expert loop."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+
+from mlxcel.models.switch import (
+    QuantizedSwitchLinear,
+    SwitchGLU,
+    SwitchLinear,
+    route_top_k,
+)
+from tests.family_fixtures import (
+    LOGIT_TOLERANCE,
+    PROMPT,
+    assert_batch_rows_match_alone,
+    assert_parity,
+    assert_pieces_match_one_shot,
+    make_family_checkpoint,
+    mlxcel_logits,
+    reference_logits,
+)
+
+pytest.importorskip("torch")
+
+BATCH = [PROMPT, PROMPT[5:28], PROMPT[:9], PROMPT[3:34]]
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    return make_family_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=11)
+
+
+@pytest.fixture(scope="module")
+def mixtral_parity(tiny_mixtral):
+    return assert_parity(tiny_mixtral)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_parity(tmp_path_factory):
+    return assert_parity(make_family_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=11))
+
+
+def flip_routing_normalisation(model) -> None:
+    for layer in model.model.layers:
+        moe = layer.block_sparse_moe if "block_sparse_moe" in layer else layer.mlp
+        if hasattr(moe, "normalize"):
+            moe.normalize = not moe.normalize
+
+
+def assert_normalisation_matters(folder, model) -> None:
+    """The fixture's router weights are far enough from one-hot that renormalising or not shows
+    in the logits: the parity above would catch the wrong choice."""
+    from tests.conftest import load_reference
+
+    expected = reference_logits(load_reference(folder), PROMPT)
+    flip_routing_normalisation(model)
+    try:
+        flipped = np.array(model(mx.array([PROMPT]), model.make_cache())[0])
+    finally:
+        flip_routing_normalisation(model)
+    assert np.abs(flipped - expected).max() > 100 * LOGIT_TOLERANCE
+
+
+def test_mixtral_matches_transformers(mixtral_parity, tiny_mixtral):
+    model = mixtral_parity["model"]
+    moe = model.model.layers[0].block_sparse_moe
+    assert moe.normalize and moe.top_k == 2
+    assert moe.switch_mlp.gate_up_proj.weight.shape == (4, 256, 64)  # 4 experts stacked, gate and up fused
+    assert moe.switch_mlp.down_proj.weight.shape == (4, 64, 128)
+    assert model.layer_windows == [16, 16] and model.eos_token_ids() == [2]
+    assert_normalisation_matters(tiny_mixtral, model)
+
+
+def test_mixtral_batch_rows_match_alone(mixtral_parity):
+    assert_batch_rows_match_alone(mixtral_parity["model"], BATCH)
+
+
+@pytest.mark.parametrize("piece,tile", [(7, None), (12, 8)])
+def test_mixtral_pieces_match_one_shot(mixtral_parity, piece, tile):
+    model = mixtral_parity["model"]
+    assert model.supports_multi_piece_prefill and model.supports_padded_prefill
+    assert_pieces_match_one_shot(model, PROMPT, piece, tile)
+
+
+def test_mixtral_loads_transformers_stacked_experts(tiny_mixtral, tmp_path):
+    """save_original_format=False keeps transformers 5's in-memory names: mlp.experts.gate_up_proj
+    [E, 2I, H] and mlp.experts.down_proj, no per-expert tensors."""
+    from safetensors import safe_open
+
+    from tests.conftest import load_reference
+
+    folder = tmp_path / "stacked"
+    load_reference(tiny_mixtral).save_pretrained(folder, save_original_format=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_mixtral / name, folder / name)
+    with safe_open(str(folder / "model.safetensors"), "np") as f:
+        names = list(f.keys())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+    stacked, _ = mlxcel_logits(folder, PROMPT)
+    per_expert, _ = mlxcel_logits(tiny_mixtral, PROMPT)
+    np.testing.assert_allclose(stacked, per_expert, atol=1e-5)
+
+
+def test_qwen3_moe_matches_transformers(qwen3_moe_parity):
+    model = qwen3_moe_parity["model"]
+    assert model.args.sparse_layers == [True, True] and model.args.norm_topk_prob
+    attn = model.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (32,)
+    assert model.model.layers[1].mlp.switch_mlp.down_proj.weight.shape == (4, 64, 48)
+
+
+def test_qwen3_moe_batch_rows_match_alone(qwen3_moe_parity):
+    assert_batch_rows_match_alone(qwen3_moe_parity["model"], BATCH)
+
+
+@pytest.mark.parametrize("piece,tile", [(16, None), (12, 8)])
+def test_qwen3_moe_pieces_match_one_shot(qwen3_moe_parity, piece, tile):
+    assert_pieces_match_one_shot(qwen3_moe_parity["model"], PROMPT, piece, tile)
+
+
+def test_qwen3_moe_dense_layers_and_unnormalised_routing_match_transformers(tmp_path):
+    """decoder_sparse_step=2 makes layers 1 and 3 sparse, mlp_only_layers=[3] turns 3 dense
+    again; norm_topk_prob=False (Qwen3-30B-A3B's own setting is True) keeps the raw top-k probabilities."""
+    folder = make_family_checkpoint(
+        tmp_path / "q", "qwen3_moe", seed=12, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
+        norm_topk_prob=False,
+    )
+    model = assert_parity(folder)["model"]
+    assert model.args.sparse_layers == [False, True, False, False]
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, nn.Linear)  # dense: intermediate_size
+    assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (256, 64)
+    assert model.model.layers[1].mlp.normalize is False
+    assert_normalisation_matters(folder, model)
+
+
+def loop_over_experts(glu: SwitchGLU, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """The reference: each (token, chosen expert) through that expert's dense weights."""
+    gate, up, down = (np.array(p.weight) for p in (glu.gate_proj, glu.up_proj, glu.down_proj))
+    out = np.zeros((*indices.shape, x.shape[-1]), np.float32)
+    for pos in np.ndindex(indices.shape):
+        token, e = x[pos[:-1]], indices[pos]
+        g, u = gate[e] @ token, up[e] @ token
+        out[pos] = down[e] @ (g / (1 + np.exp(-g)) * u)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [3, 40])  # 6 (token, expert) pairs: plain gather; 80: sorted by expert
+def test_switch_glu_equals_a_loop_over_experts(tokens):
+    mx.random.seed(0)
+    glu = SwitchGLU(16, 24, 5)
+    x = mx.random.normal((2, tokens, 16))
+    indices = mx.random.randint(0, 5, (2, tokens, 2))
+    expected = loop_over_experts(glu, np.array(x), np.array(indices))
+    np.testing.assert_allclose(np.array(glu(x, indices)), expected, atol=1e-4)
+    glu.fuse()
+    assert "gate_up_proj" in glu and "gate_proj" not in glu
+    np.testing.assert_allclose(np.array(glu(x, indices)), expected, atol=1e-4)
+
+
+def test_route_top_k_softmax_then_top_k_then_optional_renormalisation():
+    logits = mx.array([[2.0, 0.5, 1.0, -1.0]])
+    probs = np.exp([2.0, 0.5, 1.0, -1.0]) / np.exp([2.0, 0.5, 1.0, -1.0]).sum()
+    indices, weights = route_top_k(logits, 2, normalize=False)
+    assert sorted(indices[0].tolist()) == [0, 2]
+    picked = dict(zip(indices[0].tolist(), weights[0].tolist()))
+    assert picked == pytest.approx({0: probs[0], 2: probs[2]})
+    _, normalised = route_top_k(logits, 2, normalize=True)
+    assert sorted(normalised[0].tolist()) == pytest.approx(sorted([probs[2] / (probs[0] + probs[2]), probs[0] / (probs[0] + probs[2])]))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_switch_linear_equals_its_dequantized_weights(bits):
+    mx.random.seed(1)
+    layer = SwitchLinear(64, 32, 4)
+    quantized = layer.to_quantized(group_size=32, bits=bits)
+    assert isinstance(quantized, QuantizedSwitchLinear) and quantized.weight.dtype == mx.uint32
+    dense = SwitchLinear(64, 32, 4)
+    dense.weight = mx.dequantize(quantized.weight, quantized.scales, quantized.biases, group_size=32, bits=bits)
+    x = mx.random.normal((5, 1, 1, 64))
+    indices = mx.array([[3], [0], [3], [1], [2]])
+    np.testing.assert_allclose(np.array(quantized(x, indices)), np.array(dense(x, indices)), atol=1e-4)
+
+
+def test_quantized_model_is_close_to_fp32(mixtral_parity):
+    """nn.quantize reaches the stacked experts (to_quantized) and the fused gate/up stays fused."""
+    import copy
+
+    model = copy.deepcopy(mixtral_parity["model"])
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+    assert isinstance(model.model.layers[0].block_sparse_moe.switch_mlp.gate_up_proj, QuantizedSwitchLinear)
+    fp32 = np.array(mixtral_parity["model"](mx.array([PROMPT]), mixtral_parity["model"].make_cache())[0])
+    q8 = np.array(model(mx.array([PROMPT]), model.make_cache())[0])
+    assert np.abs(q8 - fp32).max() < 0.1 * np.abs(fp32).max()
+    assert (q8.argmax(-1) == fp32.argmax(-1)).mean() >= 0.9
+
+
+def test_moe_presets_require_a_path_and_name_their_family(tmp_path):
+    from mlxcel.config import validate_config
+    from mlxcel.errors import ConfigError
+    from mlxcel.models.loader import list_supported_families
+    from tests.test_families_presets import CONF_DIR, compose_run
+
+    for preset in ("mixtral", "qwen3_moe"):
+        with pytest.raises(ConfigError, match=r"model\.path: required"):
+            validate_config(compose_run([f"model={preset}"]))
+        assert validate_config(compose_run([f"model={preset}", f"model.path={tmp_path}"])).model.path == str(tmp_path)
+        assert preset in list_supported_families()
+        assert f'model_type "{preset}"' in (CONF_DIR / "model" / f"{preset}.yaml").read_text()

@@ -213,3 +213,14 @@ def test_moe_presets_require_a_path_and_name_their_family(tmp_path):
         assert validate_config(compose_run([f"model={preset}", f"model.path={tmp_path}"])).model.path == str(tmp_path)
         assert preset in list_supported_families()
         assert f'model_type "{preset}"' in (CONF_DIR / "model" / f"{preset}.yaml").read_text()
+
+
+def test_qwen3_moe_compiled_decode_matches_eager(qwen3_moe_parity, monkeypatch):
+    """Routing, top-k and the expert gather trace into the compiled step (no sliding window here)."""
+    from tests.family_fixtures import mlxcel_generate
+
+    model = qwen3_moe_parity["model"]
+    assert model.supports_compiled_decode
+    eager = mlxcel_generate(model, BATCH, 12)
+    monkeypatch.setenv("MLXCEL_COMPILE", "1")
+    assert mlxcel_generate(model, BATCH, 12) == eager

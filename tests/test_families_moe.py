@@ -164,6 +164,20 @@ def test_switch_glu_equals_a_loop_over_experts(tokens):
     np.testing.assert_allclose(np.array(glu(x, indices)), expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_switch_glu_runs_in_half_precision(dtype):
+    """The CPU's gather_mm takes float32 only: half-precision weights still work there."""
+    mx.random.seed(2)
+    glu = SwitchGLU(16, 24, 5)
+    x = mx.random.normal((1, 40, 16))
+    indices = mx.random.randint(0, 5, (1, 40, 2))
+    expected = np.array(glu(x, indices))
+    glu.set_dtype(dtype)
+    got = glu(x.astype(dtype), indices)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected, atol=0.05 * np.abs(expected).max())
+
+
 def test_route_top_k_softmax_then_top_k_then_optional_renormalisation():
     logits = mx.array([[2.0, 0.5, 1.0, -1.0]])
     probs = np.exp([2.0, 0.5, 1.0, -1.0]) / np.exp([2.0, 0.5, 1.0, -1.0]).sum()

@@ -28,7 +28,12 @@ class SwitchLinear(nn.Module):
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self.weight
+        if w.dtype != mx.float32 and mx.default_device() != mx.gpu:
+            # MLX's CPU gather_mm is float32-only (0.32): half-precision weights are upcast per call
+            out = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+            return out.astype(x.dtype)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedSwitchLinear:
         """For nn.quantize: each expert quantized along its input dimension, as mlx-lm does."""

@@ -202,6 +202,19 @@ def test_quantized_switch_linear_equals_its_dequantized_weights(bits):
     np.testing.assert_allclose(np.array(quantized(x, indices)), np.array(dense(x, indices)), atol=1e-4)
 
 
+def test_quantized_experts_fuse_gate_and_up():
+    """As an MLX-quantized folder loads: quantized first (separate gate/up), fused after."""
+    mx.random.seed(3)
+    glu = SwitchGLU(64, 32, 4)
+    nn.quantize(glu, group_size=32, bits=4)
+    x = mx.random.normal((1, 40, 64))
+    indices = mx.random.randint(0, 4, (1, 40, 2))
+    separate = np.array(glu(x, indices))
+    glu.fuse()
+    assert isinstance(glu.gate_up_proj, QuantizedSwitchLinear) and glu.gate_up_proj.scales.shape == (4, 64, 2)
+    np.testing.assert_allclose(np.array(glu(x, indices)), separate, atol=1e-5)
+
+
 def test_quantized_model_is_close_to_fp32(mixtral_parity):
     """nn.quantize reaches the stacked experts (to_quantized) and the fused gate/up stays fused."""
     import copy

@@ -366,3 +366,14 @@ def test_breakers_are_encoded_as_they_appear_mid_text():
 
     encode = make_piece_encoder(Tokenizer())
     assert (encode("\n"), encode(" \n"), encode("ab")) == ([13], [2, 13], [5, 6])
+
+
+def test_cpu_compile_needs_a_cpu_compiler(monkeypatch):
+    """Without a C++ compiler MLX cannot compile CPU kernels: the big-batch chain runs eagerly."""
+    from mlxcel.sampling import chain
+
+    if mx.default_device() == mx.gpu:
+        pytest.skip("the CPU rule")
+    assert chain.should_compile(None, 32, 151936) == chain.has_cpu_jit_compiler()
+    monkeypatch.setattr(chain, "has_cpu_jit_compiler", lambda: False)
+    assert chain.should_compile(None, 32, 151936) is False and chain.should_compile(True, 32, 151936) is True

@@ -14,8 +14,10 @@ so the engine keeps the forward pass a step ahead with every sampler.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -236,7 +238,16 @@ CPU_COMPILE_MIN_ENTRIES = 1 << 20  # batch x vocabulary; measured on a 2-core VM
 def should_compile(requested: bool | None, batch: int, vocab_size: int) -> bool:
     if requested is not None:
         return requested
-    return mx.default_device() == mx.gpu or batch * vocab_size >= CPU_COMPILE_MIN_ENTRIES
+    if mx.default_device() == mx.gpu:
+        return True
+    return batch * vocab_size >= CPU_COMPILE_MIN_ENTRIES and has_cpu_jit_compiler()
+
+
+@lru_cache(maxsize=1)
+def has_cpu_jit_compiler() -> bool:
+    """MLX compiles CPU kernels with the system's C++ compiler; a slim machine without one runs
+    the same step eagerly instead of failing."""
+    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
 
 
 def make_bias_vector(config: SamplerConfig, vocab_size: int, eos_token_ids) -> mx.array:

@@ -2,8 +2,11 @@
 
 MLX reads GGUF itself (`mx.load(..., return_metadata=True)`): Q4_0, Q4_1 and Q8_0 tensors
 arrive as MLX affine-quantized triples (weight, scales, biases; group size 32), other
-tensors as float arrays. llama.cpp stores Q and K permuted for interleaved ("traditional")
-RoPE, so GGUF models run with `rope_traditional=True` instead of un-permuting the weights.
+tensors as float arrays. Files with other types (the K-quants: Q4_K_M, ...) go through
+gguf_reader, which dequantizes every tensor to float32. llama.cpp stores Q and K permuted for
+interleaved ("traditional") RoPE, so llama-arch models run with `rope_traditional=True` instead
+of un-permuting the weights. llama.cpp adds 1 to Gemma's norm weights (GGML's RMSNorm multiplies
+by the weight; Gemma's by 1 + weight): undone here, as our Gemma RMSNorm adds 1 itself.
 """
 
 from __future__ import annotations
@@ -15,13 +18,19 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcel.errors import MlxcelError
+from mlxcel.models import gguf_reader
 
 GGUF_GROUP_SIZE = 32
 
-# GGUF architecture name -> our family. llama.cpp's converter permutes Q/K rows only for the
-# llama architecture (it runs interleaved RoPE there); qwen2 keeps HF's layout (NEOX RoPE).
-SUPPORTED_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+# GGUF architecture name -> our family (Mistral converts as llama). llama.cpp's converter
+# permutes Q/K rows only for the llama architecture (interleaved RoPE); the others keep HF's
+# layout (NEOX RoPE).
+SUPPORTED_GGUF_ARCHS = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+    "gemma3": "gemma3_text", "phi3": "phi3",
+}
 INTERLEAVED_ROPE_ARCHS = {"llama"}
+GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -31,20 +40,39 @@ _TENSOR_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture differences from the table above (llama.cpp's tensor_mapping.py).
+_ARCH_TENSOR_NAMES = {
+    # Gemma 2/3: four norms per block; ffn_norm is the pre-feed-forward one
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3: the checkpoint's fused projections; ffn_up holds gate_up_proj
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_TENSOR_NAMES["gemma3"] = _ARCH_TENSOR_NAMES["gemma2"]
 
 
-def load_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Read a GGUF file's tensors and metadata; a truncated or foreign file is a clear error."""
-    try:
-        return mx.load(str(path), return_metadata=True)
-    except Exception as exc:  # MLX raises plain ValueError/RuntimeError with gguflib's message
-        raise MlxcelError(f"cannot read GGUF file {path}: {exc} (is the file complete and a GGUF model?)") from exc
+def load_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], dict[str, int]]:
+    """A GGUF file's tensors, metadata and tensor-type counts. Files of MLX's types go through
+    mx.load (Q4_0/Q4_1/Q8_0 stay packed); others are dequantized to float32 by gguf_reader."""
+    metadata, tensors = gguf_reader.read_gguf_header(path)
+    types: dict[str, int] = {}
+    for info in tensors:
+        types[info.type_name] = types.get(info.type_name, 0) + 1
+    if types.keys() <= gguf_reader.MLX_NATIVE_TYPES:
+        try:
+            weights, metadata = mx.load(str(path), return_metadata=True)
+        except Exception as exc:  # MLX raises plain ValueError/RuntimeError with gguflib's message
+            raise MlxcelError(f"cannot read GGUF file {path}: {exc} (is the file complete and a GGUF model?)") from exc
+        return weights, metadata, types
+    arrays = gguf_reader.load_gguf_numpy(path, tensors)
+    return {name: mx.array(value) for name, value in arrays.items()}, metadata, types
 
 
 def read_metadata_value(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -73,6 +101,7 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
     tokens = metadata.get("tokenizer.ggml.tokens")
     hidden = get("embedding_length")
     heads = get("attention.head_count")
+    head_dim = get("attention.key_length", None, required=False) or hidden // heads
     config = {
         "model_type": family,
         "hidden_size": hidden,
@@ -81,7 +110,7 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         "num_key_value_heads": get("attention.head_count_kv", heads),
         "intermediate_size": get("feed_forward_length"),
         "vocab_size": get("vocab_size", None, required=False) or (len(tokens) if tokens else None),
-        "head_dim": get("attention.key_length", None, required=False) or hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": get("rope.freq_base", 10000.0),
         "max_position_embeddings": get("context_length", 4096),
@@ -90,19 +119,83 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
     }
     if config["vocab_size"] is None:
         raise MlxcelError(f"{path}: GGUF metadata gives no vocabulary size")
+    if arch in GEMMA_ARCHS and tokens is not None and "<end_of_turn>" in tokens:
+        # llama.cpp ends a Gemma turn at <end_of_turn> (its EOT, found by text); the file names only <eos>
+        config["eos_token_id"] = [config["eos_token_id"], list(tokens).index("<end_of_turn>")]
+    if arch in ("gemma2", "gemma3"):
+        config.update(make_gemma_config(arch, get, config))
+    if arch == "phi3":
+        config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
+        config["sliding_window"] = get("attention.sliding_window", None, required=False)
     return family, config
 
 
-def rename_gguf_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def make_gemma_config(arch: str, get, config: dict) -> dict:
+    """Gemma 2/3 keys llama.cpp writes, and the ones it derives instead of storing."""
+    # llama.cpp: queries scaled by 1/sqrt(hidden / heads) on the 27B models, else 1/sqrt(head_dim)
+    is_27b = config["num_hidden_layers"] in (46, 62)
+    extra = {
+        "sliding_window": get("attention.sliding_window", None, required=False),
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"],
+    }
+    if arch == "gemma2":
+        extra["attn_logit_softcapping"] = get("attn_logit_softcapping", None, required=False)
+        extra["final_logit_softcapping"] = get("final_logit_softcapping", None, required=False)
+    else:  # local layers' base is fixed at 10k in llama.cpp; every 6th layer is global
+        extra["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0)
+        pattern = get("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # newer llama.cpp: one flag per layer, true = sliding
+            extra["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+        else:
+            extra["sliding_window_pattern"] = pattern
+        if get("rope.scaling.type", None, required=False) == "linear":
+            extra["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    return extra
+
+
+def read_phi3_longrope(weights: dict[str, mx.array], metadata: dict[str, Any], config: dict) -> None:
+    """Phi-3 long-context RoPE: llama.cpp stores the factors as tensors, popped here into config."""
+    long, short = weights.pop("rope_factors_long.weight", None), weights.pop("rope_factors_short.weight", None)
+    if long is None or short is None:
+        return
+    original = read_metadata_value(metadata, "phi3.rope.scaling.original_context_length")
+    config["rope_scaling"] = {
+        "rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist(),
+        "original_max_position_embeddings": original, "attention_factor": read_metadata_value(metadata, "phi3.rope.scaling.attn_factor"),
+    }
+
+
+def mark_unknown_token(metadata: dict[str, Any]) -> dict[str, Any]:
+    """A SentencePiece vocabulary whose unknown token is typed as control (Gemma 3's GGUF files):
+    llama.cpp takes the unknown id from tokenizer.ggml.unknown_token_id, so type that entry 2
+    (unknown) for the SentencePiece rebuild, which needs one."""
+    types = read_metadata_value(metadata, "tokenizer.ggml.token_type")
+    unknown = read_metadata_value(metadata, "tokenizer.ggml.unknown_token_id")
+    if read_metadata_value(metadata, "tokenizer.ggml.model") != "llama" or not types or 2 in types:
+        return metadata
+    if isinstance(unknown, int) and 0 <= unknown < len(types):
+        types = list(types)
+        types[unknown] = 2
+        return {**metadata, "tokenizer.ggml.token_type": types}
+    return metadata
+
+
+def undo_gemma_norm_offset(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """llama.cpp's converter stores Gemma norms as 1 + w; our Gemma RMSNorm adds the 1 itself."""
+    return {k: v.astype(mx.float32) - 1 if k.endswith("norm.weight") else v for k, v in weights.items()}
+
+
+def rename_gguf_weights(weights: dict[str, mx.array], arch: str = "llama", path: Path | None = None) -> dict[str, mx.array]:
     """llama.cpp names (blk.3.attn_q.scales) -> ours (model.layers.3.self_attn.q_proj.scales)."""
+    names = {**_TENSOR_NAMES, **_ARCH_TENSOR_NAMES.get(arch, {})}
     renamed = {}
     for name, value in weights.items():
         match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)", name)
-        if match is None or match.group(2) not in _TENSOR_NAMES:
-            raise MlxcelError(f"unexpected tensor {name!r} in GGUF file")
+        if match is None or match.group(2) not in names:
+            raise MlxcelError(f"{path or 'GGUF file'}: unexpected tensor {name!r} for GGUF architecture {arch!r}")
         layer, base, kind = match.groups()
         prefix = f"model.layers.{layer}." if layer is not None else ""
-        renamed[f"{prefix}{_TENSOR_NAMES[base]}.{kind}"] = value
+        renamed[f"{prefix}{names[base]}.{kind}"] = value
     return renamed
 
 

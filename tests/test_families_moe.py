@@ -140,6 +140,15 @@ def test_qwen3_moe_dense_layers_and_unnormalised_routing_match_transformers(tmp_
     assert_normalisation_matters(folder, model)
 
 
+def test_qwen3_moe_sliding_window_covers_every_layer(tmp_path):
+    """Unlike dense Qwen3, transformers' Qwen3-MoE slides every layer when use_sliding_window
+    (max_window_layers is ignored: reading it as Qwen3 does gives |dlogit| ~7 here)."""
+    folder = make_family_checkpoint(
+        tmp_path / "q", "qwen3_moe", seed=13, use_sliding_window=True, sliding_window=12, max_window_layers=1
+    )
+    assert assert_parity(folder)["model"].layer_windows == [12, 12]
+
+
 def loop_over_experts(glu: SwitchGLU, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """The reference: each (token, chosen expert) through that expert's dense weights."""
     gate, up, down = (np.array(p.weight) for p in (glu.gate_proj, glu.up_proj, glu.down_proj))

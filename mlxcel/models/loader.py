@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,11 @@ from mlx import nn
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.models import gguf
 from mlxcel.models.embedded import EMBEDDED_MODELS, locate_embedded_model
+from mlxcel.models.quantize import (
+    apply_checkpoint_quantization,
+    describe_checkpoint_quantization,
+    quantize_at_load,
+)
 
 # model_type in config.json -> module in mlxcel.models (names are checked before any import).
 # A family is supported once its module exists: one file per family, added without touching this.
@@ -70,7 +76,9 @@ def pick_dtype(dtype: str) -> mx.Dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto") -> LoadedModel:
+def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto", quantize: dict | None = None) -> LoadedModel:
+    """`quantize` ({"bits", "group_size"}): quantize the dense layers at load and record the
+    logit error that costs in info["quantization"]."""
     start = time.perf_counter()
     resolved = resolve_model_path(path)
     target_dtype = pick_dtype(dtype)
@@ -80,6 +88,8 @@ def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto"
         loaded = load_hf_model(resolved, target_dtype)
     else:
         raise ConfigError(ConfigIssue("model.path", "expected a model folder (config.json + *.safetensors) or a .gguf file", str(resolved)))
+    if quantize:
+        loaded.info["quantization"] = quantize_at_load(loaded.model, quantize["bits"], quantize["group_size"])
     if fuse_projections_enabled() and hasattr(loaded.model, "fuse_projections"):
         loaded.model.fuse_projections()  # QKV and gate/up as single matmuls: fewer ops per token
     mx.eval(loaded.model.parameters())
@@ -130,38 +140,71 @@ def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
     model_type = config.get("model_type")
     if model_type is None:
         raise MlxcelError(f"{config_path}: missing required key model_type")
-    if "quantization" in config:
-        raise MlxcelError(f"{config_path}: MLX-quantized folders are not supported yet")
+    quantization = config.get("quantization")
     model = make_model(import_family(model_type, config_path), config, config_path)
-    weights = load_safetensors(folder)
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    apply_weights(model, model.sanitize(weights), folder)
-    generation_config = read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+    weights, origins = load_safetensors(folder)
+    weights = model.sanitize(weights)
     info = {"arch": model_type, "format": "safetensors"}
+    if quantization is not None:  # MLX-quantized (mlx_lm.convert -q): packed weights stay packed
+        if model.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        apply_checkpoint_quantization(model, quantization, weights, config_path)
+        info["quantization"] = describe_checkpoint_quantization(quantization)
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    apply_weights(model, weights, folder, origins)
+    generation_config = read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
     return LoadedModel(model, folder, config, None, generation_config, info)
 
 
-def load_safetensors(folder: Path) -> dict[str, mx.array]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(read_json(index)["weight_map"].values()))
+def load_safetensors(folder: Path) -> tuple[dict[str, mx.array], dict[str, Path]]:
+    """The weights and the file each came from. With an index, every file it names must exist
+    and hold the tensors it lists; without one, shards named *-of-N must all be there."""
+    index_path = folder / "model.safetensors.index.json"
+    weight_map: dict[str, str] = {}
+    if index_path.exists():
+        weight_map = read_json(index_path).get("weight_map") or {}
+        if not weight_map:
+            raise MlxcelError(f"{index_path}: no weight_map (expected {{tensor name: shard file}})")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
+        check_shard_series(folder, files)
     if not files:
         raise MlxcelError(f"{folder}: no *.safetensors weights found")
     weights: dict[str, mx.array] = {}
+    origins: dict[str, Path] = {}
     for name in files:
         file = folder / name
         if not file.exists():
-            raise MlxcelError(f"{file}: listed in model.safetensors.index.json but missing")
+            raise MlxcelError(f"{file}: listed in {index_path.name} but missing (download it again, or fix the index)")
         try:
-            weights.update(mx.load(str(file)))
+            shard = mx.load(str(file))
         except Exception as exc:
             raise MlxcelError(f"cannot read {file}: {exc} (is the file complete?)") from exc
-    return weights
+        weights.update(shard)
+        origins.update(dict.fromkeys(shard, file))
+    absent = sorted(k for k in weight_map if k not in weights)
+    if absent:
+        raise MlxcelError(f"{folder / weight_map[absent[0]]}: lacks tensor {absent[0]} that {index_path.name} puts there ({len(absent)} missing)")
+    return weights, origins
 
 
-def apply_weights(model: nn.Module, weights: dict[str, mx.array], source: Path) -> None:
+def check_shard_series(folder: Path, files: list[str]) -> None:
+    """model-00001-of-00003.safetensors ...: without an index, a missing shard is found by name."""
+    for name in files:
+        match = re.fullmatch(r"(.*)-(\d+)-of-(\d+)\.safetensors", name)
+        if match is None:
+            continue
+        stem, digits, total = match.group(1), len(match.group(2)), int(match.group(3))
+        for i in range(1, total + 1):
+            shard = f"{stem}-{i:0{digits}d}-of-{match.group(3)}.safetensors"
+            if shard not in files:
+                raise MlxcelError(f"{folder / shard}: shard {i} of {total} is missing (download it again)")
+
+
+def apply_weights(model: nn.Module, weights: dict[str, mx.array], source: Path, origins: dict[str, Path] | None = None) -> None:
+    """Checks names and shapes against the architecture the config built; errors name the file."""
+    origins = origins or {}
     expected = {k for k, _ in _flatten(model.parameters())}
     missing = sorted(expected - weights.keys())
     unexpected = sorted(weights.keys() - expected)
@@ -174,7 +217,10 @@ def apply_weights(model: nn.Module, weights: dict[str, mx.array], source: Path) 
         raise MlxcelError(f"{source}: weights do not match the architecture: {'; '.join(details)}")
     for key, value in _flatten(model.parameters()):
         if weights[key].shape != value.shape:
-            raise MlxcelError(f"{source}: tensor {key} has shape {weights[key].shape}, expected {value.shape}")
+            raise MlxcelError(
+                f"{origins.get(key, source)}: tensor {key} has shape {tuple(weights[key].shape)}, but the config gives"
+                f" {tuple(value.shape)} (does config.json belong to these weights?)"
+            )
     model.load_weights(list(weights.items()), strict=True)
 
 

@@ -58,7 +58,13 @@ _ARCH_TENSOR_NAMES = {
 _ARCH_TENSOR_NAMES["gemma3"] = _ARCH_TENSOR_NAMES["gemma2"]
 
 
-def load_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], dict[str, int]]:
+def load_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """A GGUF file's tensors and metadata (see load_gguf_with_types)."""
+    weights, metadata, _ = load_gguf_with_types(path)
+    return weights, metadata
+
+
+def load_gguf_with_types(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], dict[str, int]]:
     """A GGUF file's tensors, metadata and tensor-type counts. Files of MLX's types go through
     mx.load (Q4_0/Q4_1/Q8_0 stay packed); others are dequantized to float32 by gguf_reader."""
     metadata, tensors = gguf_reader.read_gguf_header(path)

@@ -44,11 +44,19 @@ class Group(BaseModel):
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
 
+class QuantizeConfig(Group):
+    """MLX affine quantization of the dense layers at load (`model.quantize={bits:4,group_size:64}`)."""
+
+    bits: Literal[2, 3, 4, 5, 6, 8] = 4
+    group_size: Literal[32, 64, 128] = 64
+
+
 class ModelConfig(Group):
     path: str | None = Field(default=None, validate_default=True)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     gguf_weights: Literal["auto", "quantized", "dequantize"] = "auto"
     max_context: PositiveInt | None = None
+    quantize: QuantizeConfig | None = None
 
     @field_validator("path")
     @classmethod

@@ -53,7 +53,8 @@ class Pipeline:
         loaded = None
         if load_weights:
             say(log, f"loading model {cfg.model.path} ...")
-            loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights)
+            quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
+            loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize)
             info = loaded.info
             say(log, f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in {info['load_ms'] / 1000:.1f} s")
         gguf_metadata = loaded.gguf_metadata if loaded else None

@@ -89,11 +89,12 @@ def test_prompt_messages_put_system_first():
 
 ERROR_CASES = [
     ({"model": {"path": None}}, "model.path: required: a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"),
-    ({"model": {"path": "embedded:foo"}}, "model.path: unknown embedded model; known: embedded:smollm2 (got 'embedded:foo')"),
+    ({"model": {"path": "embedded:foo"}}, "model.path: unknown embedded model; known: embedded:smollm2, embedded:gemma3-270m (got 'embedded:foo')"),
     ({"model": {"dtype": "fp8"}}, "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')"),
     ({"model": {"gguf_weights": "q4"}}, "model.gguf_weights: must be one of: auto, quantized, dequantize (got 'q4')"),
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
-    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context (got 1)"),
+    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize (got 1)"),
+    ({"model": {"quantize": {"bits": 7}}}, "model.quantize.bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
     ({"tokenizer": {"kind": "bpe"}}, "tokenizer.kind: must be one of: auto, hf, sentencepiece, tiktoken, gguf (got 'bpe')"),
     ({"template": {"text": "a", "file": "b"}}, "template.file: set template.text or template.file, not both (got 'b')"),
     ({"template": {"kind": "none", "text": "x"}}, "template.text: must be null with template.kind=none (no template) (got 'x')"),

@@ -224,17 +224,44 @@ def test_quantized_experts_fuse_gate_and_up():
     np.testing.assert_allclose(np.array(glu(x, indices)), separate, atol=1e-5)
 
 
-def test_quantized_model_is_close_to_fp32(mixtral_parity):
-    """nn.quantize reaches the stacked experts (to_quantized) and the fused gate/up stays fused."""
-    import copy
+def test_model_quantize_at_load_reaches_the_experts(tiny_mixtral, mixtral_parity):
+    """model.quantize: the stacked experts quantize through to_quantized (the fused gate/up stays
+    fused); 8 bits keeps most argmaxes of this random model (its router is quantized too)."""
+    from mlxcel.models.loader import load_model
 
-    model = copy.deepcopy(mixtral_parity["model"])
-    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
-    assert isinstance(model.model.layers[0].block_sparse_moe.switch_mlp.gate_up_proj, QuantizedSwitchLinear)
+    loaded = load_model(str(tiny_mixtral), dtype="float32", quantize={"bits": 8, "group_size": 32})
+    switch = loaded.model.model.layers[0].block_sparse_moe.switch_mlp
+    assert isinstance(switch.gate_up_proj, QuantizedSwitchLinear) and switch.gate_up_proj.bits == 8
+    assert isinstance(switch.down_proj, QuantizedSwitchLinear)
+    assert loaded.info["quantization"]["mean_abs_logit_diff"] > 0
     fp32 = np.array(mixtral_parity["model"](mx.array([PROMPT]), mixtral_parity["model"].make_cache())[0])
-    q8 = np.array(model(mx.array([PROMPT]), model.make_cache())[0])
-    assert np.abs(q8 - fp32).max() < 0.1 * np.abs(fp32).max()
+    q8 = np.array(loaded.model(mx.array([PROMPT]), loaded.model.make_cache())[0])
     assert (q8.argmax(-1) == fp32.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("family,overrides", [("mixtral", {"sliding_window": None}), ("qwen3_moe", {})])
+def test_mlx_lm_convert_moe_folder_loads_and_matches_mlx_lm(family, overrides, tmp_path):
+    """mlx_lm.convert -q writes switch_mlp.{gate,up,down}_proj stacked and packed (dev-only
+    cross-check). Qwen3-MoE's expert width 48 is no multiple of the group size 32: its down_proj
+    stays dense beside quantized gate/up. mlx-lm has no sliding window, so Mixtral goes without."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    import json
+
+    src = make_family_checkpoint(tmp_path / "src", family, seed=14, **overrides)
+    config = json.loads((src / "config.json").read_text())
+    # mlx-lm 0.32 reads neither transformers 5's rope_parameters nor its num_local_experts for Qwen3-MoE
+    config.setdefault("rope_theta", config["rope_parameters"]["rope_theta"])
+    config.setdefault("num_experts", config.get("num_local_experts"))
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "q4"
+    mlx_lm.convert(str(src), mlx_path=str(out), quantize=True, q_group_size=32, q_bits=4)
+    ours, loaded = mlxcel_logits(out, PROMPT)
+    theirs, _ = mlx_lm.load(str(out))
+    np.testing.assert_allclose(ours, np.array(theirs(mx.array([PROMPT]))[0]), atol=1e-4)
+    layer = loaded.model.model.layers[1]
+    switch = (layer.block_sparse_moe if family == "mixtral" else layer.mlp).switch_mlp
+    assert isinstance(switch.gate_up_proj, QuantizedSwitchLinear) and switch.gate_up_proj.bits == 4
+    assert isinstance(switch.down_proj, QuantizedSwitchLinear if family == "mixtral" else SwitchLinear)
 
 
 def test_moe_presets_require_a_path_and_name_their_family(tmp_path):

@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from mlxcel.errors import ConfigError, ConfigIssue
 from mlxcel.models.embedded import EMBEDDED_MODELS
+from mlxcel.models.hub import is_repo_id
 from mlxcel.prefill_plan import DEFAULT_CHUNK_SIZE
 
 Float = Annotated[float, Strict()]
@@ -62,7 +63,7 @@ class ModelConfig(Group):
     @classmethod
     def _check_path(cls, path: str | None) -> str | None:
         if path is None or not path.strip():
-            hint = "a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"
+            hint = "a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"
             raise reject(f"required: {hint}", value=NO_VALUE if path is None else path)
         if path.startswith("embedded:") and path.removeprefix("embedded:") not in EMBEDDED_MODELS:
             raise reject("unknown embedded model; known: " + ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS))
@@ -322,6 +323,7 @@ def check_paths(cfg: RunConfig) -> list[ConfigIssue]:
         ConfigIssue(key, "no such file or directory", path)
         for key, path in paths.items()
         if path is not None and not path.startswith("embedded:") and not Path(path).expanduser().exists()
+        and not (key == "model.path" and is_repo_id(path))  # a Hub repo id: the loader resolves it
     ]
 
 

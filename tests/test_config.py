@@ -88,7 +88,7 @@ def test_prompt_messages_put_system_first():
 
 
 ERROR_CASES = [
-    ({"model": {"path": None}}, "model.path: required: a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"),
+    ({"model": {"path": None}}, "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"),
     ({"model": {"path": "embedded:foo"}}, "model.path: unknown embedded model; known: embedded:smollm2, embedded:gemma3-270m (got 'embedded:foo')"),
     ({"model": {"dtype": "fp8"}}, "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')"),
     ({"model": {"gguf_weights": "q4"}}, "model.gguf_weights: must be one of: auto, quantized, dequantize (got 'q4')"),
@@ -187,7 +187,7 @@ def test_all_errors_are_reported_at_once():
 
 def test_missing_groups_report_their_fields():
     assert issue_lines({}) == [
-        "model.path: required: a model folder, a .gguf file or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)",
+        "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)",
         "prompt.text: required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows",
     ]
 

@@ -22,6 +22,7 @@ from mlx import nn
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.models import gguf
 from mlxcel.models.embedded import EMBEDDED_MODELS, locate_embedded_model
+from mlxcel.models.hub import is_repo_id, resolve_repo
 from mlxcel.models.quantize import (
     apply_checkpoint_quantization,
     describe_checkpoint_quantization,
@@ -57,12 +58,14 @@ class LoadedModel:
 
 def resolve_model_path(path: str | None) -> Path:
     if not path:
-        raise ConfigError(ConfigIssue("model.path", "required: a model folder, a .gguf file or embedded:smollm2", path))
+        raise ConfigError(ConfigIssue("model.path", "required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2", path))
     if path.startswith("embedded:"):
         name = path.split(":", 1)[1]
         if name not in EMBEDDED_MODELS:
             raise ConfigError(ConfigIssue("model.path", f"unknown embedded model; known: {', '.join(EMBEDDED_MODELS)}", path))
         return locate_embedded_model(name)
+    if is_repo_id(path):
+        return resolve_repo(path)
     resolved = Path(path).expanduser()
     if not resolved.exists():
         raise ConfigError(ConfigIssue("model.path", "no such file or folder", path))

@@ -53,15 +53,16 @@ def read_safetensors_header(path: Path) -> bytes:
 
 
 def read_gguf_header(path: Path) -> ModelHeader:
-    from mlxcel.models.gguf import load_gguf, make_config_from_gguf
+    from mlxcel.models.gguf import make_config_from_gguf, read_gguf_index
 
-    weights, metadata = load_gguf(path)  # MLX maps tensors lazily: nothing is computed here
+    metadata, index = read_gguf_index(path)  # no weights read (K-quant files are not dequantized here)
     _, config = make_config_from_gguf(metadata, path)
     digest = hashlib.sha256()
     for key in sorted(metadata):
         value = metadata[key]
         value = value.tolist() if hasattr(value, "tolist") else value
         digest.update(json.dumps([key, value], default=str).encode())
-    for name in sorted(weights):
-        digest.update(f"{name}:{tuple(weights[name].shape)}:{weights[name].dtype}".encode())
+    for name in sorted(index):
+        shape, dtype = index[name]
+        digest.update(f"{name}:{shape}:{dtype}".encode())
     return ModelHeader(path, config["model_type"], config["max_position_embeddings"], {path.name: path.stat().st_size}, digest.hexdigest())

@@ -64,6 +64,17 @@ def load_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     return weights, metadata
 
 
+def read_gguf_index(path: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], str]]]:
+    """Metadata and {tensor: (shape, dtype as loading gives it)} without reading the weights
+    (for the run fingerprint): MLX maps native files lazily; K-quant files load as float32."""
+    metadata, tensors = gguf_reader.read_gguf_header(path)
+    if {t.type_name for t in tensors} <= gguf_reader.MLX_NATIVE_TYPES:
+        weights, metadata = load_gguf(path)
+        return metadata, {name: (tuple(w.shape), str(w.dtype)) for name, w in weights.items()}
+    dtypes = {"F16": str(mx.float16)}
+    return metadata, {t.name: (t.shape, dtypes.get(t.type_name, str(mx.float32))) for t in tensors}
+
+
 def load_gguf_with_types(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], dict[str, int]]:
     """A GGUF file's tensors, metadata and tensor-type counts. Files of MLX's types go through
     mx.load (Q4_0/Q4_1/Q8_0 stay packed); others are dequantized to float32 by gguf_reader."""

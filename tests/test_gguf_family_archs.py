@@ -43,7 +43,8 @@ def gguf_name(name: str, arch: str) -> str:
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
-def write_gguf(folder: Path, arch: str, out: Path, quant: str = "F32") -> Path:
+def write_gguf(folder: Path, arch: str, out: Path, quant: str = "F32", extra=None) -> Path:
+    """`extra(writer)` adds keys and tensors of its own before the checkpoint's."""
     config = json.loads((folder / "config.json").read_text())
     state = load_reference(folder).state_dict()
     writer = gguf.GGUFWriter(str(out), arch)
@@ -69,6 +70,8 @@ def write_gguf(folder: Path, arch: str, out: Path, quant: str = "F32") -> Path:
     writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
+    if extra is not None:
+        extra(writer)
     for name, tensor in state.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings", arch.startswith("gemma")):
             continue
@@ -161,3 +164,33 @@ def test_unsupported_architecture_is_one_clear_error(tmp_path):
     writer.close()
     with pytest.raises(MlxcelError, match=r"m\.gguf: GGUF architecture 'mamba' is not supported \(supported: gemma, gemma2, gemma3"):
         load_model(str(tmp_path / "m.gguf"), dtype="float32")
+
+
+def test_phi3_longrope_from_gguf_factor_tensors(tmp_path):
+    """llama.cpp writes longrope as rope_factors_long/short tensors plus rope.scaling.* keys; short
+    factors within the original context, long past it (an 80-token prompt past 64)."""
+    import math
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)], "long_factor": [2.0 + 1.5 * i for i in range(4)]}
+    folder = make_family_checkpoint(
+        tmp_path / "phi4", "phi3", seed=14, partial_rotary_factor=0.5, tie_word_embeddings=True,
+        rope_scaling=scaling, original_max_position_embeddings=64, max_position_embeddings=256,
+    )
+
+    def add_longrope(writer):
+        writer.add_float32("phi3.rope.scaling.attn_factor", math.sqrt(1 + math.log(256 / 64) / math.log(64)))
+        writer.add_uint32("phi3.rope.scaling.original_context_length", 64)
+        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
+
+    path = write_gguf(folder, "phi3", tmp_path / "phi4.gguf", extra=add_longrope)
+    loaded = load_model(str(path), dtype="float32")
+    rope = loaded.model.model.layers[0].self_attn.rope
+    assert (rope.dims, rope.original_max) == (8, 64) and rope.attention_factor > 1.0
+    reference = load_reference(folder)
+    for length in (40, 80):
+        ids = [(11 * i + 7) % 300 + 3 for i in range(length)]
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0].numpy()
+        got = np.array(loaded.model(mx.array([ids]), loaded.model.make_cache())[0])
+        assert np.abs(got - expected).max() <= 1e-3, length

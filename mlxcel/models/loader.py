@@ -229,7 +229,6 @@ def apply_weights(model: nn.Module, weights: dict[str, mx.array], source: Path, 
 
 def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedModel:
     weights, metadata, types = gguf.load_gguf_with_types(path)
-    metadata = gguf.mark_unknown_token(metadata)
     family_name, config = gguf.make_config_from_gguf(metadata, path)
     arch = gguf.read_metadata_value(metadata, "general.architecture")
     if arch == "phi3":

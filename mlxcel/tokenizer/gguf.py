@@ -53,11 +53,14 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def load_gguf_metadata(path: Path) -> dict[str, Any]:
-    """The GGUF's metadata through MLX (which also maps the weights, lazily)."""
-    import mlx.core as mx
+    """The GGUF's metadata from its header alone: no weights are mapped, so files whose tensor
+    types MLX cannot read (K-quants) still give their tokenizer, and a dry run stays fast."""
+    from mlxcel.models.gguf_reader import read_gguf_header
 
     try:
-        _, metadata = mx.load(str(path), return_metadata=True)
+        metadata, _ = read_gguf_header(path)
+    except MlxcelError:
+        raise
     except Exception as exc:
         raise MlxcelError(f"{path}: cannot read GGUF metadata ({exc})") from exc
     return metadata
@@ -71,7 +74,9 @@ def read_value(value: Any) -> Any:
 
 
 def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> FastTokenizer | SentencePieceTokenizer:
-    meta = metadata if metadata is not None else load_gguf_metadata(path)
+    from mlxcel.models.gguf import mark_unknown_token
+
+    meta = mark_unknown_token(metadata if metadata is not None else load_gguf_metadata(path))
 
     def get(key: str, default: Any = None) -> Any:
         return read_value(meta[key]) if key in meta else default

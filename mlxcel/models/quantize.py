@@ -76,8 +76,17 @@ def describe_checkpoint_quantization(spec: dict) -> dict:
 def dequantize_model(model: nn.Module) -> None:
     """Replace each quantized layer by its dense form (float32): the reference a quantized
     checkpoint is compared with."""
+    from mlxcel.models.switch import QuantizedSwitchLinear, SwitchLinear
+
     for path, module in list(model.named_modules()):
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(module, QuantizedSwitchLinear):  # MoE experts: [E, out, in], dequantized as they are
+            dense = SwitchLinear.__new__(SwitchLinear)
+            nn.Module.__init__(dense)
+            dense.weight = mx.dequantize(
+                module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32), module.group_size, module.bits
+            )
+            set_module(model, path, dense)
+        elif isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             weight = mx.dequantize(
                 module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32), module.group_size, module.bits
             )

@@ -18,16 +18,14 @@ from mlxcel.errors import MlxcelError
 from mlxcel.models.cache import GROW_STEP, KVCache, make_attention_mask
 
 
-class RotatingKVCache:
+class RotatingKVCache(KVCache):
+    """KVCache's batch/left-pad bookkeeping (state, rope_offset) with the window's own storage."""
+
     def __init__(self, window: int, batch_size: int = 1, left_pad: mx.array | None = None):
         if window < 1:
             raise MlxcelError(f"sliding_window must be >= 1, got {window}")
+        super().__init__(batch_size, left_pad)  # offset: positions seen (the next token's position)
         self.window = window
-        self.batch_size = batch_size
-        self.left_pad = left_pad
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0  # positions seen (the next token's position)
         self.start = 0  # linear layout: position of slot 0
         self.ring = False
 
@@ -114,15 +112,6 @@ class RotatingKVCache:
         if self.ring:
             raise MlxcelError("a sliding-window cache cannot trim after a one-token step (the ring overwrote the window)")
         self.offset = max(self.start, self.offset - n)
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
-
-    def rope_offset(self) -> int | mx.array:
-        if self.left_pad is None:
-            return self.offset
-        return self.offset - self.left_pad
 
 
 def make_window_mask(length: int, cache: RotatingKVCache) -> mx.array | str | None:

@@ -9,7 +9,7 @@ import sys as _sys
 __version__ = "0.1.0"
 
 # MLX's CUDA backend (0.32) launches a CUDA graph every MLX_MAX_OPS_PER_BUFFER ops (default 20),
-# and a batch-1 decode step is ~400 small ops: decode runs host-bound on per-graph overhead.
+# and a batch-1 decode step is hundreds of small ops: decode was measured host-bound (GPU wait ~0).
 # On the H200 (Qwen2.5-0.5B shape, batch 1) 20 -> 200 alone gave ~+10%, and 100 was as fast as
 # 200 or faster; later MLX releases pick 100 for Hopper themselves. MLX reads it once, at its
 # first GPU commit, so it is set here, before any work. Linux only (CUDA): Metal has its own

@@ -7,6 +7,7 @@ row's padding, so every row computes what it would compute alone.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Callable
 import mlx.core as mx
 
 from mlxcel.engine.compiled import CompiledDecoder, is_compile_enabled
+from mlxcel.engine.segmented import SegmentedDecoder
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
 from mlxcel.errors import MlxcelError
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
@@ -28,13 +30,31 @@ class PromptTooLongError(MlxcelError):
     pass
 
 
-def get_compiled_decoder(model) -> CompiledDecoder:
-    """One compiled step per model, kept across requests (tracing costs more than a step)."""
-    decoder = getattr(model, "_mlxcel_decoder", None)
-    if decoder is None:
-        decoder = CompiledDecoder(model)
-        model._mlxcel_decoder = decoder
-    return decoder
+DECODE_STEPS = ("eager", "segmented", "compiled")
+
+
+def choose_decode_step(model) -> str:
+    """`$MLXCEL_DECODE_STEP`, else segmented on a GPU (where per-op host cost bounds decode) and
+    eager on the CPU (bound by the matmuls; compiling there also needs a system C++ compiler).
+    Families whose caches a compiled path cannot drive fall back to eager."""
+    step = os.environ.get("MLXCEL_DECODE_STEP", "").strip().lower()
+    if not step:
+        step = "compiled" if is_compile_enabled() else ("segmented" if mx.default_device() == mx.gpu else "eager")
+    if step not in DECODE_STEPS:
+        raise MlxcelError(f"MLXCEL_DECODE_STEP={step!r}: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)")
+    if step == "segmented" and not getattr(model, "supports_segmented_decode", True):
+        return "eager"
+    if step == "compiled" and not getattr(model, "supports_compiled_decode", True):
+        return "eager"
+    return step
+
+
+def get_decoder(model, step: str):
+    """One compiled step per model and kind, kept across requests (tracing costs more than a step)."""
+    decoders = model.__dict__.setdefault("_mlxcel_decoders", {})
+    if step not in decoders:
+        decoders[step] = (SegmentedDecoder if step == "segmented" else CompiledDecoder)(model)
+    return decoders[step]
 
 
 @dataclass
@@ -60,9 +80,8 @@ class Engine:
     def __init__(self, model, max_context: int):
         self.model = model
         self.max_context = max_context
-        # Families whose caches the compiled step cannot drive (rotating windows, longrope) say so.
-        compiled = is_compile_enabled() and getattr(model, "supports_compiled_decode", True)
-        self.decoder = get_compiled_decoder(model) if compiled else None
+        step = choose_decode_step(model)
+        self.decoder = None if step == "eager" else get_decoder(model, step)
 
     def start(self, request: GenerationRequest) -> BatchState:
         """Prefill every row (left-padded to one length) and queue the first token."""

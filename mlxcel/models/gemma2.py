@@ -74,9 +74,9 @@ class Attention(llama.Attention):
         return (weights @ v[:, :, None]).reshape(B, n_heads, L, -1)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(llama.TransformerBlock):
     def __init__(self, args: ModelArgs, attention: nn.Module):
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = attention
         self.mlp = gemma.MLP(args)
         dim, eps = args.hidden_size, args.rms_norm_eps
@@ -85,8 +85,8 @@ class TransformerBlock(nn.Module):
         self.pre_feedforward_layernorm = gemma.RMSNorm(dim, eps)
         self.post_feedforward_layernorm = gemma.RMSNorm(dim, eps)
 
-    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+    def finish_block(self, x: mx.array, attended: mx.array) -> mx.array:
+        h = x + self.post_attention_layernorm(attended)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 

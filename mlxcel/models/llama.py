@@ -80,6 +80,16 @@ class ModelArgs:
         return cls(**values)
 
 
+def to_heads(x: mx.array, n_heads: int) -> mx.array:
+    """[B, L, heads * D] -> [B, heads, L, D]. One token needs no transpose: the same memory read
+    in the other order, so a decode step carries one view op per tensor instead of two (each op,
+    even a view, costs host time in a step that is host-bound on a GPU)."""
+    B, L, _ = x.shape
+    if L == 1:
+        return x.reshape(B, n_heads, 1, -1)
+    return x.reshape(B, L, n_heads, -1).transpose(0, 2, 1, 3)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -117,22 +127,27 @@ class Attention(nn.Module):
         """Q, K, V as [B, heads, L, head_dim] (families with q/k norms extend this)."""
         B, L, _ = x.shape
         q, k, v = self.project_qkv(x)
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return q, k, v
+        return to_heads(q, self.n_heads), to_heads(k, self.n_kv_heads), to_heads(v, self.n_kv_heads)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any) -> mx.array:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
-    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
-        B, L, _ = x.shape
+    def prepare(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Q and K rotated to their positions, and V: what goes into the cache and the kernel."""
         q, k, v = self.project_heads(x)
-        offset = cache.rope_offset()
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def finish(self, out: mx.array) -> mx.array:
+        """The attention output [B, heads, L, head_dim] back to the residual stream."""
+        B, _, L, _ = out.shape
+        if L > 1:
+            out = out.transpose(0, 2, 1, 3)
+        return apply_linear(self.o_proj, out.reshape(B, L, -1))
+
+    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+        q, k, v = self.prepare(x, cache.rope_offset())
         k, v = cache.update_and_fetch(k, v)
-        out = self.attend(q, k, v, mask)
-        return apply_linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.finish(self.attend(q, k, v, mask))
 
 
 class MLP(nn.Module):
@@ -167,7 +182,11 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return self.finish_block(x, self.self_attn(self.input_layernorm(x), mask, cache))
+
+    def finish_block(self, x: mx.array, attended: mx.array) -> mx.array:
+        """Everything after attention: residuals, norms, the MLP (families differ here)."""
+        h = x + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

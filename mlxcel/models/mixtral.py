@@ -36,8 +36,8 @@ class TransformerBlock(llama.TransformerBlock):
             args.hidden_size, args.intermediate_size, args.num_local_experts, args.num_experts_per_tok, normalize=True
         )
 
-    def __call__(self, x: mx.array, mask: Any, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def finish_block(self, x: mx.array, attended: mx.array) -> mx.array:
+        h = x + attended
         return h + self.block_sparse_moe(self.post_attention_layernorm(h))
 
 

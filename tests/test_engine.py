@@ -160,6 +160,20 @@ def test_kv_cache_grows_in_steps(model):
     assert cache[0].offset == len(PROMPTS[0]) + GROW_STEP
 
 
+def test_cache_is_sized_for_the_request_at_prefill(model):
+    """Prompt + max_tokens positions are allocated by the prefill; decoding never grows (copies) it."""
+    rows = [RowRequest(list(PROMPTS[0]), row_id=0)]
+    engine = Engine(model, max_context=4096)
+    state = engine.start(GenerationRequest(rows, GREEDY, max_tokens=300))
+    planned = -(-(len(PROMPTS[0]) + 300) // GROW_STEP) * GROW_STEP
+    assert state.cache[0].keys.shape[2] == planned
+    while engine.finish_rows(state, lambda row, token: True):
+        if engine.can_submit(state):
+            engine.submit(state)
+    assert len(state.results[0].token_ids) == 300
+    assert state.cache[0].keys.shape[2] == planned
+
+
 @pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
 def test_compiled_decode_step_matches_eager(model, sampler, monkeypatch):
     eager = tokens_of(generate(model, PROMPTS, sampler, max_tokens=40))

@@ -19,6 +19,7 @@ from mlxcel.engine.compiled import CompiledDecoder, is_compile_enabled
 from mlxcel.engine.segmented import SegmentedDecoder
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
 from mlxcel.errors import MlxcelError
+from mlxcel.models.cache import plan_capacity
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import BatchSampler, RowKey
 
@@ -99,6 +100,8 @@ class Engine:
         left_pad = [length - len(r.prompt_ids) for r in rows]
         tokens = mx.array([[request.pad_token_id] * pad + r.prompt_ids for pad, r in zip(left_pad, rows)])
         cache = self.model.make_cache(len(rows), left_pad)
+        max_tokens = [r.max_tokens or request.max_tokens for r in rows]
+        plan_capacity(cache, length, max(max_tokens), self.max_context)
         plan = plan_prefill(
             length,
             chunk_size=request.chunk_size,
@@ -114,7 +117,7 @@ class Engine:
             results=[RowResult(prompt_tokens=len(r.prompt_ids), logprobs=[] if request.logprobs else None) for r in rows],
             row_keys=[RowKey(r.row_id, r.sample_index, r.seed) for r in rows],
             timings=timings,
-            max_tokens=[r.max_tokens or request.max_tokens for r in rows],
+            max_tokens=max_tokens,
         )
         state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
         logits = self._run_prefill(tokens, cache, plan, timings)

@@ -3,8 +3,9 @@
 Rows of a batch are left-padded to a common length, so one `offset` serves every row;
 `left_pad[b]` says how many leading slots of row b are padding (masked out, and RoPE
 positions shifted so each row sees the positions it would see alone).
-Storage grows in steps of `GROW_STEP` slots: appending a token writes into spare capacity
-and copies the whole cache only once per step, not once per token.
+Storage is sized for the request up front (`plan_capacity`: the prompt plus the tokens it may
+generate, up to PLAN_LIMIT of them), so a decode step writes into spare capacity and never
+copies. Past the plan it grows in steps of `GROW_STEP` slots: one copy per step, not per token.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 GROW_STEP = 256
+PLAN_LIMIT = 4096  # generated tokens preallocated for; a longer generation grows past it
 
 
 class KVCache:
@@ -21,6 +23,7 @@ class KVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.planned = 0  # positions the request may reach: the first allocation makes room for them
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append [B, n_kv, L, D] keys/values; return everything cached so far."""
@@ -39,7 +42,7 @@ class KVCache:
         """Room for `needed` positions, grown in GROW_STEP slots (the compiled step writes in place)."""
         if self.keys is None or needed <= self.keys.shape[2]:
             return
-        capacity = ((needed + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+        capacity = ((max(needed, self.planned) + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
         B, n_kv, _, k_dim = self.keys.shape
         extra_k = mx.zeros((B, n_kv, capacity - self.offset, k_dim), self.keys.dtype)
         extra_v = mx.zeros((B, n_kv, capacity - self.offset, self.values.shape[3]), self.values.dtype)
@@ -59,6 +62,13 @@ class KVCache:
         if self.left_pad is None:
             return self.offset
         return self.offset - self.left_pad
+
+
+def plan_capacity(cache: list[KVCache], prompt_length: int, max_new_tokens: int, max_context: int) -> None:
+    """Size every layer's storage for a request once, at its first write."""
+    planned = min(prompt_length + min(max_new_tokens, PLAN_LIMIT), max_context)
+    for layer_cache in cache:
+        layer_cache.planned = planned
 
 
 def make_kv_caches(num_layers: int, batch_size: int = 1, left_pad: list[int] | None = None) -> list[KVCache]:

@@ -90,7 +90,7 @@ class RotatingKVCache(KVCache):
             self._roll_up()
         slot = self.offset % self.window
         if slot >= self.keys.shape[2]:  # still filling the first window: grow toward it
-            capacity = min(self.window, self.keys.shape[2] + GROW_STEP)
+            capacity = min(self.window, max(self.keys.shape[2] + GROW_STEP, self.planned))
             self.keys = self._pad(self.keys, capacity - self.keys.shape[2])
             self.values = self._pad(self.values, capacity - self.values.shape[2])
         self.keys[..., slot : slot + 1, :] = keys

@@ -36,6 +36,10 @@ class KVCache:
         self.offset = prev + length
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
+        if prev == 0:
+            # The first piece attends to exactly what it brought: hand attention those contiguous
+            # arrays rather than a strided view of the larger buffer, which a kernel may copy.
+            return keys, values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     def reserve(self, needed: int) -> None:

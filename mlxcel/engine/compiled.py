@@ -7,14 +7,13 @@ and writes the cache's whole preallocated buffer (attention masks the unused slo
 the position as an array. The graph is traced again only when the cache grows (every
 `GROW_STEP` tokens).
 
-Opt-in (MLXCEL_COMPILE=1) for now: on the H200 (bf16, 512-token prompts) it gained at batch 8
-(Llama-1B shape 1335 -> 2187 tok/s) but lost at batch 1 (~-5%) and at batch 32 on the 1B shape
-(6017 -> 4095 tok/s). Why, from MLX's CUDA source: the array mask this step needs disqualifies
-both fused attention kernels (sdpa_vector and cuDNN take no array mask), so attention falls back
-to separate matmul/softmax/matmul ops over the whole buffer. A profile of the eager step at batch
-1 (host graph building ~1 ms + MLX's host-side encoding ~2-3 ms per step, GPU wait ~0) says
-decode there is host-bound, so the fix is fewer ops per step: a mask-free compiled step (e.g.
-per-length buckets whose unused slots hold keys that score -inf) is the next thing to try.
+Opt-in (MLXCEL_DECODE_STEP=compiled, or the older MLXCEL_COMPILE=1): on the H200 (bf16,
+512-token prompts) it gained at batch 8 (Llama-1B shape 1335 -> 2187 tok/s) but lost at batch 1
+(~-5%) and at batch 32 on the 1B shape (6017 -> 4095 tok/s). Why, from MLX's CUDA source: the
+array mask this step needs disqualifies both fused attention kernels (sdpa_vector and cuDNN take
+no array mask), so attention falls back to separate matmul/softmax/matmul ops over the whole
+buffer. The segmented step (segmented.py, the GPU default) compiles everything but the attention
+instead, and keeps the fused kernel.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class RotatingKVCache(KVCache):
     def reserve(self, needed: int) -> None:
         # Only the compiled decode step calls this: it writes whole linear buffers at the offset.
         raise MlxcelError(
-            "the compiled decode step (MLXCEL_COMPILE=1) does not support sliding-window layers yet: unset MLXCEL_COMPILE"
+            "the whole-step compiled decode (MLXCEL_DECODE_STEP=compiled) does not support sliding-window layers: use segmented or eager"
         )
 
     def trim(self, n: int) -> None:

@@ -85,12 +85,20 @@ def apply_typical_p(x: mx.array, p: float, min_keep: int) -> mx.array:
 
 
 def apply_top_p(x: mx.array, p: float, min_keep: int) -> mx.array:
-    """The smallest prefix of the sorted candidates whose mass reaches p (min_keep at least)."""
-    sorted_x = sort_descending(x)
-    mass_before = mx.cumsum(softmax_candidates(sorted_x), axis=-1, inclusive=False)
-    position = mx.arange(x.shape[-1])
-    kept = ((mass_before < p) | (position < max(min_keep, 1))).sum(axis=-1, keepdims=True)
-    return remove_below(x, take_at(sorted_x, kept))
+    """The smallest prefix of the sorted candidates whose mass reaches p (min_keep at least).
+
+    Sorted ascending, with the mass of the more probable entries as a reverse cumulative sum:
+    one sort and one scan, no negated copies and no separate max or sum passes over the
+    vocabulary (at batch 32 x 152k on the H200 those passes cost more than the sort)."""
+    vocab = x.shape[-1]
+    ascending = mx.sort(x, axis=-1)  # removed candidates (-inf) first, the most probable last
+    top = ascending[..., -1:]
+    weights = mx.exp(ascending - mx.where(is_candidate(top), top, 0.0))
+    mass_above = mx.cumsum(weights, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + weights[..., :1]
+    rank = (vocab - 1) - mx.arange(vocab)  # 0 for the most probable
+    kept = ((mass_above < p * total) | (rank < max(min_keep, 1))).sum(axis=-1, keepdims=True)
+    return remove_below(x, mx.take_along_axis(ascending, (vocab - kept).astype(mx.int32), axis=-1))
 
 
 def apply_min_p(x: mx.array, p: float, min_keep: int) -> mx.array:

@@ -153,6 +153,25 @@ def test_xtc_in_a_chain_matches_the_reference_with_each_rows_gate():
     assert 0 < fired < 16  # both branches exercised
 
 
+@pytest.mark.parametrize(
+    "logits, min_keep",
+    [
+        ([4.0, 1.0, 0.9, 0.8, 0.7], 0),  # one token above the threshold: nothing to remove
+        ([3.0, 2.9, -9.0, -9.0, -9.0], 0),  # two above: the more probable goes
+        ([3.0, 2.9, 1.5, -9.0, -9.0], 3),  # three above: removing two leaves 3 >= min_keep, so they go
+        ([3.0, 2.9, 1.5, -9.0, -9.0], 4),  # ... but 3 < min_keep 4: nothing goes
+        ([3.0, 2.9, 1.5, 1.4, -9.0], 3),  # 1.5 falls below 0.1 now: two above, the first goes
+        ([2.0, 1.9, 1.8, 1.7, 1.6], 2),  # all five above: removing four would leave 1 < 2
+    ],
+)
+def test_xtc_edge_cases_match_the_reference(logits, min_keep):
+    processors = filled({"xtc": {"probability": 1.0, "threshold": 0.1}})
+    chain = make_sampler_chain({"min_keep": min_keep, "processors": processors}, 5)
+    _, got = chain_step(chain, np.array([logits], np.float32))
+    want = ref_chain(np.array(logits, np.float32), processors, min_keep=min_keep, u_xtc=0.0)
+    assert np.isfinite(got[0]).tolist() == np.isfinite(want).tolist()
+
+
 def test_top_k_keeps_ties_at_the_boundary_and_top_k_above_vocab_is_a_no_op():
     logits = np.array([[5.0, 3.0, 3.0, 3.0, 1.0, 0.0]], np.float32)
     lp = np.array(make_sampler_chain({"processors": {"top_k": {"k": 2}}}, 6).logprobs(mx.array(logits)))

@@ -113,10 +113,13 @@ def apply_xtc(x: mx.array, u: mx.array, probability: float, threshold: float, mi
     except the least probable of them, if at least two are above it and min_keep remain."""
     probs = softmax_candidates(x)
     above = probs >= threshold
-    n_above = above.sum(axis=-1, keepdims=True)
-    n_candidates = count_candidates(x)
-    fire = (u <= probability) & (n_candidates >= 2) & (n_above >= 2) & (n_candidates - (n_above - 1) >= min_keep)
     least = mx.min(mx.where(above, x, math.inf), axis=-1, keepdims=True)
+    fire = u <= probability
+    # "At least two above" needs no count: with one above, it is the least and nothing is > it.
+    # min_keep <= 1 always holds (n_candidates - (n_above - 1) >= 1), so only a larger one counts.
+    if min_keep > 1:
+        n_above = above.sum(axis=-1, keepdims=True)
+        fire = fire & (count_candidates(x) - (n_above - 1) >= min_keep)
     return mx.where(fire & above & (x > least), NEG_INF, x)
 
 

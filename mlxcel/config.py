@@ -137,6 +137,8 @@ class DecodeConfig(Group):
     ignore_eos: Bool = False
     pipeline: Bool = True
     logprobs: NonNegativeInt = 0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
+    kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # store the KV cache quantized (full-attention layers)
+    kv_group_size: Literal[32, 64, 128] = 64  # must divide the model's head_dim
 
     @field_validator("stop_strings")
     @classmethod

@@ -156,6 +156,8 @@ class Pipeline:
             tile_size=cfg.prefill.tile_size,
             pad_token_id=self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else 0,
             logprobs=cfg.decode.logprobs,
+            kv_bits=cfg.decode.kv_bits,
+            kv_group_size=cfg.decode.kv_group_size,
         )
 
 

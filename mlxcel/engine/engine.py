@@ -20,6 +20,7 @@ from mlxcel.engine.segmented import SegmentedDecoder
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
 from mlxcel.errors import MlxcelError
 from mlxcel.models.cache import plan_capacity
+from mlxcel.models.quantized_cache import quantize_caches
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import BatchSampler, RowKey
 
@@ -100,6 +101,8 @@ class Engine:
         left_pad = [length - len(r.prompt_ids) for r in rows]
         tokens = mx.array([[request.pad_token_id] * pad + r.prompt_ids for pad, r in zip(left_pad, rows)])
         cache = self.model.make_cache(len(rows), left_pad)
+        if request.kv_bits:
+            cache = quantize_caches(cache, request.kv_bits, request.kv_group_size)
         max_tokens = [r.max_tokens or request.max_tokens for r in rows]
         plan_capacity(cache, length, max(max_tokens), self.max_context)
         plan = plan_prefill(
@@ -156,7 +159,8 @@ class Engine:
 
     def submit(self, state: BatchState) -> None:
         """Queue the forward pass and draw for the next token (asynchronous)."""
-        if self.decoder is not None:
+        # the whole-step compile writes plain buffers; a quantized cache takes the eager step
+        if self.decoder is not None and not (state.request.kv_bits and isinstance(self.decoder, CompiledDecoder)):
             logits = self.decoder(state.next_input, state.cache)
         else:
             logits = self.model(state.next_input[:, None], state.cache)[:, -1, :]

@@ -29,6 +29,8 @@ class GenerationRequest:
     tile_size: int | None = None
     pad_token_id: int = 0
     logprobs: int = 0  # > 0: each token's logprob and the top-N alternatives (RowResult.logprobs)
+    kv_bits: int | None = None  # quantize the KV cache (QuantizedKVCache); None: model dtype
+    kv_group_size: int = 64
 
 
 @dataclass

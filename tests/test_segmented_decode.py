@@ -68,3 +68,11 @@ def test_engine_uses_the_segmented_step_where_asked(family_model, monkeypatch):
     engine = DirectEngine(family_model, 512).engine
     assert isinstance(engine.decoder, SegmentedDecoder)
     assert mlxcel_generate(family_model, BATCH, 16) == eager
+
+
+def test_unknown_decode_step_is_a_clear_error(tiny_llama, monkeypatch):
+    from mlxcel.errors import MlxcelError
+
+    monkeypatch.setenv("MLXCEL_DECODE_STEP", "fast")
+    with pytest.raises(MlxcelError, match=r"MLXCEL_DECODE_STEP='fast': must be one of eager, segmented, compiled"):
+        DirectEngine(load_model(str(tiny_llama), dtype="float32").model, 512)

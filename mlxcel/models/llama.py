@@ -125,7 +125,6 @@ class Attention(nn.Module):
 
     def project_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Q, K, V as [B, heads, L, head_dim] (families with q/k norms extend this)."""
-        B, L, _ = x.shape
         q, k, v = self.project_qkv(x)
         return to_heads(q, self.n_heads), to_heads(k, self.n_kv_heads), to_heads(v, self.n_kv_heads)
 
@@ -140,7 +139,7 @@ class Attention(nn.Module):
     def finish(self, out: mx.array) -> mx.array:
         """The attention output [B, heads, L, head_dim] back to the residual stream."""
         B, _, L, _ = out.shape
-        if L > 1:
+        if L > 1:  # one token: [B, heads, 1, D] is already [B, 1, heads * D] in memory
             out = out.transpose(0, 2, 1, 3)
         return apply_linear(self.o_proj, out.reshape(B, L, -1))
 

@@ -95,6 +95,8 @@ ERROR_CASES = [
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
     ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize (got 1)"),
     ({"model": {"quantize": {"bits": 7}}}, "model.quantize.bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
+    ({"decode": {"kv_bits": 7}}, "decode.kv_bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
+    ({"decode": {"kv_group_size": 48}}, "decode.kv_group_size: must be one of: 32, 64, 128 (got 48)"),
     ({"tokenizer": {"kind": "bpe"}}, "tokenizer.kind: must be one of: auto, hf, sentencepiece, tiktoken, gguf (got 'bpe')"),
     ({"template": {"text": "a", "file": "b"}}, "template.file: set template.text or template.file, not both (got 'b')"),
     ({"template": {"kind": "none", "text": "x"}}, "template.text: must be null with template.kind=none (no template) (got 'x')"),

@@ -4,7 +4,6 @@ for every family that takes part, at batch 1 and in left-padded batches (fp32, C
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from mlxcel.engine import DirectEngine

@@ -59,6 +59,11 @@ class CompiledDecoder:
         logits = self.model(tokens[:, None], views, mask=visible[:, None, None, :])
         return logits[:, -1, :], [v.keys for v in views], [v.values for v in views]
 
+    @staticmethod
+    def can_drive(cache: list) -> bool:
+        """It writes plain buffers in place: not quantized or rotating caches (eager for those)."""
+        return all(type(c) is KVCache for c in cache)
+
     def __call__(self, tokens: mx.array, cache: list[KVCache]) -> mx.array:
         """Logits [B, V] for the next position; the caches advance by one."""
         first = cache[0]

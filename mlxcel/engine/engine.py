@@ -38,17 +38,14 @@ DECODE_STEPS = ("eager", "segmented", "compiled")
 def choose_decode_step(model) -> str:
     """`$MLXCEL_DECODE_STEP`, else segmented on a GPU (where per-op host cost bounds decode) and
     eager on the CPU (bound by the matmuls; compiling there also needs a system C++ compiler).
-    Families whose caches a compiled path cannot drive fall back to eager."""
+    A family whose step cannot be traced once (longrope) says so and runs eager; a compiled step
+    that cannot drive a request's caches (`can_drive`) leaves that request eager."""
     step = os.environ.get("MLXCEL_DECODE_STEP", "").strip().lower()
     if not step:
         step = "compiled" if is_compile_enabled() else ("segmented" if mx.default_device() == mx.gpu else "eager")
     if step not in DECODE_STEPS:
         raise MlxcelError(f"MLXCEL_DECODE_STEP={step!r}: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)")
-    if step == "segmented" and not getattr(model, "supports_segmented_decode", True):
-        return "eager"
-    if step == "compiled" and not getattr(model, "supports_compiled_decode", True):
-        return "eager"
-    return step
+    return step if getattr(model, "supports_compiled_decode", True) else "eager"
 
 
 def get_decoder(model, step: str):
@@ -72,6 +69,7 @@ class BatchState:
     next_input: mx.array | None = None
     produced_steps: int = 0  # token steps queued so far (materialised or in flight)
     sampling: BatchSampler | None = None  # the rows' sampler state (keys, history, mirostat mu, ...) on the device
+    decoder: object | None = None  # the compiled step driving this request's caches; None: eager
 
     @property
     def active_rows(self) -> list[int]:
@@ -122,6 +120,8 @@ class Engine:
             timings=timings,
             max_tokens=max_tokens,
         )
+        if self.decoder is not None and self.decoder.can_drive(cache):
+            state.decoder = self.decoder
         state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
         logits = self._run_prefill(tokens, cache, plan, timings)
         self.model.after_prefill()
@@ -159,9 +159,8 @@ class Engine:
 
     def submit(self, state: BatchState) -> None:
         """Queue the forward pass and draw for the next token (asynchronous)."""
-        # the whole-step compile writes plain buffers; a quantized cache takes the eager step
-        if self.decoder is not None and not (state.request.kv_bits and isinstance(self.decoder, CompiledDecoder)):
-            logits = self.decoder(state.next_input, state.cache)
+        if state.decoder is not None:
+            logits = state.decoder(state.next_input, state.cache)
         else:
             logits = self.model(state.next_input[:, None], state.cache)[:, -1, :]
         self._queue_tokens(state, logits)

@@ -50,6 +50,10 @@ class SegmentedDecoder:
         h = layer.finish_block(h, layer.self_attn.finish(attended))
         return self.model.compute_logits(self.model.model.norm(h))[:, -1, :]
 
+    @staticmethod
+    def can_drive(cache: list) -> bool:
+        return True  # the caches stay eager: any of them (plain, rotating, quantized) works
+
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """Logits [B, V] for the next position of every row; each layer's cache grows by one."""
         offset = cache[0].rope_offset()  # every layer's cache sits at the same position

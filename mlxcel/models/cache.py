@@ -46,12 +46,13 @@ class KVCache:
         """Room for `needed` positions, grown in GROW_STEP slots (the compiled step writes in place)."""
         if self.keys is None or needed <= self.keys.shape[2]:
             return
-        capacity = ((max(needed, self.planned) + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
-        B, n_kv, _, k_dim = self.keys.shape
-        extra_k = mx.zeros((B, n_kv, capacity - self.offset, k_dim), self.keys.dtype)
-        extra_v = mx.zeros((B, n_kv, capacity - self.offset, self.values.shape[3]), self.values.dtype)
-        self.keys = mx.concatenate([self.keys[..., : self.offset, :], extra_k], axis=2)
-        self.values = mx.concatenate([self.values[..., : self.offset, :], extra_v], axis=2)
+        capacity = self.capacity_for(needed)
+        self.keys = grow_storage(self.keys, self.offset, capacity)
+        self.values = grow_storage(self.values, self.offset, capacity)
+
+    def capacity_for(self, needed: int) -> int:
+        """Slots to allocate for `needed` positions: the request's plan, in GROW_STEP units."""
+        return ((max(needed, self.planned) + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
 
     def trim(self, n: int) -> None:
         """Forget the last n positions (used after a tile-padded prefill piece)."""
@@ -66,6 +67,12 @@ class KVCache:
         if self.left_pad is None:
             return self.offset
         return self.offset - self.left_pad
+
+
+def grow_storage(x: mx.array, used: int, capacity: int) -> mx.array:
+    """[B, heads, slots, width] storage with `capacity` slots, the first `used` kept."""
+    B, heads, _, width = x.shape
+    return mx.concatenate([x[..., :used, :], mx.zeros((B, heads, capacity - used, width), x.dtype)], axis=2)
 
 
 def plan_capacity(cache: list[KVCache], prompt_length: int, max_new_tokens: int, max_context: int) -> None:

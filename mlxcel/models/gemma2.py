@@ -11,7 +11,6 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxcel.models import gemma, llama
-from mlxcel.models.cache import KVCache
 from mlxcel.models.rotating_cache import SlidingWindowLayers, read_layer_windows
 
 REQUIRED_KEYS = llama.REQUIRED_KEYS

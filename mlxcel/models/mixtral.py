@@ -5,7 +5,6 @@ all experts, top-k, renormalised to sum to 1) and sums their outputs by those we
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 

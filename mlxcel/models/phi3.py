@@ -144,14 +144,9 @@ class Model(SlidingWindowLayers, llama.Model):
         self.supports_padded_prefill = args.longrope is None
 
     @property
-    def supports_segmented_decode(self) -> bool:
-        # a segment is traced once, but longrope picks its factors on the host at every step
-        return self.longrope_limit is None
-
-    @property
     def supports_compiled_decode(self) -> bool:
-        # the compiled step neither reads the host offsets nor recomputes at the longrope switch
-        return not any(self.layer_windows) and self.longrope_limit is None
+        # a compiled step is traced once, but longrope picks its factors on the host at every step
+        return self.longrope_limit is None
 
     def forward_with_embeddings(self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None) -> mx.array:
         first = cache[0]

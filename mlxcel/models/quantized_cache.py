@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxcel.errors import MlxcelError
-from mlxcel.models.cache import GROW_STEP, KVCache
+from mlxcel.models.cache import KVCache, grow_storage
 
 KV_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -54,23 +54,13 @@ class QuantizedKVCache(KVCache):
     def reserve(self, needed: int) -> None:
         if self.quantized_keys is None or needed <= self.quantized_keys[0].shape[2]:
             return
-        capacity = ((max(needed, self.planned) + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
-        self.quantized_keys = tuple(grow(p, self.offset, capacity) for p in self.quantized_keys)
-        self.quantized_values = tuple(grow(p, self.offset, capacity) for p in self.quantized_values)
+        capacity = self.capacity_for(needed)
+        self.quantized_keys = tuple(grow_storage(p, self.offset, capacity) for p in self.quantized_keys)
+        self.quantized_values = tuple(grow_storage(p, self.offset, capacity) for p in self.quantized_values)
 
     @property
     def state(self) -> list[mx.array]:
         return [] if self.quantized_keys is None else [*self.quantized_keys, *self.quantized_values]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.state)
-
-
-def grow(part: mx.array, used: int, capacity: int) -> mx.array:
-    B, heads, _, width = part.shape
-    spare = mx.zeros((B, heads, capacity - used, width), part.dtype)
-    return mx.concatenate([part[..., :used, :], spare], axis=2)
 
 
 def check_head_dim(head_dim: int, group_size: int) -> None:

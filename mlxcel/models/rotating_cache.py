@@ -163,11 +163,6 @@ class SlidingWindowLayers:
 
     layer_windows: list[int | None]
 
-    @property
-    def supports_compiled_decode(self) -> bool:
-        """The compiled step's linear buffers cannot hold a rotating cache (for the engine to check)."""
-        return not any(self.layer_windows)
-
     def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list:
         return make_layer_caches(self.layer_windows, batch_size, left_pad)
 

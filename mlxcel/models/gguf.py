@@ -7,6 +7,11 @@ gguf_reader, which dequantizes every tensor to float32. llama.cpp stores Q and K
 interleaved ("traditional") RoPE, so llama-arch models run with `rope_traditional=True` instead
 of un-permuting the weights. llama.cpp adds 1 to Gemma's norm weights (GGML's RMSNorm multiplies
 by the weight; Gemma's by 1 + weight): undone here, as our Gemma RMSNorm adds 1 itself.
+
+Mixture-of-experts files: Mixtral is arch `llama` plus `llama.expert_count` and per-layer router
+(`ffn_gate_inp`) and stacked-expert tensors (`ffn_{gate,up,down}_exps`, [E, out, in] as our
+SwitchLinear holds them); Qwen3-MoE is arch `qwen3moe`. Quantized experts load like any other
+tensor: Q4_0/Q4_1/Q8_0 stay packed (QuantizedSwitchLinear), K-quants are dequantized.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ GGUF_GROUP_SIZE = 32
 # layout (NEOX RoPE).
 SUPPORTED_GGUF_ARCHS = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-    "gemma3": "gemma3_text", "phi3": "phi3",
+    "gemma3": "gemma3_text", "phi3": "phi3", "qwen3moe": "qwen3_moe",
 }
+# Architectures whose files may carry experts -> the MoE family they load as (llama with
+# expert_count > 0 is Mixtral; without it, dense llama)
+MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 INTERLEAVED_ROPE_ARCHS = {"llama"}
 GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
 
@@ -48,12 +57,22 @@ _TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+def make_moe_tensor_names(block: str) -> dict[str, str]:
+    """The router and the stacked experts under the family's MoE block (`block`)."""
+    return {"ffn_gate_inp": f"{block}.gate", **{f"ffn_{p}_exps": f"{block}.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}
+
+
 # Per-architecture differences from the table above (llama.cpp's tensor_mapping.py).
 _ARCH_TENSOR_NAMES = {
     # Gemma 2/3: four norms per block; ffn_norm is the pre-feed-forward one
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     # Phi-3: the checkpoint's fused projections; ffn_up holds gate_up_proj
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Mixtral (dense llama files hold none of these) and Qwen3-MoE
+    "llama": make_moe_tensor_names("block_sparse_moe"),
+    "qwen3moe": make_moe_tensor_names("mlp"),
 }
 _ARCH_TENSOR_NAMES["gemma3"] = _ARCH_TENSOR_NAMES["gemma2"]
 
@@ -141,6 +160,12 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config["eos_token_id"] = [config["eos_token_id"], list(tokens).index("<end_of_turn>")]
     if arch in ("gemma2", "gemma3"):
         config.update(make_gemma_config(arch, get, config))
+    if arch in MOE_FAMILIES:
+        # llama files are dense unless they name experts; qwen3moe ones must
+        experts = get("expert_count", None, required=arch != "llama")
+        if experts:
+            family = MOE_FAMILIES[arch]
+            config.update(model_type=family, **make_moe_config(family, get, config, experts))
     if arch == "phi3":
         config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
         config["sliding_window"] = get("attention.sliding_window", None, required=False)
@@ -168,6 +193,43 @@ def make_gemma_config(arch: str, get, config: dict) -> dict:
         if get("rope.scaling.type", None, required=False) == "linear":
             extra["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     return extra
+
+
+def make_moe_config(family: str, get, config: dict, experts: int) -> dict:
+    """Expert counts under the keys the family's ModelArgs reads."""
+    used = get("expert_used_count")
+    if family == "mixtral":  # softmax, top-k, renormalised: as llama.cpp's llama arch routes
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    # llama.cpp's qwen3moe makes every layer sparse and always renormalises the top-k weights:
+    # GGUF has no norm_topk_prob key (the released Qwen3-MoE models set it true). Its expert
+    # width without expert_feed_forward_length, feed_forward_length / expert_used_count, is ours too.
+    return {
+        "num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "moe_intermediate_size": get("expert_feed_forward_length", None, required=False) or config["intermediate_size"] // used,
+    }
+
+
+def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, path: Path) -> None:
+    """Before renaming (errors name llama.cpp's tensors): an MoE file holds every layer's router and
+    stacked experts, expert_count of each; a file whose metadata names no experts holds none."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts:
+        stray = next((name for name in sorted(weights) if is_expert_tensor(name)), None)
+        if stray is not None:
+            raise MlxcelError(f"{path}: tensor {stray!r} belongs to a mixture of experts, but the GGUF metadata lacks '{arch}.expert_count'")
+        return
+    for layer in range(config["num_hidden_layers"]):
+        for base in EXPERT_TENSORS:
+            name = f"blk.{layer}.{base}.weight"
+            if name not in weights:
+                raise MlxcelError(f"{path}: MoE GGUF ('{arch}.expert_count' = {experts}) lacks tensor {name!r}")
+            if weights[name].shape[0] != experts:
+                raise MlxcelError(f"{path}: tensor {name!r} holds {weights[name].shape[0]} experts, but '{arch}.expert_count' says {experts}")
+
+
+def is_expert_tensor(name: str) -> bool:
+    match = re.fullmatch(r"blk\.\d+\.(\w+)\.\w+", name)
+    return match is not None and match.group(1) in EXPERT_TENSORS
 
 
 def read_phi3_longrope(weights: dict[str, mx.array], metadata: dict[str, Any], config: dict) -> None:

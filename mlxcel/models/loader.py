@@ -233,6 +233,7 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
     arch = gguf.read_metadata_value(metadata, "general.architecture")
     if arch == "phi3":
         gguf.read_phi3_longrope(weights, metadata, config)
+    gguf.check_expert_tensors(weights, config, arch, path)
     weights = gguf.rename_gguf_weights(weights, arch, path)
     if arch in gguf.GEMMA_ARCHS:
         weights = gguf.undo_gemma_norm_offset(weights)

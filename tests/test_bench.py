@@ -109,3 +109,19 @@ def test_smollm2_export_matches_the_gguf(tmp_path):
         model = load_model(path, dtype="float32", gguf_weights=weights).model
         logits.append(np.array(model(tokens, model.make_cache())))
     assert np.abs(logits[0] - logits[1]).max() <= 1e-3
+
+
+def test_policy_bench_tables_every_dtype_and_chunk(tiny_llama, tmp_path):
+    from mlxcel.bench import policy
+
+    args = policy.parse_args(
+        ["--model", str(tiny_llama), "--dtypes", "float32,bfloat16", "--dtype-prompt-len", "12", "--chunks", "4,16",
+         "--chunk-prompt-len", "16", "--gen", "3", "--reps", "1", "--work-dir", str(tmp_path)]
+    )
+    dtype_table, chunk_table = policy.measure_dtypes(str(tiny_llama), args), policy.measure_chunks(str(tiny_llama), args)
+    assert [row.split("|")[1].strip() for row in dtype_table[3:]] == ["float32 (auto)", "bfloat16"]
+    chunk_rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in chunk_table[3:]]
+    assert [(row[0], row[1]) for row in chunk_rows] == [("4", "4"), ("16", "1")]
+    assert all(float(value) > 0 for row in chunk_rows for value in row[2:])
+    with pytest.raises(SystemExit):
+        policy.parse_args(["--dtypes", "fp8"])

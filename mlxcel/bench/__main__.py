@@ -84,7 +84,7 @@ def read_mlxcel_commit() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
-def describe_environment(dtype: mx.Dtype) -> dict:
+def describe_environment(dtype: mx.Dtype, peer: bool = True) -> dict:
     from importlib.metadata import version
 
     device = str(mx.default_device())
@@ -96,12 +96,12 @@ def describe_environment(dtype: mx.Dtype) -> dict:
         "device": device,
         "dtype": dtype_name(dtype),
         "mlx": mx.__version__,
-        "mlx_lm": version("mlx-lm"),
+        **({"mlx_lm": version("mlx-lm")} if peer else {}),
         "mlxcel": f"{mlxcel.__version__} ({read_mlxcel_commit()})",
     }
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
+def reexec_with_openblas(argv: list[str], module: str = "mlxcel.bench") -> None:
     """As mlxcel-run does (mlxcel/blas.py): on a Linux CPU, run once more with OpenBLAS preloaded
     instead of the mlx-cpu wheel's reference BLAS (~20x slower prefill). Both engines share this
     process, so they always share a BLAS; MLXCEL_BLAS=off keeps the reference one."""
@@ -112,7 +112,7 @@ def reexec_with_openblas(argv: list[str]) -> None:
         return
     env = {**os.environ, MARKER: library, "LD_PRELOAD": ":".join(filter(None, [library, os.environ.get("LD_PRELOAD")]))}
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "mlxcel.bench", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 
 
 def main(argv: list[str] | None = None) -> int:

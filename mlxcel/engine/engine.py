@@ -130,6 +130,7 @@ class Engine:
 
     def _run_prefill(self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings) -> mx.array:
         for index, piece in enumerate(plan.pieces):
+            began = time.perf_counter()
             chunk = tokens[:, piece.start : piece.end]
             if piece.pad:
                 chunk = mx.concatenate([chunk, mx.zeros((chunk.shape[0], piece.pad), chunk.dtype)], axis=1)
@@ -138,10 +139,13 @@ class Engine:
             if piece.pad:
                 for layer_cache in cache:
                     layer_cache.trim(piece.pad)
-            timings.prefill_pieces.append({"start": piece.start, "end": piece.end, "pad": piece.pad})
-            if index < len(plan.pieces) - 1:
-                mx.eval([c.state for c in cache])  # keep the graph per piece small; logits never built
-        mx.eval([c.state for c in cache])  # after_prefill must see the prefill materialised
+            # Each piece is materialised before the next: the graph per piece stays small, the
+            # logits of inner pieces are never built, and after_prefill sees the whole prefill.
+            # The piece's time is how long other rows' decoding would wait for it (the server's
+            # 512-token chunks while a batch decodes; see SPEC.md).
+            mx.eval([c.state for c in cache])
+            elapsed_ms = round((time.perf_counter() - began) * 1000, 3)
+            timings.prefill_pieces.append({"start": piece.start, "end": piece.end, "pad": piece.pad, "ms": elapsed_ms})
         return logits[:, -1, :]
 
     def _queue_tokens(self, state: BatchState, logits: mx.array) -> None:

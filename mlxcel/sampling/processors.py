@@ -111,8 +111,9 @@ def apply_min_p(x: mx.array, p: float, min_keep: int) -> mx.array:
 def apply_xtc(x: mx.array, u: mx.array, probability: float, threshold: float, min_keep: int) -> mx.array:
     """When the row's gate u [B, 1] <= probability: remove every candidate with p >= threshold
     except the least probable of them, if at least two are above it and min_keep remain."""
-    probs = softmax_candidates(x)
-    above = probs >= threshold
+    # p >= threshold as x - logsumexp(x) >= log(threshold): one reduction instead of the
+    # softmax's two (max, sum) and no divided copy of the vocabulary.
+    above = x - mx.logsumexp(x, axis=-1, keepdims=True) >= math.log(threshold) if threshold > 0 else is_candidate(x)
     least = mx.min(mx.where(above, x, math.inf), axis=-1, keepdims=True)
     fire = u <= probability
     # "At least two above" needs no count: with one above, it is the least and nothing is > it.

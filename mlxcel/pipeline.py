@@ -57,6 +57,8 @@ class Pipeline:
             loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize)
             info = loaded.info
             say(log, f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in {info['load_ms'] / 1000:.1f} s")
+            if "note" in info:
+                say(log, info["note"])
         gguf_metadata = loaded.gguf_metadata if loaded else None
         tokenizer = load_tokenizer(cfg.tokenizer.path or path, cfg.tokenizer.kind, gguf_metadata=gguf_metadata)
         return cls(cfg, header, tokenizer, loaded)

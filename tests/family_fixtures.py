@@ -63,7 +63,15 @@ def make_family_checkpoint(folder: Path, family: str, seed: int = 0, **overrides
     config = getattr(transformers, config_class)(**shape, eos_token_id=2, bos_token_id=None, pad_token_id=0)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
-    with torch.no_grad():  # random init is tiny; widen it so logits are not all ~0 and argmax is stable
+    save_widened(model, folder)
+    return folder
+
+
+def save_widened(model, folder: Path) -> None:
+    """Save `model` with its random init widened: tiny init gives logits all ~0 and an unstable argmax."""
+    import torch
+
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
@@ -72,7 +80,6 @@ def make_family_checkpoint(folder: Path, family: str, seed: int = 0, **overrides
     model.eval()
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
-    return folder
 
 
 def mlxcel_logits(folder: Path, ids: list[int]) -> tuple[np.ndarray, object]:

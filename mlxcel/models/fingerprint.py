@@ -40,7 +40,17 @@ def read_hf_header(folder: Path) -> ModelHeader:
     for weights in sorted(folder.glob("*.safetensors")):
         digest.update(read_safetensors_header(weights))
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    return ModelHeader(folder, config.get("model_type", "?"), config.get("max_position_embeddings", 4096), files, digest.hexdigest())
+    return ModelHeader(folder, config.get("model_type", "?"), read_context_length(config), files, digest.hexdigest())
+
+
+def read_context_length(config: dict) -> int:
+    """max_position_embeddings; multimodal Gemma 3 folders keep it (or leave it to the family's
+    default) under text_config."""
+    if "text_config" in config and config.get("model_type") == "gemma3":
+        from mlxcel.models.gemma3 import normalize_config
+
+        config = normalize_config(config)
+    return config.get("max_position_embeddings", 4096)
 
 
 def read_safetensors_header(path: Path) -> bytes:

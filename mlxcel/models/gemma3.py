@@ -1,7 +1,10 @@
 """Gemma 3 text (model_type gemma3_text): the Gemma 2 block with an RMSNorm on each query and key
 head (in place of attention soft-capping), five sliding-window layers per global one by default,
 and two RoPE bases: local (10k) on sliding layers, global (1M, optionally linearly scaled) on
-global ones."""
+global ones.
+
+The multimodal 4B/12B/27B folders (model_type gemma3, Gemma3ForConditionalGeneration) load as
+their language model: text_config unwrapped, the vision tower and projector weights dropped."""
 
 from __future__ import annotations
 
@@ -15,6 +18,55 @@ from mlxcel.models.base import RoPE, read_rope_scaling
 from mlxcel.models.rotating_cache import read_layer_windows
 
 REQUIRED_KEYS = llama.REQUIRED_KEYS
+
+# transformers' Gemma3TextConfig defaults for the keys this family reads: a nested text_config is
+# saved as its difference from them (the 4B's omits the head counts, head_dim, vocab_size, ...)
+TEXT_CONFIG_DEFAULTS = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "eos_token_id": 1,
+}
+# keys the composite config owns: where both set them, transformers reads the top-level one
+# (generation's eos: [1, 106] on the Hub, with <end_of_turn>; weight tying in transformers 5)
+TOP_LEVEL_KEYS = ("eos_token_id", "tie_word_embeddings")
+# checkpoint prefix -> ours. language_model.{model,lm_head}.*: the Hub's original layout, still
+# what mlx-vlm and transformers' save_pretrained write; model.language_model.* (lm_head.weight
+# already at the top): transformers' in-memory names since 4.52, in some saved checkpoints
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def normalize_config(config: dict) -> dict:
+    """A multimodal (model_type gemma3) config as the language model's own; others unchanged."""
+    if "text_config" not in config:
+        return config
+    text = {**TEXT_CONFIG_DEFAULTS, **config["text_config"]}
+    text.update({key: config[key] for key in TOP_LEVEL_KEYS if key in config})
+    return text
+
+
+def rename_language_model_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Language-model tensors under this family's names; the vision tower and projector dropped
+    (images are not supported on this path yet)."""
+    renamed = {}
+    for key, value in weights.items():
+        if key.startswith(VISION_PREFIXES):
+            continue
+        prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if key.startswith(p)), None)
+        renamed[LANGUAGE_MODEL_PREFIXES[prefix] + key[len(prefix) :] if prefix else key] = value
+    return renamed
 
 
 def read_rope_bases(config: dict) -> tuple[float, dict | None, float]:
@@ -63,3 +115,6 @@ class Attention(gemma2.Attention):
 class Model(gemma2.Model):
     def make_layers(self, args: ModelArgs) -> list[nn.Module]:
         return [gemma2.TransformerBlock(args, Attention(args, window)) for window in args.layer_windows]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return super().sanitize(rename_language_model_weights(weights))

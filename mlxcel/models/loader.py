@@ -39,10 +39,12 @@ FAMILIES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # the multimodal folders: their language model only
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
 }
+TEXT_ONLY_NOTE = "text only: the vision tower and projector are not loaded (images are not supported yet)"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -121,6 +123,13 @@ def import_family(model_type: str, source: Path):
     return importlib.import_module(f"mlxcel.models.{FAMILIES[model_type]}")
 
 
+def read_family_config(family, config: dict) -> dict:
+    """config.json as the family reads it: a family whose folders nest the language model's
+    settings (Gemma 3's multimodal ones) unwraps them here."""
+    normalize = getattr(family, "normalize_config", None)
+    return normalize(config) if normalize else config
+
+
 def make_model(family, config: dict, source: Path, **overrides):
     missing = [key for key in family.REQUIRED_KEYS if key not in config]
     if missing:
@@ -144,10 +153,13 @@ def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
     if model_type is None:
         raise MlxcelError(f"{config_path}: missing required key model_type")
     quantization = config.get("quantization")
-    model = make_model(import_family(model_type, config_path), config, config_path)
+    family = import_family(model_type, config_path)
+    model = make_model(family, read_family_config(family, config), config_path)
     weights, origins = load_safetensors(folder)
     weights = model.sanitize(weights)
     info = {"arch": model_type, "format": "safetensors"}
+    if "vision_config" in config:  # sanitize dropped the vision weights
+        info["note"] = TEXT_ONLY_NOTE
     if quantization is not None:  # MLX-quantized (mlx_lm.convert -q): packed weights stay packed
         if model.args.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}

@@ -396,3 +396,27 @@ def test_cpu_compile_needs_a_cpu_compiler(monkeypatch):
     assert chain.should_compile(None, 32, 151936) == chain.has_cpu_jit_compiler()
     monkeypatch.setattr(chain, "has_cpu_jit_compiler", lambda: False)
     assert chain.should_compile(None, 32, 151936) is False and chain.should_compile(True, 32, 151936) is True
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(
+    "processors",
+    [
+        {"top_k": {"k": 300}, "top_p": {"p": 0.9}, "min_p": {"p": 0.02}, "xtc": {"probability": 1.0, "threshold": 0.01}, "temperature": {"value": 0.8}},
+        {"top_n_sigma": {"n": 1.5}, "typical_p": {"p": 0.8}, "temperature": STAGES["dynatemp"]},
+        {"logit_bias": {"bias": {5: 3.0, 17: -2.5}, "suppress": [3, 4]}, "top_p": {"p": 0.5}},  # bias first: everything after runs in float32
+    ],
+    ids=["truncations", "sigma+typical+dynatemp", "bias-then-top-p"],
+)
+def test_half_precision_logits_sample_as_their_float32_values(processors, dtype):
+    """The truncations run on the model's own dtype: the same candidates, log-probabilities and
+    draws as the float32 copy of the same values (exact: they only compare and select values)."""
+    half = mx.array(random_logits(5, batch=4)).astype(dtype)
+    full = half.astype(mx.float32)
+    chain = make_sampler_chain({"processors": processors, "selector": {"kind": "categorical"}}, VOCAB, eos_token_ids=[2])
+    got, want = np.array(chain.logprobs(half)), np.array(chain.logprobs(full))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], atol=1e-6)
+    assert 1 < np.isfinite(got).sum(axis=-1).min() < VOCAB  # the chain really cut something
+    for position in range(4):
+        assert chain_step(chain, half, position=position)[0].tolist() == chain_step(chain, full, position=position)[0].tolist()

@@ -112,6 +112,8 @@ class SamplerChain:
         """Every stage before the draw, in the chain's order."""
         for stage in self.stages:
             name = stage["stage"]
+            if name not in proc.MASKING_STAGES:
+                x = x.astype(mx.float32)  # arithmetic on the values: in float32 (a no-op once cast)
             if name == "logit_bias":
                 x = proc.apply_logit_bias(x, self.bias)
             elif name == "penalties":
@@ -136,11 +138,11 @@ class SamplerChain:
                     x = proc.apply_dynamic_temperature(x, stage["value"], stage["dynatemp_range"], stage["dynatemp_exponent"])
                 else:
                     x = proc.apply_temperature(x, stage["value"])
-        return x
+        return x.astype(mx.float32)
 
     def run_step(self, logits: mx.array, keys: mx.array, position: mx.array, state: dict):
         """(tokens [B], the logits drawn from, the next state): a pure function of arrays."""
-        x = self.apply_stages(logits.astype(mx.float32), keys, position, state)
+        x = self.apply_stages(logits, keys, position, state)
         kind, draw, state = self.draw["kind"], self.draw, dict(state)
         if kind == "greedy":
             tokens, z = sel.draw_greedy(x), x
@@ -192,7 +194,7 @@ class SamplerChain:
         batch = logits.shape[0]
         state = self.make_state(batch, history) if self.uses_history else {}
         keys = mx.zeros((batch, 2), mx.uint32)
-        x = self.apply_stages(logits.astype(mx.float32), keys, mx.array(0, mx.uint32), state, with_xtc=False)
+        x = self.apply_stages(logits, keys, mx.array(0, mx.uint32), state, with_xtc=False)
         return sel.log_softmax(x)
 
     def __call__(self, logits: mx.array, rows: list[RowKey], positions: list[int]) -> mx.array:

@@ -129,3 +129,36 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1)
+
+
+def find_sample_photo() -> Path:
+    """matplotlib's grace_hopper.jpg (512x600 RGB JPEG), located without importing matplotlib."""
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is None or spec.origin is None:
+        pytest.skip("needs matplotlib's sample photo (the test extra: pip install -e '.[test]')")
+    return Path(spec.origin).parent / "mpl-data" / "sample_data" / "grace_hopper.jpg"
+
+
+@pytest.fixture(scope="session")
+def photo_path() -> Path:
+    return find_sample_photo()
+
+
+@pytest.fixture(scope="session")
+def odd_images(tmp_path_factory, photo_path) -> dict[str, Path]:
+    """Inputs that trip preprocessing: tiny, very wide, RGBA, grayscale, EXIF-rotated (orientation 6)."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("odd_images")
+    photo = Image.open(photo_path).convert("RGB")
+    paths = {"photo": photo_path}
+    photo.resize((3, 5)).save(paths.setdefault("tiny", folder / "tiny.png"))
+    photo.resize((1200, 90)).save(paths.setdefault("wide", folder / "wide.jpg"), quality=95)
+    rgba = photo.resize((97, 131)).convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize(rgba.size))
+    rgba.save(paths.setdefault("rgba", folder / "rgba.png"))
+    photo.resize((150, 100)).convert("L").save(paths.setdefault("gray", folder / "gray.png"))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    photo.resize((160, 90)).save(paths.setdefault("exif_rotated", folder / "exif_rotated.jpg"), exif=exif, quality=95)
+    return paths

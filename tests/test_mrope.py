@@ -74,3 +74,16 @@ def test_placeholder_counts_must_fit_the_images():
         make_mrope_positions(ids, [(1, 4, 6), (1, 2, 2)], IMAGE, 2)
     with pytest.raises(MlxcelError, match="mrope_section"):
         MRoPE(16, 10000.0, [2, 2, 2])
+
+
+def test_cache_position_shift_moves_every_rows_rope_position():
+    from mlxcel.engine.compiled import CompiledDecoder
+    from mlxcel.models.cache import make_kv_caches
+
+    cache = make_kv_caches(1, batch_size=2, left_pad=[0, 3])[0]
+    cache.offset = 10
+    assert np.array(cache.rope_offset()).tolist() == [10, 7]
+    assert CompiledDecoder.can_drive([cache])
+    cache.position_shift = mx.array([-4, 0], dtype=mx.int32)
+    assert np.array(cache.rope_offset()).tolist() == [6, 7]
+    assert not CompiledDecoder.can_drive([cache])  # it derives positions from the offset alone

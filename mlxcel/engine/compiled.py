@@ -61,8 +61,9 @@ class CompiledDecoder:
 
     @staticmethod
     def can_drive(cache: list) -> bool:
-        """It writes plain buffers in place: not quantized or rotating caches (eager for those)."""
-        return all(type(c) is KVCache for c in cache)
+        """It writes plain buffers in place: not quantized or rotating caches (eager for those), and
+        it derives positions from the offset alone (no per-row position shift)."""
+        return all(type(c) is KVCache and c.position_shift is None for c in cache)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache]) -> mx.array:
         """Logits [B, V] for the next position; the caches advance by one."""

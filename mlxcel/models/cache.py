@@ -24,6 +24,9 @@ class KVCache:
         self.values: mx.array | None = None
         self.offset = 0
         self.planned = 0  # positions the request may reach: the first allocation makes room for them
+        # int32 [B] added to every row's RoPE position after a prefill whose positions were given
+        # explicitly (Qwen2-VL's M-RoPE: an image takes fewer positions than tokens); None = 0.
+        self.position_shift: mx.array | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append [B, n_kv, L, D] keys/values; return everything cached so far."""
@@ -63,10 +66,9 @@ class KVCache:
         return [] if self.keys is None else [self.keys, self.values]
 
     def rope_offset(self) -> int | mx.array:
-        """Position of the next token, per row when rows are left-padded."""
-        if self.left_pad is None:
-            return self.offset
-        return self.offset - self.left_pad
+        """Position of the next token, per row when rows are left-padded or shifted."""
+        position = self.offset if self.left_pad is None else self.offset - self.left_pad
+        return position if self.position_shift is None else position + self.position_shift
 
 
 def grow_storage(x: mx.array, used: int, capacity: int) -> mx.array:

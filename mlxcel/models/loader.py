@@ -43,6 +43,7 @@ FAMILIES = {
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    "qwen2_vl": "qwen2_vl",  # the language side; the vision tower joins with the vision stage
 }
 TEXT_ONLY_NOTE = "text only: the vision tower and projector are not loaded (images are not supported yet)"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -1,0 +1,105 @@
+"""What the image processors share: config parsing that reports every bad key at once (as
+`preprocessor_config.KEY: message (got VALUE)`), and the Pillow/NumPy steps in transformers'
+order and dtypes: RGB composite, uint8 Pillow resize, rescale in float64 cast to float32,
+normalize in float32."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mlxcel.errors import ConfigIssue
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+CONFIG_PREFIX = "preprocessor_config"
+
+
+def make_issue(key: str, message: str, value: object) -> ConfigIssue:
+    return ConfigIssue(f"{CONFIG_PREFIX}.{key}", message, value)
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_bool(raw: dict[str, Any], key: str, default: bool, issues: list[ConfigIssue]) -> bool:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        issues.append(make_issue(key, "must be true or false", value))
+        return default
+    return value
+
+
+def parse_resample(value: object, default: int, issues: list[ConfigIssue]) -> int:
+    if value is None:
+        return default
+    if not (is_int(value) and value in RESAMPLE_NAMES):
+        legal = ", ".join(f"{k} ({v})" for k, v in RESAMPLE_NAMES.items())
+        issues.append(make_issue("resample", f"must be a Pillow filter id: {legal}", value))
+        return default
+    return value
+
+
+def parse_rescale_factor(value: object, default: float, issues: list[ConfigIssue]) -> float:
+    if value is None:
+        return default
+    if not (is_finite_number(value) and value > 0):
+        issues.append(make_issue("rescale_factor", "must be a finite number > 0 (usually 1/255)", value))
+        return default
+    return float(value)
+
+
+def parse_channel_floats(raw: dict[str, Any], key: str, default: tuple, issues: list[ConfigIssue], positive: bool) -> tuple:
+    """Three per-channel floats; a single float applies to all channels, as transformers allows."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    items = [value] * 3 if is_finite_number(value) else value
+    valid = isinstance(items, (list, tuple)) and len(items) == 3 and all(map(is_finite_number, items))
+    if valid and positive:
+        valid = all(item > 0 for item in items)
+    if not valid:
+        bound = "> 0" if positive else "finite"
+        issues.append(make_issue(key, f"must be a number or a list of 3 numbers (R, G, B), each {bound}", value))
+        return default
+    return tuple(float(item) for item in items)
+
+
+def describe_source(source: str | None) -> str:
+    return f"image {source}" if source else "image"
+
+
+def apply_rgb_composite(image: Image.Image) -> Image.Image:
+    """transformers' convert_to_rgb: transparent pixels go onto a white background, not black."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def apply_resize(image: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+    """Pillow resize of an [H, W, 3] uint8 array, as transformers' resize does it (no rescale around it)."""
+    return np.array(Image.fromarray(image).resize((width, height), resample=resample))
+
+
+def apply_rescale(image: np.ndarray, factor: float) -> np.ndarray:
+    # float64 first, then float32: transformers' order, so rounding agrees bit for bit.
+    return (image.astype(np.float64) * factor).astype(np.float32)
+
+
+def apply_normalize(image: np.ndarray, mean: tuple, std: tuple) -> np.ndarray:
+    if not np.issubdtype(image.dtype, np.floating):
+        image = image.astype(np.float32)
+    return (image - np.array(mean, dtype=image.dtype)) / np.array(std, dtype=image.dtype)

@@ -149,4 +149,7 @@ def test_fused_qkv_prefill_peak_memory_is_no_higher_than_separate(tmp_path, monk
         return mx.get_peak_memory() - base
 
     separate, fused = prefill_peak("0"), prefill_peak("1")
-    assert fused <= separate * 1.05, (fused, separate)
+    # Fusing may hold one layer's QKV output at a time ([8, 256, q 128 + k 64 + v 64] fp32, 2 MiB:
+    # measured exactly that on CI), never every layer's (12 of them: +24 MiB).
+    one_layer_qkv = 8 * 256 * (128 + 64 + 64) * 4
+    assert fused <= separate + one_layer_qkv + 64 * 1024, (fused, separate)

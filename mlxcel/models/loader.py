@@ -43,7 +43,11 @@ FAMILIES = {
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
-    "qwen2_vl": "qwen2_vl",  # the language side; the vision tower joins with the vision stage
+    # vision-language models (mlxcel/vision/stage.py has their contract)
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_vl",
+    "llava": "llava",
+    "llava_next": "llava",
 }
 TEXT_ONLY_NOTE = "text only: the vision tower and projector are not loaded (images are not supported yet)"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -159,7 +163,9 @@ def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
     weights, origins = load_safetensors(folder)
     weights = model.sanitize(weights)
     info = {"arch": model_type, "format": "safetensors"}
-    if "vision_config" in config:  # sanitize dropped the vision weights
+    if hasattr(model, "attach_preprocessor"):  # a VLM: its image processor reads preprocessor_config.json
+        model.attach_preprocessor(folder)
+    elif "vision_config" in config:  # sanitize dropped the vision weights
         info["note"] = TEXT_ONLY_NOTE
     if quantization is not None:  # MLX-quantized (mlx_lm.convert -q): packed weights stay packed
         if model.args.tie_word_embeddings:

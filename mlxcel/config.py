@@ -158,12 +158,33 @@ def _check_not_blank(text: str | None) -> str | None:
     return text
 
 
+class ContentPart(Group):
+    """One part of a message's content: `{"type": "text", "text": ...}` or
+    `{"type": "image", "path": ...}` (vision-language models; the chat template places the
+    model's image placeholder where the part stands)."""
+
+    type: Literal["text", "image"]
+    text: str | None = None
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> ContentPart:
+        needed, other = ("text", "path") if self.type == "text" else ("path", "text")
+        article = "an" if self.type == "image" else "a"
+        if getattr(self, needed) is None:
+            raise reject(f"{article} {self.type} part needs '{needed}'", needed, NO_VALUE)
+        if getattr(self, other) is not None:
+            raise reject(f"{article} {self.type} part takes '{needed}', not '{other}'", other, getattr(self, other))
+        return self
+
+
 class Message(Group):
     """A chat message as transformers' templates take it: tool calls on an assistant message,
-    and `tool_call_id` / `name` on a tool result."""
+    and `tool_call_id` / `name` on a tool result. Content is text, or a list of text and image
+    parts."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: [{"type": "function", "function": {"name", "arguments"}}]
     tool_call_id: str | None = None  # tool: which call this answers
     name: str | None = None  # tool: the function's name
@@ -174,6 +195,10 @@ class Message(Group):
             return self  # a message that only calls tools may have no text
         if self.content is None:
             raise reject("required (only an assistant message with tool_calls may omit it)", "content", NO_VALUE)
+        if isinstance(self.content, list):
+            if not self.content:
+                raise reject("must not be an empty list of parts", "content", self.content)
+            return self
         if not self.content.strip():
             raise reject("must not be empty or only whitespace", "content", self.content)
         return self
@@ -188,6 +213,7 @@ class PromptRow(Group):
 
     id: Annotated[str, Strict()] | Annotated[int, Strict()] | None = None  # default: the line (item) number, from 1
     prompt: str | None = None  # one user message, templated
+    images: list[str] | None = None  # image files for the user message of `prompt`, placed before its text
     messages: list[Message] | None = None  # a conversation
     max_tokens: PositiveInt | None = None  # default: decode.max_tokens
     seed: NonNegativeInt | None = None  # default: sampler.seed
@@ -200,11 +226,24 @@ class PromptRow(Group):
     def _check_one_source(self) -> PromptRow:
         if (self.prompt is None) == (not self.messages):
             raise reject("each row needs exactly one of 'prompt' (text) or 'messages' (a conversation)", "prompt", NO_VALUE)
+        if self.images and self.messages:
+            raise reject("'images' goes with 'prompt'; in 'messages' put image parts in the content", "images", self.images)
         return self
+
+    def to_messages(self) -> list[dict]:
+        return [m.to_dict() for m in self.messages] if self.messages else [make_user_message(self.prompt, self.images)]
+
+
+def make_user_message(text: str, images: list[str] | None = None) -> dict:
+    """A user turn; with images, a content list: the images first, then the text."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [*({"type": "image", "path": p} for p in images), {"type": "text", "text": text}]}
 
 
 class PromptConfig(Group):
     text: str | None = None
+    images: list[str] | None = None  # image files for the user message of `text` (VLMs), placed before it
     system: str | None = None  # "" is allowed: it stops a template from adding its default system prompt
     messages: list[Message] | None = None
     file: str | None = None  # a JSONL file of rows (see PromptRow): a batch job
@@ -220,6 +259,8 @@ class PromptConfig(Group):
         if len(sources) > 1:
             hint = "; for a batch job use the preset: prompt=jsonl prompt.file=PATH" if "text" in sources else ""
             raise reject(f"set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got {', '.join(sources)}){hint}", sources[1], NO_VALUE)
+        if self.images and self.text is None:
+            raise reject("prompt.images go with prompt.text (in prompt.messages or a JSONL row, use image parts)", "images", self.images)
         if self.system is not None and self.messages and any(m.role == "system" for m in self.messages):
             raise reject("prompt.messages already has a system message; set one or the other", "system", self.system)
         return self
@@ -230,7 +271,7 @@ class PromptConfig(Group):
 
     def to_messages(self) -> list[dict]:
         """The conversation as role/content dicts, the system message first when set."""
-        return self.with_system([m.to_dict() for m in self.messages] if self.messages else [{"role": "user", "content": self.text}])
+        return self.with_system([m.to_dict() for m in self.messages] if self.messages else [make_user_message(self.text, self.images)])
 
     def with_system(self, messages: list[dict]) -> list[dict]:
         """prompt.system goes first, unless the conversation brings its own system message."""

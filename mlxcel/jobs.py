@@ -87,7 +87,7 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
             issues.append(ConfigIssue(where, f"duplicate id (first used at {label} {seen[str(row_id)]})", row_id))
             continue
         seen[str(row_id)] = number
-        messages = [m.to_dict() for m in row.messages] if row.messages else [{"role": "user", "content": row.prompt}]
+        messages = row.to_messages()
         rows.append(JobRow(row_id, prompt.with_system(messages), row.max_tokens, row.seed, row.n, row.tools))
     if issues:
         raise ConfigError(issues, hint=f"fix: correct those rows of {source}")

@@ -20,6 +20,7 @@ from mlxcel.sampling.history import make_piece_encoder
 from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
+from mlxcel.vision.stage import ImageInputs, check_images_allowed, collect_image_paths, flatten_text_parts, is_vision_model, prepare_images
 
 
 @dataclass
@@ -27,6 +28,7 @@ class PreparedSample:
     sample: Sample
     prompt: PromptTokens | None = None
     error: str | None = None  # why this sample cannot run (it is written as an error row)
+    images: ImageInputs | None = None  # the prompt's preprocessed images (VLMs); token ids already expanded
 
 
 class Pipeline:
@@ -92,14 +94,29 @@ class Pipeline:
         prepared = []
         for sample in samples:
             try:
-                template = self.cfg.template
-                kwargs = template.kwargs if sample.row.tools is None else {**template.kwargs, "tools": sample.row.tools}
-                prompt = build_prompt(self.tokenizer, sample.row.messages, self.template_source, template.kind != "none", kwargs)
-                self.check_length(prompt)
-                prepared.append(PreparedSample(sample, prompt))
+                prepared.append(self.prepare_one(sample))
             except MlxcelError as exc:
                 prepared.append(PreparedSample(sample, None, str(exc)))
         return prepared
+
+    def prepare_one(self, sample: Sample) -> PreparedSample:
+        """Render, tokenize and (with images) load, preprocess and expand the placeholders. A dry
+        run (no weights) stops before the images: their token counts need the model's processor."""
+        template, model = self.cfg.template, self.loaded.model if self.loaded else None
+        paths = collect_image_paths(sample.row.messages)
+        if model is not None:
+            check_images_allowed(model, self.header.arch, paths)
+        kwargs = template.kwargs if sample.row.tools is None else {**template.kwargs, "tools": sample.row.tools}
+        messages = flatten_text_parts(sample.row.messages)
+        prompt = build_prompt(self.tokenizer, messages, self.template_source, template.kind != "none", kwargs)
+        if model is None or not is_vision_model(model):
+            self.check_length(prompt)
+            return PreparedSample(sample, prompt)
+        token_ids, images = prepare_images(model, prompt.token_ids, paths)
+        if images is not None:  # the history boundary moved with the expansion: no history piece
+            prompt = PromptTokens(prompt.text, token_ids, history_tokens=0)
+        self.check_length(prompt)
+        return PreparedSample(sample, prompt, images=images)
 
     def make_text_stream(self) -> TextStream:
         """Per-row detokenizer that also applies decode.stop_strings."""
@@ -146,6 +163,7 @@ class Pipeline:
                 history_tokens=p.prompt.history_tokens,
                 max_tokens=p.sample.row.max_tokens,
                 seed=p.sample.row.seed,
+                images=p.images,
             )
             for p in batch
         ]

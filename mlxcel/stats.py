@@ -31,6 +31,9 @@ class BatchStats:
     decode_time_ms: float
     prefill_pieces: list[dict]
     first_token_at: float  # perf_counter when the first token reached the host
+    visual_tokens: int = 0  # prompt tokens that are image features (counted in prompt_tokens too)
+    image_preprocess_ms: float = 0.0  # loading and preprocessing this batch's images (before the engine)
+    vision_encode_ms: float = 0.0  # towers + projectors + merge, inside prefill_time_ms
 
 
 @dataclass
@@ -43,6 +46,9 @@ class GenerationStats:
     decode_tok_per_sec: float = 0.0
     ttft_ms: float = 0.0  # from the start of prompt preparation to the first token on the host
     peak_memory_gb: float = 0.0
+    visual_tokens: int = 0  # image-feature tokens among prompt_tokens (VLMs)
+    image_preprocess_ms: float = 0.0  # loading + preprocessing images (part of ttft, not of prefill)
+    vision_encode_ms: float = 0.0  # vision towers + projectors (part of prefill_time_ms)
     rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)
@@ -53,6 +59,7 @@ class GenerationStats:
 
 def measure_batch(state: BatchState) -> BatchStats:
     timings, results = state.timings, state.results
+    images = [r for r in state.request.rows if r.images is not None]
     first, end = timings.first_token or timings.start, timings.end or timings.start
     return BatchStats(
         rows=len(results),
@@ -63,6 +70,9 @@ def measure_batch(state: BatchState) -> BatchStats:
         decode_time_ms=(end - first) * 1000,
         prefill_pieces=list(timings.prefill_pieces),
         first_token_at=first,
+        visual_tokens=sum(sum(r.images.token_counts) for r in images),
+        image_preprocess_ms=sum(r.images.preprocess_ms for r in images),
+        vision_encode_ms=timings.vision_encode_ms,
     )
 
 
@@ -80,6 +90,9 @@ def make_generation_stats(batches: list[BatchStats], prepare_start: float, finis
         decode_tok_per_sec=round(after_first / decode_ms * 1000, 3) if decode_ms > 0 and after_first else 0.0,
         ttft_ms=round((batches[0].first_token_at - prepare_start) * 1000, 3) if batches else 0.0,
         peak_memory_gb=round(mx.get_peak_memory() / 1e9, 4),
+        visual_tokens=sum(b.visual_tokens for b in batches),
+        image_preprocess_ms=round(sum(b.image_preprocess_ms for b in batches), 3),
+        vision_encode_ms=round(sum(b.vision_encode_ms for b in batches), 3),
         rows=sum(finish_reasons.values()),
         finish_reasons=dict(finish_reasons),
         batches=[

@@ -23,6 +23,7 @@ from mlxcel.models.cache import plan_capacity
 from mlxcel.models.quantized_cache import quantize_caches
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import BatchSampler, RowKey
+from mlxcel.vision.stage import merge_embeddings
 
 OnToken = Callable[[int, int], "bool | None"]  # (row index, token id) -> False to stop that row
 OnRowDone = Callable[[int, RowResult], None]  # (row index, its finished result)
@@ -103,11 +104,12 @@ class Engine:
             cache = quantize_caches(cache, request.kv_bits, request.kv_group_size)
         max_tokens = [r.max_tokens or request.max_tokens for r in rows]
         plan_capacity(cache, length, max(max_tokens), self.max_context)
+        with_images = any(r.images is not None for r in rows)
         plan = plan_prefill(
             length,
             chunk_size=request.chunk_size,
             history_boundary=rows[0].history_tokens if len(rows) == 1 else 0,
-            tile_size=request.tile_size,
+            tile_size=None if with_images else request.tile_size,  # padding pieces would need pad embeddings
             supports_multi_piece=self.model.supports_multi_piece_prefill,
             supports_padded=self.model.supports_padded_prefill,
         )
@@ -120,22 +122,61 @@ class Engine:
             timings=timings,
             max_tokens=max_tokens,
         )
+        state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
+        if with_images:
+            embeddings, positions, shifts = self._embed_images(rows, tokens, left_pad, timings)
+            logits = self._run_prefill(tokens, cache, plan, timings, embeddings, positions)
+            if any(shifts):  # M-RoPE: decoding continues at each row's own position
+                for layer_cache in cache:
+                    layer_cache.position_shift = mx.array(shifts, dtype=mx.int32)
+        else:
+            logits = self._run_prefill(tokens, cache, plan, timings)
         if self.decoder is not None and self.decoder.can_drive(cache):
             state.decoder = self.decoder
-        state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
-        logits = self._run_prefill(tokens, cache, plan, timings)
         self.model.after_prefill()
         self._queue_tokens(state, logits)
         return state
 
-    def _run_prefill(self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings) -> mx.array:
+    def _embed_images(self, rows: list, tokens: mx.array, left_pad: list[int], timings: GenerationTimings):
+        """The batch's input embeddings with each image row's features at its placeholders, and,
+        for families with their own position ids (M-RoPE), [3, B, L] positions and per-row shifts."""
+        model, began = self.model, time.perf_counter()
+        merged = []
+        for index, row in enumerate(rows):
+            ids = tokens[index : index + 1]
+            embedded = model.embed_tokens(ids)
+            if row.images is not None:
+                embedded = merge_embeddings(embedded, ids[0].tolist(), model.image_token_id, model.encode_images(row.images))
+            merged.append(embedded)
+        embeddings = mx.concatenate(merged, axis=0)
+        mx.eval(embeddings)
+        timings.vision_encode_ms += (time.perf_counter() - began) * 1000
+        if not hasattr(model, "make_positions"):
+            return embeddings, None, [0] * len(rows)
+        positions, shifts = [], []
+        for row, pad in zip(rows, left_pad):
+            row_positions, shift = model.make_positions(row.prompt_ids, row.images)
+            positions.append(mx.pad(row_positions, [(0, 0), (pad, 0)]))  # padding slots: position 0, masked anyway
+            shifts.append(shift)
+        return embeddings, mx.stack(positions, axis=1), shifts
+
+    def _run_prefill(
+        self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings, embeddings: mx.array | None = None, positions: mx.array | None = None
+    ) -> mx.array:
+        """Every piece of the plan through the model: token ids, or (images) input embeddings
+        with their position ids when the family has its own."""
         for index, piece in enumerate(plan.pieces):
             began = time.perf_counter()
-            chunk = tokens[:, piece.start : piece.end]
-            if piece.pad:
-                chunk = mx.concatenate([chunk, mx.zeros((chunk.shape[0], piece.pad), chunk.dtype)], axis=1)
             is_last = index == len(plan.pieces) - 1
-            logits = self.model(chunk, cache, logits_at=piece.length - 1 if is_last else None)
+            logits_at = piece.length - 1 if is_last else None
+            if embeddings is not None:
+                extra = {} if positions is None else {"positions": positions[:, :, piece.start : piece.end]}
+                logits = self.model.forward_with_embeddings(embeddings[:, piece.start : piece.end], cache, logits_at=logits_at, **extra)
+            else:
+                chunk = tokens[:, piece.start : piece.end]
+                if piece.pad:
+                    chunk = mx.concatenate([chunk, mx.zeros((chunk.shape[0], piece.pad), chunk.dtype)], axis=1)
+                logits = self.model(chunk, cache, logits_at=logits_at)
             if piece.pad:
                 for layer_cache in cache:
                     layer_cache.trim(piece.pad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxcel.sampling import SamplerChain
 
@@ -17,6 +18,7 @@ class RowRequest:
     history_tokens: int = 0  # tokens of the chat without the generation prompt (PrefillPlan rule 2)
     max_tokens: int | None = None  # None: the request's max_tokens
     seed: int | None = None  # None: the sampler's seed
+    images: Any = None  # mlxcel.vision.stage.ImageInputs: the prompt's images (prompt_ids expanded)
 
 
 @dataclass
@@ -49,3 +51,4 @@ class GenerationTimings:
     first_token: float | None = None
     end: float | None = None
     prefill_pieces: list[dict] = field(default_factory=list)
+    vision_encode_ms: float = 0.0  # the towers and projectors of every image in the batch

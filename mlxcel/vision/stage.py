@@ -18,6 +18,7 @@ take the ordinary path, so its vision weights stay unevaluated until an image ar
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +36,7 @@ class ImageInputs:
     pixel_values: np.ndarray
     token_counts: list[int]
     extras: dict[str, Any] = field(default_factory=dict)  # per family: grid_thw, image_sizes, ...
+    preprocess_ms: float = 0.0  # loading + preprocessing, set by prepare_images
 
 
 @runtime_checkable
@@ -76,3 +78,51 @@ def merge_embeddings(embeddings: mx.array, token_ids: list[int], image_token_id:
     merged = embeddings[0]
     merged[mx.array(positions)] = features.astype(merged.dtype)
     return merged[None]
+
+
+def collect_image_paths(messages: list[dict]) -> list[str]:
+    """The image parts' paths, in conversation order."""
+    return [
+        part["path"]
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    ]
+
+
+def flatten_text_parts(messages: list[dict]) -> list[dict]:
+    """Content lists without images as plain strings, so text-only chat templates render them."""
+    flat = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            message = {**message, "content": "".join(p["text"] for p in content)}
+        flat.append(message)
+    return flat
+
+
+def check_images_allowed(model, model_type: str, paths: list[str]) -> None:
+    if paths and not is_vision_model(model):
+        raise MlxcelError(
+            f"{len(paths)} image(s) given ({paths[0]}{', ...' if len(paths) > 1 else ''}), but {model_type} is a text-only model "
+            "(drop the images, or use a vision-language model: Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT)"
+        )
+
+
+def prepare_images(model, token_ids: list[int], paths: list[str]) -> tuple[list[int], ImageInputs | None]:
+    """Load and preprocess a prompt's images; its token ids with each placeholder expanded.
+    A placeholder without an image (or the reverse) is an error naming both counts."""
+    from mlxcel.vision.images import load_image
+
+    image_token = getattr(model, "image_token_id", None)
+    found = count_placeholders(token_ids, image_token) if image_token is not None else 0
+    if found != len(paths):
+        hint = "each image part needs the model's chat template (template=none: write one placeholder per image yourself)"
+        raise MlxcelError(f"the prompt has {found} image placeholder(s) for {len(paths)} image(s): {hint}")
+    if not paths:
+        return token_ids, None
+    started = time.perf_counter()
+    inputs = model.preprocess_images([load_image(p) for p in paths], list(paths))
+    inputs.preprocess_ms = (time.perf_counter() - started) * 1000
+    return expand_placeholders(token_ids, image_token, inputs.token_counts), inputs

@@ -1,29 +1,38 @@
-"""Qwen2-VL / Qwen2.5-VL: the language side. A Qwen2 decoder whose RoPE is multimodal (M-RoPE,
-mlxcel/models/mrope.py): a prefill holding images takes explicit [3, B, L] position ids; every
-other forward (text prompts, decode) is plain RoPE at the cache's position, shifted per row
-after an image prompt.
+"""Qwen2-VL / Qwen2.5-VL: a Qwen2 decoder whose RoPE is multimodal (M-RoPE, mlxcel/models/mrope.py)
+plus the vision tower (mlxcel/vision/qwen2_vl_vit.py, patch merger included) as `visual`.
+A prefill holding images takes explicit [3, B, L] position ids (`make_positions`); every other
+forward (text prompts, decode) is plain RoPE at the cache's position, shifted per row after an
+image prompt. The vision stage's contract (mlxcel/vision/stage.py) is `preprocess_images`,
+`encode_images` and `make_positions`; video inputs are not supported.
 
 Checkpoints come in two layouts: the Hub's (`model.*`, `visual.*`, `lm_head.*`; transformers 5
 still saves this) and transformers' in-memory one (`model.language_model.*`, `model.visual.*`).
 config.json keeps the text settings at the top level (Hub) or under `text_config` (newer saves).
-The vision tower joins through mlxcel/vision (the `visual.*` weights); until a request carries an
-image it is never evaluated.
+mlx-vlm conversions say `language_model.*` and `vision_tower.*`. The tower's weights are only
+read by `encode_images`, so a text prompt never touches them (the loader's final mx.eval of all
+parameters still materialises them once at load).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
+from mlxcel.errors import MlxcelError
 from mlxcel.models import llama
-from mlxcel.models.mrope import MRoPE
+from mlxcel.models.mrope import MRoPE, make_mrope_positions
+from mlxcel.vision.processors import qwen2_vl as processor
+from mlxcel.vision.qwen2_vl_vit import QwenVisionModel, make_qwen_vision_model
+from mlxcel.vision.stage import ImageInputs
 
 REQUIRED_KEYS = ("model_type",)
 DEFAULT_MROPE_SECTION = [16, 24, 24]  # Qwen2-VL-2B/7B and Qwen2.5-VL: head_dim 128
 LANGUAGE_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
-VISION_PREFIXES = {"model.visual.": "visual.", "visual.": "visual."}
+VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.")  # transformers in memory / Hub / mlx-vlm
 
 
 def normalize_config(config: dict) -> dict:
@@ -61,11 +70,71 @@ class ModelArgs(llama.ModelArgs):
         )
 
 
+def make_vision_tower(args: ModelArgs) -> QwenVisionModel:
+    """The top-level model_type says which tower (Hub vision configs carry no model_type); no
+    vision_config at all means transformers' defaults, which VisionArgs mirrors."""
+    variant = "qwen2_5_vl" if args.model_type == "qwen2_5_vl" else "qwen2_vl"
+    return make_qwen_vision_model(args.vision_config or {}, variant)
+
+
 class Model(llama.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         for layer in self.model.layers:
             layer.self_attn.rope = MRoPE(args.head_dim, args.rope_theta, args.mrope_section)
+        self.visual = make_vision_tower(args)
+        self.image_token_id = args.image_token_id  # None: the pipeline treats the model as text-only
+        # Plain attributes (not parameters): set by attach_preprocessor, read on the first image.
+        self._preprocessor_folder: Path | None = None
+        self._image_config: processor.Qwen2VLImageConfig | None = None
+
+    # ---- the vision stage (mlxcel/vision/stage.py) ----------------------------------------------
+
+    def attach_preprocessor(self, folder: str | Path) -> None:
+        """Remember where preprocessor_config.json lives; it is read on the first image, so a
+        folder without one still loads and serves text prompts."""
+        self._preprocessor_folder = Path(folder)
+        self._image_config = None
+
+    def image_config(self) -> processor.Qwen2VLImageConfig:
+        if self._image_config is None:
+            self._image_config = self.read_image_config()
+        return self._image_config
+
+    def read_image_config(self) -> processor.Qwen2VLImageConfig:
+        folder = self._preprocessor_folder
+        if folder is None:
+            raise MlxcelError("this Qwen2-VL model has no image processor (load it from a checkpoint folder to use images)")
+        path = folder / "preprocessor_config.json"
+        if not path.is_file():
+            raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
+        config = processor.load_qwen2_vl_config(path)
+        check_processor_matches_tower(config, self.visual, path)
+        return config
+
+    def preprocess_images(self, images: list, sources: list[str]) -> ImageInputs:
+        config = self.image_config()
+        pixel_values, grid_thw = processor.preprocess_images(images, config, sources)
+        counts = [processor.count_image_tokens(grid, config.merge_size) for grid in grid_thw]
+        return ImageInputs(pixel_values, counts, {"grid_thw": grid_thw})
+
+    def encode_images(self, inputs: ImageInputs) -> mx.array:
+        """[sum(token_counts), hidden] merged patch features, in the language model's dtype."""
+        pixels = mx.array(inputs.pixel_values)  # the tower's patch embedding casts to its own dtype
+        features = self.visual(pixels, inputs.extras["grid_thw"])
+        if features.shape[0] != sum(inputs.token_counts):
+            raise MlxcelError(f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens")
+        # norm weights stay floating when the model is quantized (embed_tokens' may be uint32)
+        return features.astype(self.model.norm.weight.dtype)
+
+    def make_positions(self, token_ids: list[int], inputs: ImageInputs | None) -> tuple[mx.array, int]:
+        """M-RoPE ids [3, L] int32 of the (expanded) prompt and the shift its decode continues at.
+        Without images these are plain positions 0..L-1 and shift 0, so a caller may use them
+        for every row alike."""
+        grids = [] if inputs is None else [tuple(int(n) for n in g) for g in inputs.extras["grid_thw"]]
+        image_token = -1 if self.image_token_id is None else self.image_token_id  # -1: no token is an image
+        positions, shift = make_mrope_positions(token_ids, grids, image_token, self.visual.args.spatial_merge_size)
+        return mx.array(positions.astype(np.int32)), shift
 
     def forward_with_embeddings(
         self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None, positions: mx.array | None = None
@@ -85,10 +154,23 @@ class Model(llama.Model):
         return self.compute_logits(self.model.norm(h))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        renamed = {}
+        language, vision = {}, {}
         for key, value in weights.items():
             prefix = next((p for p in (*LANGUAGE_PREFIXES, *VISION_PREFIXES) if key.startswith(p)), None)
             if prefix in VISION_PREFIXES:
-                continue  # the vision tower is loaded by the vision stage (not part of this module yet)
-            renamed[LANGUAGE_PREFIXES[prefix] + key[len(prefix) :] if prefix else key] = value
-        return super().sanitize(renamed)
+                vision[key[len(prefix) :]] = value
+            else:
+                language[LANGUAGE_PREFIXES[prefix] + key[len(prefix) :] if prefix else key] = value
+        # The tower renames its own (Conv3d kernel -> Linear, rotary tables dropped).
+        tower = {f"visual.{k}": v for k, v in self.visual.sanitize(vision).items()}
+        return {**super().sanitize(language), **tower}
+
+
+def check_processor_matches_tower(config: processor.Qwen2VLImageConfig, tower: QwenVisionModel, source: Path) -> None:
+    """The processor cuts patches and counts tokens; the tower must agree or features and
+    placeholders no longer line up (an error here beats a shape error deep in the tower)."""
+    a = tower.args
+    pairs = {"patch_size": a.patch_size, "temporal_patch_size": a.temporal_patch_size, "merge_size": a.spatial_merge_size}
+    wrong = [f"{key} {getattr(config, key)} (vision_config: {value})" for key, value in pairs.items() if getattr(config, key) != value]
+    if wrong:
+        raise MlxcelError(f"{source}: {', '.join(wrong)} disagree with config.json's vision tower")

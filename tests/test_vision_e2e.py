@@ -1,0 +1,120 @@
+"""A tiny Qwen2-VL end to end through mlxcel-run: prompt.images with the chat template's
+placeholders, the expanded prompt ids in generations.jsonl, greedy tokens equal to transformers'
+generate on the same ids and pixels, the vision stats, and a mixed JSONL batch (image rows, a text
+row, a bad image) where every good row gives what it gives alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import CHATML, SPECIALS, TRAINING_TEXT
+from tests.test_batch_jobs import by_key, read_rows, write_rows
+from tests.test_cli_run import run_cli
+from tests.test_families_qwen2_vl import TEXT
+from tests.test_families_qwen2_vl_images import PREPROCESSOR, VISION
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VLM_SPECIALS = [*SPECIALS, "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]  # ids 3, 4, 5
+VISION_START, VISION_END, IMAGE = 3, 4, 5
+# Qwen2-VL's template, cut down: an image part renders as <|vision_start|><|image_pad|><|vision_end|>
+VLM_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MAX_TOKENS = 8
+
+
+def write_vlm_tokenizer(folder) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=VLM_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=VLM_TEMPLATE)
+    wrapped.save_pretrained(folder)
+    assert wrapped.convert_tokens_to_ids(VLM_SPECIALS[3:]) == [VISION_START, VISION_END, IMAGE]
+    return len(wrapped)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_qwen2_vl")
+    config = transformers.Qwen2VLConfig(
+        text_config={**TEXT, "vocab_size": write_vlm_tokenizer(folder)}, vision_config=VISION["qwen2_vl"],
+        image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    return folder, model
+
+
+def reference_generate(folder, model, ids: list[int], image_paths: list[str]) -> list[int]:
+    from transformers.image_utils import load_image
+
+    input_ids = torch.tensor([ids])
+    kwargs = {"mm_token_type_ids": (input_ids == IMAGE).int()}
+    if image_paths:
+        processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
+        pixels = processor([load_image(p) for p in image_paths], return_tensors="pt")
+        kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+    with torch.no_grad():
+        out = model.generate(input_ids, **kwargs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def run_args(folder, *extra):
+    return (f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true", *extra)
+
+
+def test_prompt_images_generate_as_transformers(tmp_path, vlm, photo_path):
+    folder, reference = vlm
+    result = run_cli(tmp_path, *run_args(folder, "prompt.text=Describe it.", f"prompt.images=[{photo_path}]"))
+    assert result.returncode == 0, result.stderr
+    row = read_rows(tmp_path / "run")[0]
+    ids = row["prompt_token_ids"]
+    assert ids.count(IMAGE) == 16 * 14 // 4 and ids.index(IMAGE) == ids.index(VISION_START) + 1  # expanded in place
+    assert row["token_ids"] == reference_generate(folder, reference, ids, [str(photo_path)])
+    stats = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert stats["visual_tokens"] == 56 and stats["prompt_tokens"] == len(ids)
+    assert stats["image_preprocess_ms"] > 0 and stats["vision_encode_ms"] > 0
+
+
+def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, vlm, photo_path, odd_images):
+    folder, reference = vlm
+    rows = [
+        {"id": "photo", "prompt": "Describe it.", "images": [str(photo_path)]},
+        {"id": "text", "prompt": "Hello there"},
+        {"id": "two", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Compare "}, {"type": "image", "path": str(odd_images["rgba"])},
+            {"type": "text", "text": " with "}, {"type": "image", "path": str(photo_path)}]}]},
+        {"id": "missing", "prompt": "Describe it.", "images": [str(tmp_path / "nope.jpg")]},
+    ]
+    batch_dir, alone_dir = tmp_path / "batch", tmp_path / "alone"
+    batch_dir.mkdir(), alone_dir.mkdir()
+    result = run_cli(batch_dir, *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "runner.batch_size=4"))
+    assert result.returncode == 0, result.stderr
+    got = by_key(read_rows(batch_dir / "run"))
+    assert got[("missing", 0)]["finish_reason"] == "error" and "nope.jpg: no such file" in got[("missing", 0)]["error"]
+    for row in rows[:3]:
+        (alone_dir / row["id"]).mkdir()
+        alone = run_cli(alone_dir / row["id"], *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / (row['id'] + '.jsonl'), [row])}"))
+        assert alone.returncode == 0, alone.stderr
+        assert got[(row["id"], 0)]["token_ids"] == read_rows(alone_dir / row["id"] / "run")[0]["token_ids"], row["id"]
+    two = got[("two", 0)]
+    assert two["token_ids"] == reference_generate(folder, reference, two["prompt_token_ids"], [str(odd_images["rgba"]), str(photo_path)])
+    stats = json.loads((batch_dir / "run" / "stats.json").read_text())
+    assert stats["visual_tokens"] == 56 + 56 + 15 and stats["finish_reasons"] == {"error": 1, "length": 3}

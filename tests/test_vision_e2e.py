@@ -118,3 +118,21 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, vlm, photo_path, odd_
     assert two["token_ids"] == reference_generate(folder, reference, two["prompt_token_ids"], [str(odd_images["rgba"]), str(photo_path)])
     stats = json.loads((batch_dir / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 56 + 56 + 15 and stats["finish_reasons"] == {"error": 1, "length": 3}
+
+
+def test_vision_weights_stay_unread_until_an_image_needs_them(vlm):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxcel.models.loader import load_model
+
+    folder, _ = vlm
+    mx.synchronize()
+    before = mx.get_active_memory()
+    model = load_model(str(folder), dtype="float32").model
+    loaded = mx.get_active_memory() - before
+    tower_bytes = sum(v.nbytes for _, v in tree_flatten(model.visual.parameters()))
+    language_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) - tower_bytes
+    assert language_bytes <= loaded < language_bytes + tower_bytes // 2  # the tower is not in memory yet
+    mx.eval(model.visual.parameters())
+    assert mx.get_active_memory() - before >= language_bytes + tower_bytes

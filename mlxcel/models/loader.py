@@ -102,7 +102,7 @@ def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto"
         loaded.info["quantization"] = quantize_at_load(loaded.model, quantize["bits"], quantize["group_size"])
     if fuse_projections_enabled() and hasattr(loaded.model, "fuse_projections"):
         loaded.model.fuse_projections()  # QKV and gate/up as single matmuls: fewer ops per token
-    mx.eval(loaded.model.parameters())
+    mx.eval(read_language_parameters(loaded.model))
     loaded.info.update(
         path=str(resolved),
         dtype=str(target_dtype).replace("mlx.core.", ""),
@@ -110,6 +110,13 @@ def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto"
         load_ms=round((time.perf_counter() - start) * 1000, 1),
     )
     return loaded
+
+
+def read_language_parameters(model) -> dict:
+    """The parameters a text prompt uses: a VLM's vision stage (its `vision_modules`) stays
+    unread from disk until the first image asks for it."""
+    skip = set(getattr(model, "vision_modules", ()))
+    return {name: value for name, value in model.parameters().items() if name not in skip}
 
 
 def fuse_projections_enabled() -> bool:

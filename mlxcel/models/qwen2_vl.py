@@ -78,6 +78,8 @@ def make_vision_tower(args: ModelArgs) -> QwenVisionModel:
 
 
 class Model(llama.Model):
+    vision_modules = ("visual",)  # evaluated at the first image, not at load (loader.read_language_parameters)
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         for layer in self.model.layers:

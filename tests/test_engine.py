@@ -199,3 +199,33 @@ def test_logits_at_one_position_equal_the_full_row(model):
     one = model(ids, model.make_cache(), logits_at=20)
     assert one.shape == (1, 1, full.shape[-1])
     assert np.abs(np.array(one[:, 0]) - np.array(full[:, 20])).max() < 1e-5
+
+
+@pytest.mark.parametrize("chunk_size", [2048, 16])
+def test_after_prefill_runs_once_between_the_evaluated_prefill_and_decode(tiny_llama, monkeypatch, chunk_size):
+    """A model that changes its weights in after_prefill (as Phi-4-multimodal unfuses its vision
+    LoRA): the first token comes from the prefill's weights, every later one from the new ones,
+    and the hook runs after an mx.eval of the whole prefill's cache."""
+    plain = load_model(str(tiny_llama), dtype="float32").model
+    changed = load_model(str(tiny_llama), dtype="float32").model
+    down = changed.model.layers[0].mlp.down_proj
+    events = []
+    real_eval = mx.eval
+
+    def recording_eval(*args):
+        events.append("eval")
+        return real_eval(*args)
+
+    def after_prefill():
+        events.append("after_prefill")
+        down.weight = down.weight * 3.0  # replaced after the prefill's graph was built and evaluated
+
+    changed.after_prefill = after_prefill
+    changed.__dict__.pop("_mlxcel_decoders", None)
+    monkeypatch.setattr(mx, "eval", recording_eval)
+    got = tokens_of(generate(changed, PROMPTS[:1], max_tokens=12, chunk_size=chunk_size))[0]
+    monkeypatch.setattr(mx, "eval", real_eval)
+    want = tokens_of(generate(plain, PROMPTS[:1], max_tokens=12, chunk_size=chunk_size))[0]
+    assert events.count("after_prefill") == 1 and events[events.index("after_prefill") - 1] == "eval"
+    assert got[0] == want[0]  # the prefill ran on the weights it started with
+    assert got[1:] != want[1:]  # decode saw the changed weights

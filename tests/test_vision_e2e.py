@@ -136,3 +136,13 @@ def test_vision_weights_stay_unread_until_an_image_needs_them(vlm):
     assert language_bytes <= loaded < language_bytes + tower_bytes // 2  # the tower is not in memory yet
     mx.eval(model.visual.parameters())
     assert mx.get_active_memory() - before >= language_bytes + tower_bytes
+
+
+def test_quantize_at_load_keeps_the_vision_stage_dense_and_images_work(tmp_path, vlm, photo_path):
+    folder, _ = vlm
+    result = run_cli(tmp_path, *run_args(folder, "prompt.text=Describe it.", f"prompt.images=[{photo_path}]", "model.quantize={bits:8,group_size:32}"))
+    assert result.returncode == 0, result.stderr
+    row = read_rows(tmp_path / "run")[0]
+    assert row["prompt_token_ids"].count(IMAGE) == 56 and len(row["token_ids"]) == MAX_TOKENS
+    stats = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert stats["model"]["quantization"]["bits"] == 8

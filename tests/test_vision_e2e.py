@@ -146,3 +146,28 @@ def test_quantize_at_load_keeps_the_vision_stage_dense_and_images_work(tmp_path,
     assert row["prompt_token_ids"].count(IMAGE) == 56 and len(row["token_ids"]) == MAX_TOKENS
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["model"]["quantization"]["bits"] == 8
+
+
+def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_images):
+    """Rendering, tokenizing and expanding as transformers' Qwen2VLProcessor does. The processor
+    class insists on a (torchvision) video processor, so its image step is reproduced by hand
+    (DESIGN.md): each <|image_pad|> of the rendered text becomes grid.prod() // merge^2 copies,
+    with the grids from transformers' own Pillow image processor, then the tokenizer encodes."""
+    from transformers.image_utils import load_image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    folder, _ = vlm
+    paths = [str(odd_images["rgba"]), str(photo_path)]
+    content = [{"type": "image", "path": paths[0]}, {"type": "text", "text": "and"}, {"type": "image", "path": paths[1]}]
+    rows = [{"id": "two", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]}]
+    result = run_cli(tmp_path, *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}"))
+    assert result.returncode == 0, result.stderr
+    ours = read_rows(tmp_path / "run")[0]["prompt_token_ids"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    grids = Qwen2VLImageProcessorPil.from_pretrained(folder)([load_image(p) for p in paths], return_tensors="np")["image_grid_thw"]
+    text = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False, add_generation_prompt=True)
+    pieces = text.split("<|image_pad|>")
+    assert len(pieces) == 3
+    expanded = pieces[0] + "".join("<|image_pad|>" * int(g.prod() // 4) + rest for g, rest in zip(grids, pieces[1:]))
+    assert ours == tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    assert ours.count(IMAGE) == 15 + 56

@@ -112,14 +112,18 @@ def make_generation_stats(batches: list[BatchStats], prepare_start: float, finis
 def format_stats_table(stats: GenerationStats) -> str:
     """The short table a run ends with."""
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.finish_reasons.items()))
-    return "\n".join(
-        [
-            f"{'':9}{'tokens':>8}{'time':>12}{'tok/s':>10}",
-            f"{'prefill':9}{stats.prompt_tokens:>8}{stats.prefill_time_ms:>9.0f} ms{stats.prefill_tok_per_sec:>10.1f}",
-            f"{'decode':9}{stats.generated_tokens:>8}{stats.decode_time_ms:>9.0f} ms{stats.decode_tok_per_sec:>10.1f}",
-            f"ttft {stats.ttft_ms:.0f} ms | peak {stats.peak_memory_gb:.2f} GB | rows {stats.rows} ({reasons})",
-        ]
-    )
+    lines = [
+        f"{'':9}{'tokens':>8}{'time':>12}{'tok/s':>10}",
+        f"{'prefill':9}{stats.prompt_tokens:>8}{stats.prefill_time_ms:>9.0f} ms{stats.prefill_tok_per_sec:>10.1f}",
+        f"{'decode':9}{stats.generated_tokens:>8}{stats.decode_time_ms:>9.0f} ms{stats.decode_tok_per_sec:>10.1f}",
+    ]
+    if stats.visual_tokens:
+        lines.append(
+            f"images: {stats.visual_tokens} of the prompt tokens | preprocess {stats.image_preprocess_ms:.0f} ms"
+            f" | encode {stats.vision_encode_ms:.0f} ms (in prefill)"
+        )
+    lines.append(f"ttft {stats.ttft_ms:.0f} ms | peak {stats.peak_memory_gb:.2f} GB | rows {stats.rows} ({reasons})")
+    return "\n".join(lines)
 
 
 def read_environment() -> dict:

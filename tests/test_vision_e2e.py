@@ -91,6 +91,7 @@ def test_prompt_images_generate_as_transformers(tmp_path, vlm, photo_path):
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 56 and stats["prompt_tokens"] == len(ids)
     assert stats["image_preprocess_ms"] > 0 and stats["vision_encode_ms"] > 0
+    assert "images: 56 of the prompt tokens | preprocess" in result.stderr
 
 
 def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, vlm, photo_path, odd_images):

@@ -35,6 +35,9 @@ def test_bad_files_each_give_one_error_naming_the_file(tmp_path):
         text: "not an image Pillow can read",
         truncated: "cannot be read",
     }
+    huge = tmp_path / "huge.png"
+    Image.new("L", (9000, 8000)).save(huge)  # 72 megapixels, tiny on disk
+    cases[huge] = "9000x8000 is 72 megapixels, over the limit of 64"
     for path, message in cases.items():
         with pytest.raises(VisionInputError, match=message) as info:
             load_image(path)

@@ -10,8 +10,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mlxcel.errors import MlxcelError
 
-# Pillow refuses images above ~179M pixels as a decompression bomb; say so in our words.
-MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS
+# Larger inputs are refused before decoding (Pillow's own bomb guard starts at ~179M pixels);
+# every family resizes far below this anyway.
+MAX_IMAGE_PIXELS = 64_000_000
 
 
 class VisionInputError(MlxcelError):
@@ -27,6 +28,11 @@ def load_image(path: str | Path) -> Image.Image:
         raise VisionInputError(f"image {path}: not a file")
     try:
         with Image.open(path) as opened:
+            width, height = opened.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise VisionInputError(
+                    f"image {path}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the limit of {MAX_IMAGE_PIXELS / 1e6:.0f} (downscale it first)"
+                )
             image = ImageOps.exif_transpose(opened)
             image.load()
             return image.convert("RGB")

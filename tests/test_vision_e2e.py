@@ -172,3 +172,15 @@ def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_
     expanded = pieces[0] + "".join("<|image_pad|>" * int(g.prod() // 4) + rest for g, rest in zip(grids, pieces[1:]))
     assert ours == tokenizer(expanded, add_special_tokens=False)["input_ids"]
     assert ours.count(IMAGE) == 15 + 56
+
+
+def test_images_without_placeholders_fail_that_row(tmp_path, vlm, photo_path):
+    """template=none renders no placeholder for the image part: one clear error row."""
+    folder, _ = vlm
+    rows = [{"id": "raw", "prompt": "Describe it.", "images": [str(photo_path)]}, {"id": "text", "prompt": "Hello there"}]
+    result = run_cli(tmp_path, *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "template=none"))
+    assert result.returncode == 0, result.stderr
+    got = by_key(read_rows(tmp_path / "run"))
+    assert got[("raw", 0)]["finish_reason"] == "error"
+    assert f"the prompt has 0 image placeholder(s) for 1 image(s) ({photo_path})" in got[("raw", 0)]["error"]
+    assert got[("text", 0)]["finish_reason"] == "length"

@@ -119,7 +119,8 @@ def prepare_images(model, token_ids: list[int], paths: list[str]) -> tuple[list[
     found = count_placeholders(token_ids, image_token) if image_token is not None else 0
     if found != len(paths):
         hint = "each image part needs the model's chat template (template=none: write one placeholder per image yourself)"
-        raise MlxcelError(f"the prompt has {found} image placeholder(s) for {len(paths)} image(s): {hint}")
+        named = f" ({', '.join(paths)})" if paths else ""
+        raise MlxcelError(f"the prompt has {found} image placeholder(s) for {len(paths)} image(s){named}: {hint}")
     if not paths:
         return token_ids, None
     started = time.perf_counter()

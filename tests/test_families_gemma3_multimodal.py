@@ -133,3 +133,4 @@ def test_dry_run_header_reads_the_language_models_context(tmp_path):
     assert read_context_length(HUB_4B_CONFIG) == 131072  # Gemma3TextConfig's default; text_config omits it
     assert read_context_length({**HUB_4B_CONFIG, "text_config": {**HUB_4B_CONFIG["text_config"], "max_position_embeddings": 8192}}) == 8192
     assert read_context_length({"model_type": "llama", "max_position_embeddings": 2048}) == 2048
+    assert read_context_length({"model_type": "llava_next", "text_config": {"max_position_embeddings": 32768}}) == 32768

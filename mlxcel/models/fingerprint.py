@@ -44,13 +44,14 @@ def read_hf_header(folder: Path) -> ModelHeader:
 
 
 def read_context_length(config: dict) -> int:
-    """max_position_embeddings; multimodal Gemma 3 folders keep it (or leave it to the family's
-    default) under text_config."""
+    """max_position_embeddings; multimodal folders (Gemma 3, LLaVA, newer Qwen2-VL) keep it under
+    text_config, and Gemma 3's may leave it to the family's default."""
     if "text_config" in config and config.get("model_type") == "gemma3":
         from mlxcel.models.gemma3 import normalize_config
 
         config = normalize_config(config)
-    return config.get("max_position_embeddings", 4096)
+    text = config.get("text_config") or {}
+    return config.get("max_position_embeddings") or text.get("max_position_embeddings", 4096)
 
 
 def read_safetensors_header(path: Path) -> bytes:

@@ -64,10 +64,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
         B, L, _ = x.shape
         q, k, v = (p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -90,8 +90,8 @@ class EncoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.layer_norm2 = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        h = x + self.self_attn(self.layer_norm1(x))
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        h = x + self.self_attn(self.layer_norm1(x), mask)
         return h + self.mlp(self.layer_norm2(h))
 
 

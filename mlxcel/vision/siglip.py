@@ -1,0 +1,163 @@
+"""SigLIP vision transformer (transformers' `SiglipVisionModel`), as Gemma 3 uses it: conv patch
+embedding, learned position embeddings, pre-LN encoder layers (attention with biases, tanh-GELU
+MLP), `post_layernorm`; the output is `last_hidden_state` [B, patches, hidden].
+
+The attention-pooling head (`head.*`, SigLIP's `pooler_output`) is not built: Gemma 3 reads
+`last_hidden_state` (its configs set `vision_use_head: false`, but a config that leaves the key
+out gets transformers' default of true and saves the head's weights, which `sanitize` drops).
+
+The encoder takes an optional patch mask so Idefics3 / SmolVLM (same layers, padded images) can
+reuse it with their own embeddings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.vision.clip_vit import ACTIVATIONS, EncoderLayer
+
+CONFIG_PREFIX = "vision_config"
+
+
+@dataclass
+class SiglipVisionArgs:
+    # Defaults are transformers' SiglipVisionConfig's, used for keys a config.json leaves out.
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    image_size: int = 224
+    patch_size: int = 16
+    hidden_act: str = "gelu_pytorch_tanh"
+    layer_norm_eps: float = 1e-6
+
+    @classmethod
+    def from_config(cls, config: dict, **overrides: Any) -> SiglipVisionArgs:
+        """From a SiglipVisionConfig dict (`vision_config` of a Gemma 3 config.json); unknown keys
+        (vision_use_head, model_type, ...) ignored, JSON null means the default, bad values raise
+        ConfigError naming every bad `vision_config.KEY` at once."""
+        values = {k: config[k] for k in cls.__dataclass_fields__ if config.get(k) is not None}
+        values.update(overrides)
+        args = cls(**values)
+        args.check()
+        return args
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side**2
+
+    def check(self) -> None:
+        issues = []
+
+        def bad(key: str, message: str) -> None:
+            issues.append(ConfigIssue(f"{CONFIG_PREFIX}.{key}", message, getattr(self, key)))
+
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "image_size", "patch_size"):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                bad(key, "must be a positive int" + (" (non-square [h, w] sizes are not supported)" if key in ("image_size", "patch_size") else ""))
+        if not issues:
+            if self.hidden_size % self.num_attention_heads:
+                bad("num_attention_heads", f"must divide hidden_size {self.hidden_size}")
+            if self.patch_size > self.image_size:
+                bad("patch_size", f"must be at most image_size {self.image_size}")
+        if self.hidden_act not in ACTIVATIONS:
+            bad("hidden_act", f"must be one of {sorted(ACTIVATIONS)}")
+        eps = self.layer_norm_eps
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1):
+            bad("layer_norm_eps", "must be a number in (0, 1)")
+        if issues:
+            raise ConfigError(issues, hint="fix the checkpoint's config.json")
+
+
+def make_key_mask(patch_mask: mx.array) -> mx.array:
+    """[B, L] bool (True: a real patch) -> [B, 1, 1, L] bool for SDPA: every query attends only to
+    real patches, as transformers' create_bidirectional_mask does with a 2D attention mask.
+    Padded patches still get (ignored) outputs."""
+    if patch_mask.ndim != 2:
+        raise ValueError(f"patch mask must be [batch, patches], got shape {tuple(patch_mask.shape)}")
+    return patch_mask.astype(mx.bool_)[:, None, None, :]
+
+
+# SigLIP's encoder layer is CLIP's (pre-norm attention with biases, fc1/fc2 MLP): shared.
+
+
+class Encoder(nn.Module):
+    def __init__(self, args: SiglipVisionArgs):
+        super().__init__()
+        self.layers = [EncoderLayer(args) for _ in range(args.num_hidden_layers)]
+
+    def __call__(self, x: mx.array, patch_mask: mx.array | None = None) -> mx.array:
+        mask = None if patch_mask is None else make_key_mask(patch_mask)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+class Embeddings(nn.Module):
+    def __init__(self, args: SiglipVisionArgs):
+        super().__init__()
+        self.args = args
+        patch = args.patch_size
+        self.patch_embedding = nn.Conv2d(args.num_channels, args.hidden_size, kernel_size=patch, stride=patch, bias=True)
+        self.position_embedding = nn.Embedding(args.num_patches, args.hidden_size)
+
+    def __call__(self, pixel_values: mx.array) -> mx.array:
+        """NCHW pixels (what processors emit) -> [B, patches, hidden], patches row-major."""
+        B, C, H, W = pixel_values.shape
+        size = self.args.image_size
+        if H != size or W != size or C != self.args.num_channels:
+            # transformers fails too (it interpolates positions only when asked; no family here asks)
+            raise ValueError(f"SigLIP tower expects {self.args.num_channels}x{size}x{size} images, got {C}x{H}x{W}")
+        x = pixel_values.transpose(0, 2, 3, 1).astype(self.patch_embedding.weight.dtype)
+        patches = self.patch_embedding(x).reshape(B, -1, self.args.hidden_size)  # as torch's flatten(2).transpose(1, 2)
+        return patches + self.position_embedding.weight
+
+
+class SiglipVisionModel(nn.Module):
+    """Module names follow transformers 5's SiglipVisionModel (no `vision_model.` level)."""
+
+    def __init__(self, args: SiglipVisionArgs):
+        super().__init__()
+        self.args = args
+        self.embeddings = Embeddings(args)
+        self.encoder = Encoder(args)
+        self.post_layernorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+
+    def __call__(self, pixel_values: mx.array, patch_mask: mx.array | None = None) -> mx.array:
+        """last_hidden_state [B, patches, hidden] of NCHW pixels; `patch_mask` [B, patches] (True:
+        real) keeps padded patches out of every patch's attention."""
+        return self.encode(self.embeddings(pixel_values), patch_mask)
+
+    def encode(self, embeddings: mx.array, patch_mask: mx.array | None = None) -> mx.array:
+        """Encoder + post_layernorm of already embedded patches (for families with their own embeddings)."""
+        return self.post_layernorm(self.encoder(embeddings, patch_mask))
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Names relative to the tower. The Hub's Gemma 3 / PaliGemma files (transformers 4) carry a
+        `vision_model.` level that transformers 5 drops; `position_ids` is a buffer older saves
+        include; `head.*` is the unused pooling head; conv weights go from torch's
+        [out, C, kh, kw] to MLX's [out, kh, kw, C] (MLX conversions already are)."""
+        out = {}
+        channels = self.args.num_channels
+        for name, w in weights.items():
+            name = name.removeprefix("vision_model.")
+            if name.endswith("position_ids") or name.startswith("head."):
+                continue
+            if name == "embeddings.patch_embedding.weight" and w.ndim == 4 and w.shape[1] == channels != w.shape[3]:
+                w = w.transpose(0, 2, 3, 1)
+            out[name] = w
+        return out
+
+
+def make_siglip_vision_model(vision_config: dict) -> SiglipVisionModel:
+    return SiglipVisionModel(SiglipVisionArgs.from_config(vision_config))

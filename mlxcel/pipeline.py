@@ -112,7 +112,10 @@ class Pipeline:
         if model is None or not is_vision_model(model):
             self.check_length(prompt)
             return PreparedSample(sample, prompt)
-        token_ids, images = prepare_images(model, prompt.token_ids, paths)
+        templated = template.kind != "none"
+        token_ids, images = prepare_images(
+            model, prompt.text, prompt.token_ids, paths, lambda text: self.tokenizer.encode(text, add_special_tokens=not templated)
+        )
         if images is not None:  # the history boundary moved with the expansion: no history piece
             prompt = PromptTokens(prompt.text, token_ids, history_tokens=0)
         self.check_length(prompt)

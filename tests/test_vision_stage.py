@@ -30,3 +30,35 @@ def test_features_replace_placeholder_positions_in_order():
     np.testing.assert_array_equal(merged[0, [0, 3, 5]], np.array(text)[0, [0, 3, 5]])
     with pytest.raises(MlxcelError, match="2 image features for 3 placeholder positions"):
         merge_embeddings(text, ids, IMG, features[:2])
+
+
+class FakeVLM:
+    """A family with its own expansion: text-level (`text=True`) or id-level."""
+
+    image_token_id = IMG
+
+    def __init__(self, text: bool, features: int = 3):
+        self.features = features
+        if text:
+            self.expand_image_text = lambda text, inputs, paths: text.replace("<img>", "[" + "i" * self.features + "]")
+        else:
+            self.expand_image_tokens = lambda ids, inputs, paths: [t for i in ids for t in ([7, IMG, IMG, IMG, 8] if i == IMG else [i])]
+
+    def preprocess_images(self, images, sources):
+        from mlxcel.vision.stage import ImageInputs
+
+        return ImageInputs(np.zeros((1,), np.float32), [self.features])
+
+
+def test_families_expand_their_own_layouts(photo_path):
+    from mlxcel.vision.stage import prepare_images
+
+    encode = lambda text: [IMG if ch == "i" else ord(ch) for ch in text]  # noqa: E731
+    ids, inputs = prepare_images(FakeVLM(text=True), "a<img>b", [97, 0, 98], [str(photo_path)], encode)
+    assert ids == [97, ord("["), IMG, IMG, IMG, ord("]"), 98] and inputs.preprocess_ms > 0
+    ids, _ = prepare_images(FakeVLM(text=False), "", [1, IMG, 2], [str(photo_path)], encode)
+    assert ids == [1, 7, IMG, IMG, IMG, 8, 2]
+    with pytest.raises(MlxcelError, match="holds 3 image tokens for 4 image features"):
+        fake = FakeVLM(text=False)
+        fake.preprocess_images = lambda images, sources: __import__("mlxcel.vision.stage", fromlist=["ImageInputs"]).ImageInputs(np.zeros(1), [4])
+        prepare_images(fake, "", [1, IMG, 2], [str(photo_path)], encode)

@@ -110,20 +110,39 @@ def check_images_allowed(model, model_type: str, paths: list[str]) -> None:
         )
 
 
-def prepare_images(model, token_ids: list[int], paths: list[str]) -> tuple[list[int], ImageInputs | None]:
-    """Load and preprocess a prompt's images; its token ids with each placeholder expanded.
-    A placeholder without an image (or the reverse) is an error naming both counts."""
-    from mlxcel.vision.images import load_image
-
-    image_token = getattr(model, "image_token_id", None)
-    found = count_placeholders(token_ids, image_token) if image_token is not None else 0
+def check_placeholder_count(found: int, paths: list[str]) -> None:
+    """One placeholder per image, or an error naming both counts and the files."""
     if found != len(paths):
         hint = "each image part needs the model's chat template (template=none: write one placeholder per image yourself)"
         named = f" ({', '.join(paths)})" if paths else ""
         raise MlxcelError(f"the prompt has {found} image placeholder(s) for {len(paths)} image(s){named}: {hint}")
+
+
+def prepare_images(model, text: str, token_ids: list[int], paths: list[str], encode) -> tuple[list[int], ImageInputs | None]:
+    """Load and preprocess a prompt's images; its token ids with each image's placeholder expanded.
+
+    Expansion is the family's choice: by default the placeholder id is repeated token_counts[i]
+    times (Qwen2-VL, LLaVA); a family with `expand_image_text(text, inputs)` rewrites the rendered
+    text and `encode` tokenizes it again (Gemma 3, Idefics3: their layouts hold plain text that
+    merges with its neighbours); one with `expand_image_tokens(token_ids, inputs)` rewrites the
+    ids (Pixtral's [IMG]/[IMG_BREAK]/[IMG_END] rows). Either way the result must hold exactly
+    sum(token_counts) image tokens, the positions the features go to."""
+    from mlxcel.vision.images import load_image
+
+    image_token = getattr(model, "image_token_id", None)
+    if not hasattr(model, "expand_image_text") and not hasattr(model, "expand_image_tokens") or not paths:
+        check_placeholder_count(count_placeholders(token_ids, image_token) if image_token is not None else 0, paths)
     if not paths:
         return token_ids, None
     started = time.perf_counter()
     inputs = model.preprocess_images([load_image(p) for p in paths], list(paths))
     inputs.preprocess_ms = (time.perf_counter() - started) * 1000
-    return expand_placeholders(token_ids, image_token, inputs.token_counts), inputs
+    if hasattr(model, "expand_image_text"):
+        expanded = encode(model.expand_image_text(text, inputs, paths))
+    elif hasattr(model, "expand_image_tokens"):
+        expanded = model.expand_image_tokens(token_ids, inputs, paths)
+    else:
+        return expand_placeholders(token_ids, image_token, inputs.token_counts), inputs
+    if count_placeholders(expanded, image_token) != sum(inputs.token_counts):
+        raise MlxcelError(f"the expanded prompt holds {count_placeholders(expanded, image_token)} image tokens for {sum(inputs.token_counts)} image features")
+    return expanded, inputs

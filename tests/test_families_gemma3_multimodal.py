@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mlxcel.models import gemma3
-from mlxcel.models.loader import TEXT_ONLY_NOTE, load_model
+from mlxcel.models.loader import load_model
+from mlxcel.vision.stage import is_vision_model
 from tests.conftest import write_tiny_tokenizer
 from tests.family_fixtures import (
     BASE_SHAPE,
@@ -93,7 +94,8 @@ def test_multimodal_gemma3_matches_transformers(checkpoint):
     assert tied == ("lm_head" not in model)
     assert model.eos_token_ids() == [2]  # the top-level eos, not text_config's default 1
     assert model.layer_windows == [16, 16, None, 16]
-    assert load_model(str(checkpoint), dtype="float32").info["note"] == TEXT_ONLY_NOTE
+    loaded = load_model(str(checkpoint), dtype="float32")  # now with its tower (tests/test_families_gemma3_vl.py)
+    assert "note" not in loaded.info and is_vision_model(loaded.model)
 
 
 def test_multimodal_gemma3_other_weight_layout_loads_the_same(checkpoint):

@@ -110,7 +110,8 @@ class Engine:
             chunk_size=request.chunk_size,
             history_boundary=rows[0].history_tokens if len(rows) == 1 else 0,
             tile_size=None if with_images else request.tile_size,  # padding pieces would need pad embeddings
-            supports_multi_piece=self.model.supports_multi_piece_prefill,
+            # a family whose image tokens attend to each other (Gemma 3) prefills image prompts whole
+            supports_multi_piece=self.model.supports_multi_piece_prefill and not (with_images and getattr(self.model, "prefill_in_one_piece", False)),
             supports_padded=self.model.supports_padded_prefill,
         )
         state = BatchState(
@@ -125,7 +126,8 @@ class Engine:
         state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
         if with_images:
             embeddings, positions, shifts = self._embed_images(rows, tokens, left_pad, timings)
-            logits = self._run_prefill(tokens, cache, plan, timings, embeddings, positions)
+            blocks = self._image_blocks(rows, left_pad)
+            logits = self._run_prefill(tokens, cache, plan, timings, embeddings, positions, blocks)
             if any(shifts):  # M-RoPE: decoding continues at each row's own position
                 for layer_cache in cache:
                     layer_cache.position_shift = mx.array(shifts, dtype=mx.int32)
@@ -160,17 +162,31 @@ class Engine:
             shifts.append(shift)
         return embeddings, mx.stack(positions, axis=1), shifts
 
+    def _image_blocks(self, rows: list, left_pad: list[int]) -> mx.array | None:
+        """[B, L] image block ids (-1 outside images and in text rows) for families whose image
+        tokens attend to each other in both directions (`model.image_blocks`, Gemma 3); else None."""
+        if not hasattr(self.model, "image_blocks"):
+            return None
+        blocks = [
+            [-1] * pad + (self.model.image_blocks(row.prompt_ids) if row.images is not None else [-1] * len(row.prompt_ids))
+            for row, pad in zip(rows, left_pad)
+        ]
+        return mx.array(blocks, dtype=mx.int32)
+
     def _run_prefill(
-        self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings, embeddings: mx.array | None = None, positions: mx.array | None = None
+        self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings, embeddings: mx.array | None = None,
+        positions: mx.array | None = None, image_blocks: mx.array | None = None,
     ) -> mx.array:
         """Every piece of the plan through the model: token ids, or (images) input embeddings
-        with their position ids when the family has its own."""
+        with their position ids when the family has its own, and image block ids when it has them."""
         for index, piece in enumerate(plan.pieces):
             began = time.perf_counter()
             is_last = index == len(plan.pieces) - 1
             logits_at = piece.length - 1 if is_last else None
             if embeddings is not None:
                 extra = {} if positions is None else {"positions": positions[:, :, piece.start : piece.end]}
+                if image_blocks is not None:
+                    extra["image_blocks"] = image_blocks[:, piece.start : piece.end]
                 logits = self.model.forward_with_embeddings(embeddings[:, piece.start : piece.end], cache, logits_at=logits_at, **extra)
             else:
                 chunk = tokens[:, piece.start : piece.end]

@@ -3,8 +3,8 @@ head (in place of attention soft-capping), five sliding-window layers per global
 and two RoPE bases: local (10k) on sliding layers, global (1M, optionally linearly scaled) on
 global ones.
 
-The multimodal 4B/12B/27B folders (model_type gemma3, Gemma3ForConditionalGeneration) load as
-their language model: text_config unwrapped, the vision tower and projector weights dropped."""
+The multimodal 4B/12B/27B folders (model_type gemma3, Gemma3ForConditionalGeneration) load through
+gemma3_vl.py, which builds on this model (text_config unwrapped by normalize_config here)."""
 
 from __future__ import annotations
 

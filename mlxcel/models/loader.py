@@ -39,7 +39,7 @@ FAMILIES = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
-    "gemma3": "gemma3",  # the multimodal folders: their language model only
+    "gemma3": "gemma3_vl",  # the multimodal folders: SigLIP + projector + the gemma3 text model
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",

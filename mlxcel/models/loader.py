@@ -48,6 +48,7 @@ FAMILIES = {
     "qwen2_5_vl": "qwen2_vl",
     "llava": "llava",
     "llava_next": "llava",
+    "mistral3": "mistral3",
 }
 TEXT_ONLY_NOTE = "text only: the vision tower and projector are not loaded (images are not supported yet)"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

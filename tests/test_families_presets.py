@@ -18,6 +18,7 @@ FAMILY_PRESETS = {
     "mistral": "mistral", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
     "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
     "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "llava": "llava", "llava_next": "llava_next", "mistral3": "mistral3",
+    "idefics3": "idefics3", "smolvlm": "smolvlm",
 }
 LANDED = [name for name in FAMILY_PRESETS if (CONF_DIR / "model" / f"{name}.yaml").exists()]
 

@@ -48,6 +48,8 @@ FAMILIES = {
     "qwen2_5_vl": "qwen2_vl",
     "llava": "llava",
     "llava_next": "llava",
+    "idefics3": "idefics3",
+    "smolvlm": "idefics3",
     "mistral3": "mistral3",
 }
 TEXT_ONLY_NOTE = "text only: the vision tower and projector are not loaded (images are not supported yet)"

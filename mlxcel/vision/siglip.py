@@ -11,11 +11,13 @@ reuse it with their own embeddings."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+import numpy as np
+from mlx import nn
 
 from mlxcel.errors import ConfigError, ConfigIssue
 from mlxcel.vision.clip_vit import ACTIVATIONS, EncoderLayer
@@ -121,6 +123,53 @@ class Embeddings(nn.Module):
         x = pixel_values.transpose(0, 2, 3, 1).astype(self.patch_embedding.weight.dtype)
         patches = self.patch_embedding(x).reshape(B, -1, self.args.hidden_size)  # as torch's flatten(2).transpose(1, 2)
         return patches + self.position_embedding.weight
+
+
+def bucketize_position_ids(patch_mask: np.ndarray, patches_per_side: int) -> np.ndarray:
+    """Idefics3 / SmolVLM's position ids (transformers' Idefics3VisionEmbeddings) for frames whose
+    real patches are `patch_mask` [B, rows, cols] (True: real): each real patch's fractional
+    coordinates (index / real patches along that axis) bucketized into the `patches_per_side` grid
+    of the position table; padded patches get 0. Returns [B, rows * cols] int64, row-major."""
+    mask = np.asarray(patch_mask, dtype=bool)
+    if mask.ndim != 3:
+        raise ValueError(f"patch mask must be [frames, rows, cols], got shape {mask.shape}")
+    batch, rows, cols = mask.shape
+    step = 1 / patches_per_side
+    # torch.arange(1/n, 1.0, 1/n) in float32 (values computed in double, as torch's CPU arange)
+    count = max(math.ceil((1.0 - step) / step), 0)
+    boundaries = (step + np.arange(count, dtype=np.float64) * step).astype(np.float32)
+    limit = np.float32(1.0 - 1e-6)
+
+    def buckets(n_real: np.ndarray, length: int) -> np.ndarray:
+        with np.errstate(divide="ignore"):
+            steps = (np.float32(1.0) / n_real.astype(np.float32))[:, None]  # 1/0 = inf, as torch
+        coords = np.minimum(np.arange(length, dtype=np.float32)[None, :] * steps, limit)
+        coords = np.nan_to_num(coords, nan=limit)  # 0 * inf: an all-padding frame (its ids are all 0 anyway)
+        return np.searchsorted(boundaries, coords, side="right")  # torch.bucketize(right=True)
+
+    h = buckets(mask[:, :, 0].sum(axis=1), rows)
+    w = buckets(mask[:, 0, :].sum(axis=1), cols)
+    ids = (h[:, :, None] * patches_per_side + w[:, None, :]).reshape(batch, -1)
+    return np.where(mask.reshape(batch, -1), ids, 0).astype(np.int64)
+
+
+class MaskedEmbeddings(Embeddings):
+    """Idefics3 / SmolVLM's embeddings (same parameters as SigLIP's): frames of any size that is a
+    multiple of the patch, with their real patches' mask and bucketized position ids."""
+
+    def __call__(self, pixel_values: mx.array, patch_mask: np.ndarray | None = None) -> mx.array:
+        """NCHW pixels [B, C, H, W] and `patch_mask` [B, H / patch, W / patch] (None: all real) ->
+        [B, patches, hidden]."""
+        B, C, H, W = pixel_values.shape
+        patch = self.args.patch_size
+        if C != self.args.num_channels:
+            raise ValueError(f"the vision tower expects {self.args.num_channels} channels, got {C}")
+        if patch_mask is None:
+            patch_mask = np.ones((B, H // patch, W // patch), dtype=bool)
+        x = pixel_values.transpose(0, 2, 3, 1).astype(self.patch_embedding.weight.dtype)
+        patches = self.patch_embedding(x).reshape(B, -1, self.args.hidden_size)
+        ids = bucketize_position_ids(patch_mask, self.args.patches_per_side)
+        return patches + self.position_embedding(mx.array(ids))
 
 
 class SiglipVisionModel(nn.Module):

@@ -23,7 +23,6 @@ Checkpoint layouts: transformers' save and the Hub files (`model.text_model.*`, 
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ import numpy as np
 from mlx import nn
 
 from mlxcel.errors import MlxcelError
-from mlxcel.models.llava import import_text_family, read_text_config
+from mlxcel.models.text_backbone import OverTextModel, make_text_args, read_text_config
 from mlxcel.vision import siglip
 from mlxcel.vision.idefics3_connector import Idefics3Connector, count_tile_tokens
 from mlxcel.vision.processors import idefics3 as processor
@@ -75,10 +74,8 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
         """`overrides` go to the language model's args."""
-        raw_text = config.get("text_config")
         # Idefics3Config / SmolVLMConfig build a default llama text config with rms_norm_eps 1e-5
-        text_config = read_text_config({**config, "text_config": raw_text if raw_text else {"rms_norm_eps": 1e-5}})
-        family = import_text_family(text_config["model_type"])
+        text_config = read_text_config(config, default_text={"rms_norm_eps": 1e-5})
         vision = siglip.SiglipVisionArgs.from_config({**VISION_DEFAULTS, **{k: v for k, v in (config.get("vision_config") or {}).items() if v is not None}})
         scale = config.get("scale_factor", DEFAULT_SCALE_FACTOR)
         if not (isinstance(scale, int) and not isinstance(scale, bool) and scale > 0):
@@ -88,7 +85,7 @@ class ModelArgs:
             raise MlxcelError(f"vision_config: a {side}x{side} patch grid cannot be pixel-shuffled by scale_factor {scale}")
         return cls(
             model_type=config.get("model_type", "idefics3"),
-            text=family.ModelArgs.from_config(text_config, **overrides),
+            text=make_text_args(text_config, **overrides),
             vision=vision,
             image_token_id=config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID),
             scale_factor=scale,
@@ -110,16 +107,12 @@ def make_patch_mask(pixel_mask: np.ndarray, patch: int) -> np.ndarray:
     return blocks.any(axis=(2, 4))
 
 
-class Model(nn.Module):
+class Model(OverTextModel, nn.Module):
     """Constructed as `Model(args)`, it is an instance of the subclass of both this class and the
-    text family's Model (`make_model_class`)."""
+    text family's Model (text_backbone.OverTextModel)."""
 
     # evaluated at the first image, not at load (loader.read_language_parameters)
     vision_modules = ("vision_model", "connector")
-
-    def __new__(cls, args: ModelArgs, *rest, **kwargs):
-        target = make_model_class(args.text_model_type) if cls is Model else cls
-        return super().__new__(target)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args.text)
@@ -250,10 +243,3 @@ class Model(nn.Module):
         tower = {f"vision_model.{k}": v for k, v in self.vision_model.sanitize(vision).items()}
         projection = {f"connector.{k}": v for k, v in self.connector.sanitize(connector).items()}
         return {**super().sanitize(language), **tower, **projection}
-
-
-@functools.cache
-def make_model_class(text_model_type: str) -> type:
-    """Idefics3's Model over the text family's: one class per language model type."""
-    family = import_text_family(text_model_type)
-    return type(f"Idefics3{family.Model.__name__}_{text_model_type}", (Model, family.Model), {"__module__": __name__})

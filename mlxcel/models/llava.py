@@ -30,8 +30,6 @@ LlavaNextImageProcessor for llava_next), `encode_images`. Positions are the stan
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ import numpy as np
 from mlx import nn
 
 from mlxcel.errors import MlxcelError
+from mlxcel.models.text_backbone import OverTextModel, make_text_args, read_text_config
 from mlxcel.vision import clip_vit
 from mlxcel.vision.processors import clip, llava_next
 from mlxcel.vision.stage import ImageInputs
@@ -50,25 +49,6 @@ REQUIRED_KEYS = ("model_type",)
 # num_additional_image_tokens=1 (the count the model's features really have).
 CLS_TOKENS = 1
 
-# transformers' config-class defaults for the keys the text families read: Hub configs save
-# text_config as its difference from them (llava-1.5-7b-hf's omits hidden_size, the layer count, ...)
-TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "eos_token_id": 2,
-    },
-    "mistral": {
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-        "sliding_window": 4096, "tie_word_embeddings": False, "eos_token_id": 2,
-    },
-    "qwen2": {
-        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-    },
-}
 DEFAULT_GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # LlavaNextConfig's
 SUPPORTED_TOWERS = ("clip_vision_model",)
 # checkpoint prefix -> ours, first match wins
@@ -80,26 +60,6 @@ RENAMES = {
     "model.multi_modal_projector.": "multi_modal_projector.",
     "model.image_newline": "image_newline",
 }
-
-
-def read_text_config(config: dict) -> dict:
-    """The language model's config as its family reads it: text_config over transformers'
-    defaults for its model_type (llama when absent, as LlavaConfig does)."""
-    text = dict(config.get("text_config") or {})
-    kind = text.get("model_type", "llama")
-    if kind not in TEXT_CONFIG_DEFAULTS:
-        raise MlxcelError(
-            f"{config.get('model_type')}: language model {kind!r} is not supported (supported: {', '.join(TEXT_CONFIG_DEFAULTS)})"
-        )
-    top = {"vocab_size": config["vocab_size"]} if "vocab_size" in config else {}  # older configs keep it here
-    merged = {**TEXT_CONFIG_DEFAULTS[kind], **top, **text, "model_type": kind}
-    # transformers ties the head when the top level or the text config says so
-    merged["tie_word_embeddings"] = bool(config.get("tie_word_embeddings") or merged.get("tie_word_embeddings"))
-    return merged
-
-
-def import_text_family(kind: str):
-    return importlib.import_module(f"mlxcel.models.{kind}")
 
 
 @dataclass
@@ -122,10 +82,6 @@ class ModelArgs:
     def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
         """`overrides` go to the language model's args."""
         text_config = read_text_config(config)
-        family = import_text_family(text_config["model_type"])
-        missing = [key for key in family.REQUIRED_KEYS if key not in text_config]
-        if missing:
-            raise MlxcelError(f"text_config: missing required key(s) {', '.join(missing)}")
         vision_config = dict(config.get("vision_config") or {})
         tower = vision_config.get("model_type", "clip_vision_model")
         if tower not in SUPPORTED_TOWERS:
@@ -134,7 +90,7 @@ class ModelArgs:
         is_next = config.get("model_type") == "llava_next"
         return cls(
             model_type=config.get("model_type", "llava"),
-            text=family.ModelArgs.from_config(text_config, **overrides),
+            text=make_text_args(text_config, **overrides),
             vision_config=vision_config,
             image_token_id=image_token,
             vision_feature_layer=config.get("vision_feature_layer", -2),
@@ -169,16 +125,12 @@ def check_feature_args(args: ModelArgs, tower: clip_vit.ClipVisionModel) -> None
         raise MlxcelError(f"vision_feature_select_strategy must be 'default' or 'full' (got {args.vision_feature_select_strategy!r})")
 
 
-class Model(nn.Module):
+class Model(OverTextModel, nn.Module):
     """Constructed as `Model(args)`, it is an instance of the subclass of both this class and the
-    text family's Model (`make_model_class`): LLaVA's methods first, then the language model's."""
+    text family's Model (text_backbone.OverTextModel): LLaVA's methods first, then the language model's."""
 
     # evaluated at the first image, not at load (loader.read_language_parameters)
     vision_modules = ("vision_tower", "multi_modal_projector", "image_newline")
-
-    def __new__(cls, args: ModelArgs, *rest, **kwargs):
-        target = make_model_class(args.text_model_type) if cls is Model else cls
-        return super().__new__(target)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args.text)  # the language model's Model: self.args, self.model, lm_head
@@ -341,10 +293,3 @@ def plan_unpad(size: tuple[int, int], grid: tuple[int, int]) -> tuple[tuple[int,
     new_width = int(round(width * (grid_height / height), 7))
     pad = (grid_width - new_width) // 2
     return (0, grid_height), (pad, grid_width - pad)
-
-
-@functools.cache
-def make_model_class(text_model_type: str) -> type:
-    """LLaVA's Model over the text family's: one class per language model type."""
-    family = import_text_family(text_model_type)
-    return type(f"Llava{family.Model.__name__}_{text_model_type}", (Model, family.Model), {"__module__": __name__})

@@ -30,7 +30,6 @@ means the embeddings are tied.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,8 @@ import numpy as np
 from mlx import nn
 
 from mlxcel.errors import MlxcelError
-from mlxcel.models.llava import RENAMES, TEXT_CONFIG_DEFAULTS, import_text_family
+from mlxcel.models.llava import RENAMES
+from mlxcel.models.text_backbone import OverTextModel, make_text_args, read_text_config
 from mlxcel.vision import mistral3_projector, pixtral_vit
 from mlxcel.vision.processors import pixtral
 from mlxcel.vision.stage import ImageInputs, check_placeholder_count, count_placeholders
@@ -61,21 +61,6 @@ DEFAULT_VISION_CONFIG = {
 }
 
 
-def read_text_config(config: dict) -> dict:
-    """The language model's config as its family reads it: text_config over transformers' class
-    defaults for its model_type (mistral when absent, as Mistral3Config does)."""
-    raw = config.get("text_config")
-    text = dict(DEFAULT_TEXT_CONFIG if raw is None else raw)
-    kind = text.get("model_type", "mistral")
-    if kind not in SUPPORTED_TEXT:
-        raise MlxcelError(f"mistral3: language model {kind!r} is not supported (supported: {', '.join(SUPPORTED_TEXT)})")
-    top = {"vocab_size": config["vocab_size"]} if "vocab_size" in config and "vocab_size" not in text else {}
-    merged = {**TEXT_CONFIG_DEFAULTS[kind], **top, **text, "model_type": kind}
-    # a first guess; sanitize settles it by whether the checkpoint has a head (see the module doc)
-    merged["tie_word_embeddings"] = bool(config.get("tie_word_embeddings") or merged.get("tie_word_embeddings"))
-    return merged
-
-
 @dataclass
 class ModelArgs:
     model_type: str  # mistral3
@@ -93,11 +78,7 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
         """`overrides` go to the language model's args."""
-        text_config = read_text_config(config)
-        family = import_text_family(text_config["model_type"])
-        missing = [key for key in family.REQUIRED_KEYS if key not in text_config]
-        if missing:
-            raise MlxcelError(f"text_config: missing required key(s) {', '.join(missing)}")
+        text_config = read_text_config(config, DEFAULT_TEXT_CONFIG, SUPPORTED_TEXT, default_kind="mistral")
         raw_vision = config.get("vision_config")
         vision_config = dict(DEFAULT_VISION_CONFIG if raw_vision is None else raw_vision)
         tower = vision_config.get("model_type", "pixtral")
@@ -112,7 +93,7 @@ class ModelArgs:
             raise MlxcelError(f"mistral3: {exc}") from exc
         return cls(
             model_type=config.get("model_type", "mistral3"),
-            text=family.ModelArgs.from_config(text_config, **overrides),
+            text=make_text_args(text_config, **overrides),
             vision_config=vision_config,
             projector=projector,
             image_token_id=config.get("image_token_index", config.get("image_token_id", 10)),
@@ -166,16 +147,12 @@ def read_token_ids(folder: Path) -> dict[str, int]:
     return ids
 
 
-class Model(nn.Module):
+class Model(OverTextModel, nn.Module):
     """Constructed as `Model(args)`, it is an instance of the subclass of both this class and the
-    text family's Model (`make_model_class`): Mistral 3's methods first, then the language model's."""
+    text family's Model (text_backbone.OverTextModel): Mistral 3's methods first, then the language model's."""
 
     # evaluated at the first image, not at load (loader.read_language_parameters)
     vision_modules = ("vision_tower", "multi_modal_projector")
-
-    def __new__(cls, args: ModelArgs, *rest, **kwargs):
-        target = make_model_class(args.text_model_type) if cls is Model else cls
-        return super().__new__(target)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args.text)  # the language model's Model: self.args, self.model, lm_head
@@ -317,10 +294,3 @@ class Model(nn.Module):
             self.args.tie_word_embeddings = True
             if "lm_head" in self:
                 del self.lm_head
-
-
-@functools.cache
-def make_model_class(text_model_type: str) -> type:
-    """Mistral 3's Model over the text family's: one class per language model type."""
-    family = import_text_family(text_model_type)
-    return type(f"Mistral3{family.Model.__name__}_{text_model_type}", (Model, family.Model), {"__module__": __name__})

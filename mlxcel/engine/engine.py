@@ -143,13 +143,14 @@ class Engine:
         """The batch's input embeddings with each image row's features at its placeholders, and,
         for families with their own position ids (M-RoPE), [3, B, L] positions and per-row shifts."""
         model, began = self.model, time.perf_counter()
+        embedded = model.embed_tokens(tokens)
         merged = []
-        for index, row in enumerate(rows):
-            ids = tokens[index : index + 1]
-            embedded = model.embed_tokens(ids)
-            if row.images is not None:
-                embedded = merge_embeddings(embedded, ids[0].tolist(), model.image_token_id, model.encode_images(row.images))
-            merged.append(embedded)
+        for index, (row, pad) in enumerate(zip(rows, left_pad)):
+            if row.images is None:
+                merged.append(embedded[index : index + 1])
+            else:  # the ids are on the host already: -1 marks padding, never an image token
+                ids = [-1] * pad + row.prompt_ids
+                merged.append(merge_embeddings(embedded[index : index + 1], ids, model.image_token_id, model.encode_images(row.images)))
         embeddings = mx.concatenate(merged, axis=0)
         mx.eval(embeddings)
         timings.vision_encode_ms += (time.perf_counter() - began) * 1000

@@ -125,9 +125,9 @@ class Engine:
         )
         state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
         if with_images:
-            embeddings, positions, shifts = self._embed_images(rows, tokens, left_pad, timings)
-            blocks = self._image_blocks(rows, left_pad)
-            logits = self._run_prefill(tokens, cache, plan, timings, embeddings, positions, blocks)
+            embeddings = self._embed_images(rows, tokens, left_pad, timings)
+            extras, shifts = self._prefill_extras(rows, left_pad)
+            logits = self._run_prefill(tokens, cache, plan, timings, embeddings, extras)
             if any(shifts):  # M-RoPE: decoding continues at each row's own position
                 for layer_cache in cache:
                     layer_cache.position_shift = mx.array(shifts, dtype=mx.int32)
@@ -139,9 +139,8 @@ class Engine:
         self._queue_tokens(state, logits)
         return state
 
-    def _embed_images(self, rows: list, tokens: mx.array, left_pad: list[int], timings: GenerationTimings):
-        """The batch's input embeddings with each image row's features at its placeholders, and,
-        for families with their own position ids (M-RoPE), [3, B, L] positions and per-row shifts."""
+    def _embed_images(self, rows: list, tokens: mx.array, left_pad: list[int], timings: GenerationTimings) -> mx.array:
+        """The batch's input embeddings with each image row's features at its placeholders."""
         model, began = self.model, time.perf_counter()
         embedded = model.embed_tokens(tokens)
         merged = []
@@ -154,40 +153,30 @@ class Engine:
         embeddings = mx.concatenate(merged, axis=0)
         mx.eval(embeddings)
         timings.vision_encode_ms += (time.perf_counter() - began) * 1000
-        if not hasattr(model, "make_positions"):
-            return embeddings, None, [0] * len(rows)
-        positions, shifts = [], []
-        for row, pad in zip(rows, left_pad):
-            row_positions, shift = model.make_positions(row.prompt_ids, row.images)
-            positions.append(mx.pad(row_positions, [(0, 0), (pad, 0)]))  # padding slots: position 0, masked anyway
-            shifts.append(shift)
-        return embeddings, mx.stack(positions, axis=1), shifts
+        return embeddings
 
-    def _image_blocks(self, rows: list, left_pad: list[int]) -> mx.array | None:
-        """[B, L] image block ids (-1 outside images and in text rows) for families whose image
-        tokens attend to each other in both directions (`model.image_blocks`, Gemma 3); else None."""
-        if not hasattr(self.model, "image_blocks"):
-            return None
-        blocks = [
-            [-1] * pad + (self.model.image_blocks(row.prompt_ids) if row.images is not None else [-1] * len(row.prompt_ids))
-            for row, pad in zip(rows, left_pad)
-        ]
-        return mx.array(blocks, dtype=mx.int32)
+    def _prefill_extras(self, rows: list, left_pad: list[int]) -> tuple[dict[str, mx.array], list[int]]:
+        """Per-token inputs a family takes beside the embeddings (`model.make_prefill_extras`:
+        Qwen2-VL's M-RoPE ids, Gemma 3's image blocks), each row's left-padded and batched on axis
+        -2 (the last is the token axis, sliced per prefill piece), and each row's decode position shift."""
+        make = getattr(self.model, "make_prefill_extras", None)
+        if make is None:
+            return {}, [0] * len(rows)
+        made = [make(row.prompt_ids, row.images, pad) for row, pad in zip(rows, left_pad)]
+        return {name: mx.concatenate([extras[name] for extras, _ in made], axis=-2) for name in made[0][0]}, [shift for _, shift in made]
 
     def _run_prefill(
         self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings, embeddings: mx.array | None = None,
-        positions: mx.array | None = None, image_blocks: mx.array | None = None,
+        extras: dict[str, mx.array] | None = None,
     ) -> mx.array:
         """Every piece of the plan through the model: token ids, or (images) input embeddings
-        with their position ids when the family has its own, and image block ids when it has them."""
+        with the family's per-token extras sliced to the piece."""
         for index, piece in enumerate(plan.pieces):
             began = time.perf_counter()
             is_last = index == len(plan.pieces) - 1
             logits_at = piece.length - 1 if is_last else None
             if embeddings is not None:
-                extra = {} if positions is None else {"positions": positions[:, :, piece.start : piece.end]}
-                if image_blocks is not None:
-                    extra["image_blocks"] = image_blocks[:, piece.start : piece.end]
+                extra = {name: value[..., piece.start : piece.end] for name, value in (extras or {}).items()}
                 logits = self.model.forward_with_embeddings(embeddings[:, piece.start : piece.end], cache, logits_at=logits_at, **extra)
             else:
                 chunk = tokens[:, piece.start : piece.end]

@@ -176,6 +176,12 @@ class Model(gemma3.Model):
         """Per token: its image block (bidirectional attention inside it), -1 outside images."""
         return find_image_blocks(token_ids, self.image_token_id)
 
+    def make_prefill_extras(self, token_ids: list[int], inputs: ImageInputs | None, pad: int) -> tuple[dict[str, mx.array], int]:
+        """The engine's per-row prefill inputs: image block ids [1, pad + L] (-1 for padding and
+        text rows); no position shift."""
+        blocks = self.image_blocks(token_ids) if inputs is not None else [-1] * len(token_ids)
+        return {"image_blocks": mx.array([[-1] * pad + blocks], dtype=mx.int32)}, 0
+
     # ---- the language model with image blocks ----------------------------------------------------
 
     def forward_with_embeddings(

@@ -138,6 +138,12 @@ class Model(llama.Model):
         positions, shift = make_mrope_positions(token_ids, grids, image_token, self.visual.args.spatial_merge_size)
         return mx.array(positions.astype(np.int32)), shift
 
+    def make_prefill_extras(self, token_ids: list[int], inputs: ImageInputs | None, pad: int) -> tuple[dict[str, mx.array], int]:
+        """The engine's per-row prefill inputs: M-RoPE ids [3, 1, pad + L] (padding at 0, masked
+        anyway) and the row's decode shift."""
+        positions, shift = self.make_positions(token_ids, inputs)
+        return {"positions": mx.pad(positions, [(0, 0), (pad, 0)])[:, None]}, shift
+
     def forward_with_embeddings(
         self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None, positions: mx.array | None = None
     ) -> mx.array:

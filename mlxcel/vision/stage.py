@@ -9,8 +9,10 @@ Per prompt, the pipeline:
    token ids from here on (`prompt_token_ids` in generations.jsonl);
 4. calls `model.encode_images(inputs)` -> [sum(token_counts), hidden] features, in image order;
 5. embeds the ids and puts the features at the placeholder positions (`merge_embeddings`);
-6. prefills with `forward_with_embeddings`; families with their own position ids (Qwen2-VL's
-   M-RoPE) return them from `model.make_positions(token_ids, inputs)` as ([3, L], shift).
+6. prefills with `forward_with_embeddings`; a family that needs more per token (Qwen2-VL's
+   M-RoPE ids, Gemma 3's image blocks) returns it from `model.make_prefill_extras(token_ids,
+   inputs, pad)` as ({kwarg: array [..., 1, pad + L]}, decode position shift), and the engine
+   batches, slices per prefill piece and passes it on.
 
 A family is a VLM when it has `image_token_id` set and these methods; text-only prompts to it
 take the ordinary path, so its vision weights stay unevaluated until an image arrives.

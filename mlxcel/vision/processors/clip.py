@@ -8,7 +8,6 @@ llava_next.py, whose tiles go through the same chain."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -33,6 +32,8 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
+    raise_config_issues,
+    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb")
@@ -70,13 +71,13 @@ class ClipImageConfig:
         """Parse the json dict; unknown keys (image_processor_type, ...) are ignored, bad values raise ConfigError."""
         issues: list[ConfigIssue] = []
         values = parse_clip_fields(raw, issues)
-        if issues:
-            raise ConfigError(issues, hint="fix the checkpoint's preprocessor_config.json")
+        raise_config_issues(issues)
         return cls(**values)
 
 
 def load_clip_config(path: str | Path) -> ClipImageConfig:
-    return ClipImageConfig.from_dict(json.loads(Path(path).read_text()))
+    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
+    return ClipImageConfig.from_dict(read_preprocessor_json(path))
 
 
 # --- parsing: each parser appends ConfigIssues and returns the parsed value (or the default) ---

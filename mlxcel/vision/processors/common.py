@@ -5,13 +5,15 @@ normalize in float32."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from mlxcel.errors import ConfigIssue
+from mlxcel.errors import ConfigError, ConfigIssue
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -103,3 +105,15 @@ def apply_normalize(image: np.ndarray, mean: tuple, std: tuple) -> np.ndarray:
     if not np.issubdtype(image.dtype, np.floating):
         image = image.astype(np.float32)
     return (image - np.array(mean, dtype=image.dtype)) / np.array(std, dtype=image.dtype)
+
+
+def read_preprocessor_json(path: str | Path) -> dict[str, Any]:
+    """A preprocessor_config.json file, or the checkpoint folder holding one, as a dict."""
+    path = Path(path)
+    return json.loads((path / "preprocessor_config.json" if path.is_dir() else path).read_text())
+
+
+def raise_config_issues(issues: list[ConfigIssue]) -> None:
+    """Every bad key of a preprocessor config at once, as one ConfigError."""
+    if issues:
+        raise ConfigError(issues, hint="fix the checkpoint's preprocessor_config.json")

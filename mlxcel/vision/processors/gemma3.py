@@ -20,7 +20,6 @@ text and tokenizing it (`expand_prompt_ids`), not from splicing ids."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
+from mlxcel.errors import ConfigIssue, MlxcelError
 from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.clip import apply_convert_rgb
 from mlxcel.vision.processors.common import (
@@ -44,6 +43,8 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
+    raise_config_issues,
+    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_pan_and_scan")
@@ -83,13 +84,13 @@ class Gemma3ImageConfig:
         ignored, JSON null means the default, bad values raise one ConfigError naming each."""
         issues: list[ConfigIssue] = []
         values = parse_gemma3_fields(raw, issues)
-        if issues:
-            raise ConfigError(issues, hint="fix the checkpoint's preprocessor_config.json")
+        raise_config_issues(issues)
         return cls(**values)
 
 
 def load_gemma3_config(path: str | Path) -> Gemma3ImageConfig:
-    return Gemma3ImageConfig.from_dict(json.loads(Path(path).read_text()))
+    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
+    return Gemma3ImageConfig.from_dict(read_preprocessor_json(path))
 
 
 # --- parsing ---

@@ -20,7 +20,6 @@ a split image `<fake_token_around_image><row_{r}_col_{c}>` + `<image>` * image_s
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -43,6 +42,8 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
+    raise_config_issues,
+    read_preprocessor_json,
 )
 
 IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
@@ -83,13 +84,13 @@ class Idefics3ImageConfig:
         values["image_mean"] = parse_channel_floats(raw, "image_mean", defaults["image_mean"], issues, positive=False)
         values["image_std"] = parse_channel_floats(raw, "image_std", defaults["image_std"], issues, positive=True)
         values["max_image_size"] = parse_max_image_size(raw.get("max_image_size"), defaults["max_image_size"], issues)
-        if issues:
-            raise ConfigError(issues, hint="fix the checkpoint's preprocessor_config.json")
+        raise_config_issues(issues)
         return cls(**values)
 
 
 def load_idefics3_config(path: str | Path) -> Idefics3ImageConfig:
-    return Idefics3ImageConfig.from_dict(json.loads(Path(path).read_text()))
+    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
+    return Idefics3ImageConfig.from_dict(read_preprocessor_json(path))
 
 
 def parse_size(value: object, default: SizeSpec, issues: list[ConfigIssue]) -> SizeSpec:

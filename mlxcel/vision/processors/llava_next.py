@@ -9,7 +9,6 @@ normalisation) to the batch's largest tile count; `patch_counts` says how many a
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.errors import ConfigIssue
 from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.clip import (
     ClipImageConfig,
@@ -28,7 +27,7 @@ from mlxcel.vision.processors.clip import (
     is_positive_int,
     parse_clip_fields,
 )
-from mlxcel.vision.processors.common import apply_resize, make_issue, parse_bool
+from mlxcel.vision.processors.common import apply_resize, make_issue, parse_bool, raise_config_issues, read_preprocessor_json
 
 DEFAULT_GRID_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 
@@ -46,8 +45,7 @@ class LlavaNextImageConfig(ClipImageConfig):
         values = parse_clip_fields(raw, issues)
         values["image_grid_pinpoints"] = parse_pinpoints(raw.get("image_grid_pinpoints"), issues)
         values["do_pad"] = parse_bool(raw, "do_pad", True, issues)
-        if issues:
-            raise ConfigError(issues, hint="fix the checkpoint's preprocessor_config.json")
+        raise_config_issues(issues)
         return cls(**values)
 
     @property
@@ -71,7 +69,8 @@ class LlavaNextBatch:
 
 
 def load_llava_next_config(path: str | Path) -> LlavaNextImageConfig:
-    return LlavaNextImageConfig.from_dict(json.loads(Path(path).read_text()))
+    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
+    return LlavaNextImageConfig.from_dict(read_preprocessor_json(path))
 
 
 def parse_pinpoints(value: object, issues: list[ConfigIssue]) -> tuple[tuple[int, int], ...]:

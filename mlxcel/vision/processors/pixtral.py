@@ -17,7 +17,6 @@ every image is whole 2 x 2 merge windows). Call with `patch_size=` to do the sam
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.errors import ConfigIssue
 from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.clip import apply_center_crop, parse_crop_size
 from mlxcel.vision.processors.common import (
@@ -42,6 +41,8 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
+    raise_config_issues,
+    read_preprocessor_json,
 )
 from mlxcel.vision.processors.qwen2_vl import MAX_INPUT_PIXELS, apply_convert_rgb
 
@@ -74,16 +75,13 @@ class PixtralImageConfig:
         means the default, bad values raise ConfigError naming every bad key at once."""
         issues: list[ConfigIssue] = []
         values = parse_pixtral_fields(raw, issues)
-        if issues:
-            raise ConfigError(issues, hint="fix the checkpoint's preprocessor_config.json")
+        raise_config_issues(issues)
         return cls(**values)
 
 
 def load_pixtral_config(path: str | Path) -> PixtralImageConfig:
     """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    path = Path(path)
-    path = path / "preprocessor_config.json" if path.is_dir() else path
-    return PixtralImageConfig.from_dict(json.loads(path.read_text()))
+    return PixtralImageConfig.from_dict(read_preprocessor_json(path))
 
 
 def make_pixtral_config(config: PixtralImageConfig | dict[str, Any]) -> PixtralImageConfig:

@@ -10,7 +10,6 @@ the batch output is the images' patch rows concatenated plus one (t, h, w) grid 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlxcel.errors import ConfigError, ConfigIssue
-from mlxcel.vision.images import VisionInputError
+from mlxcel.errors import ConfigIssue
+from mlxcel.vision.images import MAX_IMAGE_PIXELS, VisionInputError
 from mlxcel.vision.processors.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -35,14 +34,16 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
+    raise_config_issues,
+    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
 INT_KEYS = ("patch_size", "temporal_patch_size", "merge_size")
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer/shorter side ratios above this
-# Input images above this many pixels are refused before any work: Pillow would resize them (the
-# output is capped by max_pixels anyway) but decoding and resampling 64 MP costs seconds and ~1 GB.
-MAX_INPUT_PIXELS = 64_000_000
+# Input images above this many pixels are refused before any work (the loader's limit, also for
+# images handed over already decoded): decoding and resampling 64 MP costs seconds and ~1 GB.
+MAX_INPUT_PIXELS = MAX_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)
@@ -73,16 +74,13 @@ class Qwen2VLImageConfig:
         """Parse the json dict; unknown keys are ignored, JSON null means the default, bad values raise ConfigError."""
         issues: list[ConfigIssue] = []
         values = parse_qwen2_vl_fields(raw, issues)
-        if issues:
-            raise ConfigError(issues, hint="fix the checkpoint's preprocessor_config.json")
+        raise_config_issues(issues)
         return cls(**values)
 
 
 def load_qwen2_vl_config(path: str | Path) -> Qwen2VLImageConfig:
     """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    path = Path(path)
-    path = path / "preprocessor_config.json" if path.is_dir() else path
-    return Qwen2VLImageConfig.from_dict(json.loads(path.read_text()))
+    return Qwen2VLImageConfig.from_dict(read_preprocessor_json(path))
 
 
 def make_qwen2_vl_config(config: Qwen2VLImageConfig | dict[str, Any]) -> Qwen2VLImageConfig:

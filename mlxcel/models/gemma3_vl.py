@@ -187,7 +187,7 @@ class Model(gemma3.Model):
     def forward_with_embeddings(
         self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None, image_blocks: mx.array | None = None
     ) -> mx.array:
-        if image_blocks is None or mask is not None or not bool(mx.any(image_blocks >= 0)):
+        if image_blocks is None or mask is not None:  # all -1 (a text row's) gives the causal/sliding masks
             return super().forward_with_embeddings(embeddings, cache, mask, logits_at)
         h, length = embeddings, embeddings.shape[1]
         built: dict = {}

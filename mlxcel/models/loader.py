@@ -51,6 +51,7 @@ FAMILIES = {
     "idefics3": "idefics3",
     "smolvlm": "idefics3",
     "mistral3": "mistral3",
+    "phi4_multimodal": "phi4_multimodal",
 }
 TEXT_ONLY_NOTE = "text only: the vision tower and projector are not loaded (images are not supported yet)"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -108,7 +108,7 @@ def check_images_allowed(model, model_type: str, paths: list[str]) -> None:
     if paths and not is_vision_model(model):
         raise MlxcelError(
             f"{len(paths)} image(s) given ({paths[0]}{', ...' if len(paths) > 1 else ''}), but {model_type} is a text-only model "
-            "(drop the images, or use a vision-language model: Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, Gemma 3 4B+, Mistral 3, Idefics3, SmolVLM)"
+            "(drop the images, or use a vision-language model: Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, Gemma 3 4B+, Mistral 3, Idefics3, SmolVLM, Phi-4-multimodal)"
         )
 
 

@@ -52,19 +52,22 @@ requires_smollm2 = pytest.mark.skipif(
 )
 
 
-def write_tiny_tokenizer(folder: Path) -> int:
-    """A byte-level BPE with ChatML specials, saved the way transformers saves it. Returns its size."""
+def write_tiny_tokenizer(
+    folder: Path, specials: list[str] = SPECIALS, template: str = CHATML, vocab_size: int = 320, training: list[str] = TRAINING_TEXT,
+    **wrapper,
+) -> int:
+    """A byte-level BPE with ChatML specials (then `specials` beyond them, ids in order), saved the
+    way transformers saves it. `wrapper`: more PreTrainedTokenizerFast arguments. Returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAINING_TEXT, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(training, trainer)
+    wrapper = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **wrapper}
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **wrapper)
     wrapped.save_pretrained(folder)
     return len(wrapped)
 

@@ -19,7 +19,7 @@ from mlxcel.models.loader import FAMILIES, load_model
 from mlxcel.vision import siglip
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
-from tests.conftest import SPECIALS, TRAINING_TEXT
+from tests.conftest import SPECIALS, TRAINING_TEXT, write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, save_widened
 from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
@@ -64,22 +64,14 @@ KINDS = {  # model_type -> (config class, model class, image processor class)
 
 
 def write_tokenizer(folder: Path, kind: str) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=[*SPECIALS, *IMAGE_TOKENS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAINING_TEXT + ["User: Describe this image.\nAssistant: A photo of a woman.\n\n"], trainer)
     extra = {}
     if kind == "smolvlm":  # SmolVLM's tokenizer_config.json names its image tokens
         extra = {"extra_special_tokens": {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
                                           "global_image_token": "<global-img>"}}
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TEMPLATE, **extra)
-    wrapped.save_pretrained(folder)
-    assert wrapped.convert_tokens_to_ids("<image>") == IMAGE
-    return len(wrapped)
+    training = TRAINING_TEXT + ["User: Describe this image.\nAssistant: A photo of a woman.\n\n"]
+    size = write_tiny_tokenizer(folder, [*SPECIALS, *IMAGE_TOKENS], TEMPLATE, vocab_size=360, training=training, **extra)
+    assert transformers.AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<image>") == IMAGE
+    return size
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from mlxcel.models import mistral3
 from mlxcel.models.loader import load_model
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
-from tests.conftest import SPECIALS, TRAINING_TEXT
+from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import (
     LOGIT_TOLERANCE,
     mlxcel_generate,
@@ -66,18 +66,9 @@ CASES = {
 
 
 def write_tokenizer(folder: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=[*SPECIALS, *LAYOUT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAINING_TEXT, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TEMPLATE)
-    wrapped.save_pretrained(folder)
-    assert wrapped.convert_tokens_to_ids(LAYOUT[:3]) == [IMG, BREAK, END]
-    return len(wrapped)
+    size = write_tiny_tokenizer(folder, [*SPECIALS, *LAYOUT], TEMPLATE, vocab_size=330)
+    assert transformers.AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(LAYOUT[:3]) == [IMG, BREAK, END]
+    return size
 
 
 def make_checkpoint(folder: Path, text: str, text_overrides: dict, **config):

@@ -26,7 +26,7 @@ from mlxcel.models.loader import load_model
 from mlxcel.models.lora import LoRAControl, LoRAWeights, make_lora_linear
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import expand_placeholders, is_vision_model, merge_embeddings
-from tests.conftest import SPECIALS, TRAINING_TEXT
+from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, mlxcel_generate, save_widened
 from tests.test_batch_jobs import by_key, read_rows, write_rows
 from tests.test_cli_run import run_cli
@@ -64,18 +64,9 @@ LORA_TARGETS = r"model\.layers\.\d+\.((self_attn\.(qkv|o)_proj)|(mlp\.(gate_up|d
 
 
 def write_tokenizer(folder: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=[*SPECIALS, *LAYOUT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAINING_TEXT, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|endoftext|>", chat_template=TEMPLATE)
-    wrapped.save_pretrained(folder)
-    assert wrapped.convert_tokens_to_ids("<|image|>") == IMAGE
-    return len(wrapped)
+    size = write_tiny_tokenizer(folder, [*SPECIALS, *LAYOUT], TEMPLATE, vocab_size=330, eos_token="<|end|>")
+    assert transformers.AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<|image|>") == IMAGE
+    return size
 
 
 @pytest.fixture(scope="module")

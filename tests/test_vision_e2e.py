@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.conftest import CHATML, SPECIALS, TRAINING_TEXT
+from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.test_batch_jobs import by_key, read_rows, write_rows
 from tests.test_cli_run import run_cli
 from tests.test_families_qwen2_vl import TEXT
@@ -31,18 +31,11 @@ MAX_TOKENS = 8
 
 
 def write_vlm_tokenizer(folder) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=VLM_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAINING_TEXT, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=VLM_TEMPLATE)
-    wrapped.save_pretrained(folder)
-    assert wrapped.convert_tokens_to_ids(VLM_SPECIALS[3:]) == [VISION_START, VISION_END, IMAGE]
-    return len(wrapped)
+    size = write_tiny_tokenizer(folder, VLM_SPECIALS, VLM_TEMPLATE, vocab_size=330)
+    assert AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(VLM_SPECIALS[3:]) == [VISION_START, VISION_END, IMAGE]
+    return size
 
 
 @pytest.fixture(scope="module")

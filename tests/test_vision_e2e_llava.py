@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import SPECIALS, TRAINING_TEXT
+from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import save_widened
 from tests.test_batch_jobs import by_key, read_rows, write_rows
 from tests.test_cli_run import run_cli
@@ -42,18 +42,11 @@ KINDS = {  # model preset -> (config class, model class, processor class, Pil im
 
 
 def write_llava_tokenizer(folder) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=LLAVA_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TRAINING_TEXT, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=LLAVA_TEMPLATE)
-    wrapped.save_pretrained(folder)
-    assert wrapped.convert_tokens_to_ids("<image>") == IMAGE
-    return len(wrapped)
+    size = write_tiny_tokenizer(folder, LLAVA_SPECIALS, LLAVA_TEMPLATE, vocab_size=330)
+    assert AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<image>") == IMAGE
+    return size
 
 
 @pytest.fixture(scope="module")

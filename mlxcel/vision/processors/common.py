@@ -29,6 +29,20 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_positive_int(value: object) -> bool:
+    return is_int(value) and value > 0
+
+
+def parse_positive_int(raw: dict[str, Any], key: str, default: int | None, issues: list[ConfigIssue]) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not is_positive_int(value):
+        issues.append(make_issue(key, "must be a positive int", value))
+        return default
+    return value
+
+
 def is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

@@ -38,9 +38,11 @@ from mlxcel.vision.processors.common import (
     apply_resize,
     is_finite_number,
     is_int,
+    is_positive_int,
     make_issue,
     parse_bool,
     parse_channel_floats,
+    parse_positive_int,
     parse_resample,
     parse_rescale_factor,
     raise_config_issues,
@@ -114,20 +116,6 @@ def parse_gemma3_fields(raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[
         else:
             issues.append(make_issue("pan_and_scan_min_ratio_to_activate", "must be a finite number > 0 (width/height or height/width, e.g. 1.2)", ratio))
     return values
-
-
-def is_positive_int(value: object) -> bool:
-    return is_int(value) and value > 0
-
-
-def parse_positive_int(raw: dict[str, Any], key: str, default: int | None, issues: list[ConfigIssue]) -> int | None:
-    value = raw.get(key)
-    if value is None:
-        return default
-    if not is_positive_int(value):
-        issues.append(make_issue(key, "must be a positive int", value))
-        return default
-    return value
 
 
 def parse_square_size(value: object, default: tuple[int, int], issues: list[ConfigIssue]) -> tuple[int, int]:

@@ -49,9 +49,11 @@ from mlxcel.vision.processors.clip import apply_convert_rgb
 from mlxcel.vision.processors.common import (
     describe_source,
     is_int,
+    is_positive_int,
     make_issue,
     parse_bool,
     parse_channel_floats,
+    parse_positive_int,
     parse_rescale_factor,
     raise_config_issues,
     read_preprocessor_json,
@@ -122,20 +124,6 @@ class Phi4ImageConfig:
 def load_phi4mm_config(path: str | Path) -> Phi4ImageConfig:
     """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
     return Phi4ImageConfig.from_dict(read_preprocessor_json(path))
-
-
-def is_positive_int(value: object) -> bool:
-    return is_int(value) and value > 0
-
-
-def parse_positive_int(raw: dict[str, Any], key: str, default: int, issues: list[ConfigIssue]) -> int:
-    value = raw.get(key)
-    if value is None:
-        return default
-    if not is_positive_int(value):
-        issues.append(make_issue(key, "must be a positive int", value))
-        return default
-    return value
 
 
 def parse_square_side(value: object, default: int, issues: list[ConfigIssue]) -> int:

@@ -37,7 +37,6 @@ from mlxcel.vision.processors.common import (
     apply_rescale,
     apply_resize,
     is_finite_number,
-    is_int,
     is_positive_int,
     make_issue,
     parse_bool,

@@ -48,7 +48,6 @@ from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.clip import apply_convert_rgb
 from mlxcel.vision.processors.common import (
     describe_source,
-    is_int,
     is_positive_int,
     make_issue,
     parse_bool,

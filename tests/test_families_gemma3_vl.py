@@ -105,8 +105,8 @@ def render(tokenizer, n_images: int) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
 
 
-def make_processor(tokenizer):
-    return transformers.Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_dict(PREPROCESSOR), tokenizer=tokenizer, image_seq_length=4)
+def make_processor(tokenizer, preprocessor: dict = PREPROCESSOR):
+    return transformers.Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_dict(preprocessor), tokenizer=tokenizer, image_seq_length=4)
 
 
 def ours_inputs(model, tokenizer, text: str, paths: list[str]):
@@ -115,10 +115,14 @@ def ours_inputs(model, tokenizer, text: str, paths: list[str]):
     return ids, inputs
 
 
-def theirs_inputs(tokenizer, text: str, paths: list[str]) -> dict:
+def theirs_inputs(tokenizer, text: str, paths: list[str], preprocessor: dict = PREPROCESSOR) -> dict:
     from transformers.image_utils import load_image as hf_load_image
 
-    return dict(make_processor(tokenizer)(text=[text], images=[[hf_load_image(p) for p in paths]], return_tensors="pt"))
+    processor = make_processor(tokenizer, preprocessor)
+    # Gemma3Processor's own defaults (do_pan_and_scan False) override the image processor's config:
+    # a checkpoint's pan-and-scan settings reach it only as call arguments
+    pan_and_scan = {k: v for k, v in preprocessor.items() if k.startswith(("do_pan_and_scan", "pan_and_scan_")) and v is not None}
+    return dict(processor(text=[text], images=[[hf_load_image(p) for p in paths]], return_tensors="pt", **pan_and_scan))
 
 
 def reference_generate(reference, ids: list[int], pixel_values, image_token: int, n: int = GREEDY) -> list[int]:
@@ -218,3 +222,31 @@ def test_prompt_images_through_mlxcel_run(tmp_path, checkpoint, photo_path):
     assert row["token_ids"] == reference_generate(reference, row["prompt_token_ids"], theirs["pixel_values"], tokenizer.image_token_id)
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 4 and stats["prompt_tokens"] == len(row["prompt_token_ids"])
+
+
+def test_pan_and_scan_prompt_matches_transformers(checkpoint, photo_path, tmp_path):
+    """A wide image with pan-and-scan on: the original view plus its crops, each its own image block,
+    and the processor's "Here is the original image ... and here are some crops" text."""
+    import shutil
+
+    source, reference, tokenizer = checkpoint("window6")
+    folder = tmp_path / "pan_and_scan"
+    shutil.copytree(source, folder)
+    preprocessor = {**PREPROCESSOR, "do_pan_and_scan": True, "pan_and_scan_min_crop_size": 14, "pan_and_scan_max_num_crops": 3,
+                    "pan_and_scan_min_ratio_to_activate": 1.2}
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    wide = tmp_path / "wide.png"
+    load_image(photo_path).crop((0, 200, 512, 330)).save(wide)  # 512 x 130: ratio 3.9, three crops
+    model = load_model(str(folder), dtype="float32").model
+    text = render(tokenizer, 1)
+    ids, inputs = ours_inputs(model, tokenizer, text, [str(wide)])
+    theirs = theirs_inputs(tokenizer, text, [str(wide)], preprocessor)
+    assert ids == theirs["input_ids"][0].tolist()
+    assert inputs.token_counts == [4 * 4]  # the original view + 3 crops, 4 tokens each
+    assert np.abs(inputs.pixel_values - theirs["pixel_values"].numpy()).max() <= 1e-4
+    with torch.no_grad():
+        expected = reference(**theirs).logits[0].numpy()
+    assert np.abs(prefill_logits(model, ids, inputs) - expected).max() <= LOGIT_TOLERANCE
+    engine = DirectEngine(model, max_context=512)
+    state = engine.generate(GenerationRequest([RowRequest(ids, images=inputs)], Sampler("greedy"), max_tokens=GREEDY))
+    assert state.results[0].token_ids == reference_generate(reference, ids, theirs["pixel_values"], tokenizer.image_token_id)

@@ -346,3 +346,9 @@ def test_quantized_model_keeps_the_vision_adapter(checkpoint, loaded, images):
     assert model.model.layers[0].self_attn.qkv_proj.lora is not None  # read after quantizing, onto the quantized layers
     assert np.abs(quantized - dense).max() < 0.1 * np.abs(dense).max()
     assert int(quantized[-1].argmax()) == int(dense[-1].argmax())
+
+
+def test_original_remote_code_layout_names_the_transformers_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi4mm", "architectures": ["Phi4MMForCausalLM"]}))
+    with pytest.raises(MlxcelError, match=r"'phi4mm' is the original remote-code layout.*--revision refs/pr/70"):
+        load_model(str(tmp_path))

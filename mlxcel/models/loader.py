@@ -53,6 +53,14 @@ FAMILIES = {
     "mistral3": "mistral3",
     "phi4_multimodal": "phi4_multimodal",
 }
+# model_type of layouts we do not read, with what to load instead
+UNSUPPORTED_LAYOUTS = {
+    "phi4mm": (
+        "the original remote-code layout of Phi-4-multimodal (LoRA weights inside the checkpoint); load the transformers-format "
+        "weights instead: `huggingface-cli download microsoft/Phi-4-multimodal-instruct --revision refs/pr/70 --local-dir DIR`, "
+        "then model=phi4_multimodal model.path=DIR"
+    ),
+}
 TEXT_ONLY_NOTE = "text only: the vision tower and projector are not loaded (images are not supported yet)"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -134,6 +142,8 @@ def list_supported_families() -> list[str]:
 
 def import_family(model_type: str, source: Path):
     supported = list_supported_families()
+    if model_type in UNSUPPORTED_LAYOUTS:
+        raise MlxcelError(f"{source}: model_type {model_type!r} is {UNSUPPORTED_LAYOUTS[model_type]}")
     if model_type not in supported:
         raise MlxcelError(f"{source}: unsupported architecture {model_type!r} (supported: {', '.join(supported)})")
     return importlib.import_module(f"mlxcel.models.{FAMILIES[model_type]}")

@@ -198,7 +198,7 @@ def make_adapted_layer(control: LoRAControl, in_dims: int = 64, out_dims: int = 
 def test_lora_forms_agree_with_the_merged_weight():
     control = LoRAControl()
     layer = make_adapted_layer(control)
-    x = mx.random.normal((2, 5, 64), key=mx.random.key(3))
+    x = mx.random.normal((2, 20, 64), key=mx.random.key(3))  # 40 tokens: merging (64 x 96) is the cheaper form
     merged = np.array(x @ (layer.weight + 2.0 * layer.lora.b @ layer.lora.a).T + layer.bias)
     plain = np.array(x @ layer.weight.T + layer.bias)
     assert np.allclose(np.array(layer(x)), plain, atol=1e-5)  # rows None: the base layer
@@ -211,6 +211,13 @@ def test_lora_forms_agree_with_the_merged_weight():
     control.rows = mx.array([1.0, 0.0]).reshape(2, 1, 1)  # per row: the second row is plain
     mixed = np.array(layer(x))
     assert np.abs(mixed[0] - merged[0]).max() < 1e-4 and np.abs(mixed[1] - plain[1]).max() < 1e-5
+
+
+def test_merge_only_where_it_is_cheaper():
+    from mlxcel.models.lora import is_merge_cheaper
+
+    assert is_merge_cheaper(40, 96, 64) and not is_merge_cheaper(38, 96, 64)  # 96 * 64 / 160 = 38.4
+    assert not is_merge_cheaper(1, 5120, 3072) and is_merge_cheaper(2048, 5120, 3072)  # Phi-4's qkv: decode vs a 2k piece
 
 
 def test_quantized_lora_layer_keeps_its_adapter_and_runs_unfused():

@@ -8,7 +8,8 @@ checkpoint's. One `LoRAControl` shared by every adapted layer says, per forward 
 the adapter and how:
 - `rows` None: no row does (text-only batches): the plain layer;
 - `fused`: every row does (a prefill of image prompts only): one matmul with W + scale * B @ A,
-  merged per layer inside the graph, so no merged copy of the weights outlives its layer;
+  merged per layer inside the graph, so no merged copy of the weights outlives its layer; only
+  where the piece is long enough for merging to cost less than the low-rank products;
 - otherwise unfused: W x + rows * scale * B (A x), rows [B, 1, 1] of 1.0 / 0.0 (decode, mixed batches).
 Quantizing turns a LoRALinear into a `QuantizedLoRALinear`, which always runs unfused."""
 
@@ -55,12 +56,18 @@ class LoRAMixin:
         lora, control = getattr(self, "lora", None), getattr(self, "control", None)
         if lora is None or control is None or control.rows is None:
             return super().__call__(x)
-        if control.fused and isinstance(self, LoRALinear):
+        if control.fused and isinstance(self, LoRALinear) and is_merge_cheaper(x.size // x.shape[-1], *self.weight.shape):
             weight = (self.weight.astype(mx.float32) + lora.scale * (lora.b.astype(mx.float32) @ lora.a.astype(mx.float32))).astype(self.weight.dtype)
             y = x @ weight.T
             return y + self.bias if "bias" in self else y
         delta = ((x @ lora.a.T) @ lora.b.T) * lora.scale
         return super().__call__(x) + control.rows.astype(delta.dtype) * delta
+
+
+def is_merge_cheaper(tokens: int, out_dims: int, in_dims: int) -> bool:
+    """Merging costs out x in x r multiply-adds, the low-rank products tokens x (in + out) x r:
+    merge for pieces of at least out x in / (in + out) tokens (about 1.2k-2.3k for Phi-4's layers)."""
+    return tokens * (in_dims + out_dims) >= in_dims * out_dims
 
 
 class QuantizedLoRALinear(LoRAMixin, nn.QuantizedLinear):

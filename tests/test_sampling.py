@@ -17,9 +17,16 @@ import numpy as np
 import pytest
 
 from mlxcel.errors import ConfigError
-from mlxcel.sampling import RowKey, make_sampler_chain
+from mlxcel.sampling import RowKey, cuda_draw, make_sampler_chain
+from mlxcel.sampling.chain import KEY_TABLE_STEPS
 from mlxcel.sampling.config import PROCESSORS
-from mlxcel.sampling.rng import XTC_STREAM, make_uniform
+from mlxcel.sampling.rng import (
+    XTC_STREAM,
+    make_base_keys,
+    make_step_key_words,
+    make_uniform,
+)
+from mlxcel.sampling.selectors import graph_gumbel_max
 from tests.sampler_reference import (
     ref_adaptive_p_logits,
     ref_chain,
@@ -55,7 +62,7 @@ def chain_step(chain, logits: np.ndarray, histories=None, position: int = 0):
     """(tokens, the logits drawn from) for rows 0..B-1 at one position."""
     rows = [RowKey(i) for i in range(len(logits))]
     batch = chain.start(rows, histories)
-    tokens, z, _ = chain.run_step(mx.array(logits), batch.keys, mx.array(position, mx.uint32), batch.state)
+    tokens, z, _ = chain.run_step(mx.array(logits), make_step_key_words(batch.keys, position)[:, 0], batch.state)
     return np.array(tokens), np.array(z - mx.logsumexp(z, axis=-1, keepdims=True))
 
 
@@ -239,7 +246,7 @@ def test_dry_state_updated_on_the_device_matches_a_fresh_scan():
     batch = chain.start([RowKey(i) for i in range(3)], histories)
     for _ in range(12):
         logits = rng.standard_normal((3, 64)).astype(np.float32)
-        got = np.array(chain.apply_stages(mx.array(logits), batch.keys, mx.array(0, mx.uint32), batch.state))
+        got = np.array(chain.apply_stages(mx.array(logits), make_step_key_words(batch.keys, 0)[:, 0], batch.state))
         for row in range(3):
             want = ref_chain(logits[row], processors, history=histories[row])
             np.testing.assert_allclose(got[row] - np.log(np.exp(got[row]).sum()), want, atol=TOL)
@@ -348,6 +355,34 @@ def test_row_streams_depend_on_row_position_and_seed_only():
     assert np.array(chain(logits, rows, [5, 5, 5])).tolist() != together
     seeded = [np.array(chain(logits[:1], [RowKey("a", seed=9)], [4])).tolist()[0]]
     assert seeded != together[:1]
+
+
+def test_a_batch_steps_through_its_key_table_as_the_per_position_keys():
+    """The batch derives KEY_TABLE_STEPS steps' keys at once; every step, across refills, has the
+    keys of its own position, so the draws equal a direct call at that position."""
+    chain = make_sampler_chain({"seed": 3, "processors": {"temperature": {"value": 1.0}}}, 4000)
+    rows = [RowKey(i) for i in range(3)]
+    batch = chain.start(rows)
+    logits = mx.array(random_logits(2, batch=3, vocab=4000))
+    for position in range(KEY_TABLE_STEPS + 2):
+        want_keys = make_step_key_words(batch.keys, position)[:, 0]
+        assert np.array_equal(np.array(batch.step_keys()), np.array(want_keys))
+        assert batch.sample(logits).tokens.tolist() == chain(logits, rows, [position] * 3).tolist()
+
+
+@pytest.mark.skipif(not cuda_draw.is_available(), reason="MLX's CUDA backend only")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cuda_gumbel_max_draws_the_graph_tokens(dtype):
+    base = make_base_keys([11 * i + 5 for i in range(6)])
+    for position in range(10):
+        x = mx.array(random_logits(position, batch=6, vocab=VOCAB, scale=0.5 + position % 3)).astype(dtype)
+        if position % 2:
+            x[:, : VOCAB // 2] = -math.inf
+        step_keys = make_step_key_words(base, position)[:, 0]
+        assert cuda_draw.gumbel_max(x, step_keys).tolist() == graph_gumbel_max(x, step_keys).tolist()
+    ends = mx.full((2, 300), -math.inf)  # all removed: index 0 as mx.argmax; one left: that one
+    ends[1, 299] = 0.0
+    assert cuda_draw.gumbel_max(ends, make_step_key_words(base[:2], 0)[:, 0]).tolist() == [0, 299]
 
 
 def test_make_sampler_chain_errors_name_the_key_and_range():

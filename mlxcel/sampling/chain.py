@@ -28,14 +28,17 @@ from mlxcel.sampling import processors as proc
 from mlxcel.sampling import selectors as sel
 from mlxcel.sampling.config import SamplerConfig
 from mlxcel.sampling.rng import (
+    KEY_WORDS,
     XTC_STREAM,
     derive_row_seed,
     make_base_keys,
-    make_gumbel,
-    make_uniform,
+    make_key_table,
+    make_step_key_words,
+    uniform_from_step_keys,
 )
 
 STATEFUL_DRAWS = ("mirostat_v1", "mirostat_v2", "adaptive_p")
+KEY_TABLE_STEPS = 64  # steps whose keys a batch derives at once (see rng.make_key_table)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class SamplerChain:
         self.uses_suffix = dry is not None
         self.compile = compile  # None: where it pays (see should_compile)
         self._compiled = mx.compile(self.run_step)
+        self._compiled_draw = mx.compile(self.run_draw)
 
     def has(self, name: str) -> bool:
         return any(stage["stage"] == name for stage in self.stages)
@@ -108,7 +112,7 @@ class SamplerChain:
         return self.draw["kind"] == "greedy"
 
     # ---- the step ----
-    def apply_stages(self, x: mx.array, keys: mx.array, position: mx.array, state: dict, with_xtc: bool = True) -> mx.array:
+    def apply_stages(self, x: mx.array, step_keys: mx.array, state: dict, with_xtc: bool = True) -> mx.array:
         """Every stage before the draw, in the chain's order."""
         for stage in self.stages:
             name = stage["stage"]
@@ -131,7 +135,7 @@ class SamplerChain:
             elif name == "min_p":
                 x = proc.apply_min_p(x, stage["p"], stage["min_keep"])
             elif name == "xtc" and with_xtc:
-                u = make_uniform(keys, position, XTC_STREAM, 1)
+                u = uniform_from_step_keys(step_keys, XTC_STREAM, 1)
                 x = proc.apply_xtc(x, u, stage["probability"], stage["threshold"], stage["min_keep"])
             elif name == "temperature":
                 if stage["dynatemp_range"] > 0:
@@ -140,28 +144,33 @@ class SamplerChain:
                     x = proc.apply_temperature(x, stage["value"])
         return x.astype(mx.float32)
 
-    def run_step(self, logits: mx.array, keys: mx.array, position: mx.array, state: dict):
-        """(tokens [B], the logits drawn from, the next state): a pure function of arrays."""
-        x = self.apply_stages(logits, keys, position, state)
+    def run_step(self, logits: mx.array, step_keys: mx.array, state: dict):
+        """(tokens [B], the logits drawn from, the next state): a pure function of arrays.
+        step_keys: [B, KEY_WORDS] uint32, the rows' keys at this step (rng.make_step_key_words)."""
+        x = self.apply_stages(logits, step_keys, state)
         kind, draw, state = self.draw["kind"], self.draw, dict(state)
         if kind == "greedy":
             tokens, z = sel.draw_greedy(x), x
+        elif kind == "categorical":
+            tokens, z = sel.draw_categorical(x, step_keys), x
+        elif kind == "mirostat_v2":
+            tokens, z, state["mu"] = sel.draw_mirostat_v2(x, step_keys, state["mu"], draw["tau"], draw["eta"])
+        elif kind == "mirostat_v1":
+            tokens, z, state["mu"] = sel.draw_mirostat_v1(x, step_keys, state["mu"], draw["tau"], draw["eta"])
         else:
-            gumbel = make_gumbel(keys, position, x.shape[-1])
-            if kind == "categorical":
-                tokens, z = sel.draw_categorical(x, gumbel), x
-            elif kind == "mirostat_v2":
-                tokens, z, state["mu"] = sel.draw_mirostat_v2(x, gumbel, state["mu"], draw["tau"], draw["eta"])
-            elif kind == "mirostat_v1":
-                tokens, z, state["mu"] = sel.draw_mirostat_v1(x, gumbel, state["mu"], draw["tau"], draw["eta"])
-            else:
-                decay = sel.clamp_decay(draw["decay"])
-                tokens, z, state["weight"], state["total"] = sel.draw_adaptive_p(x, gumbel, state["weight"], state["total"], draw["target"], decay)
+            decay = sel.clamp_decay(draw["decay"])
+            tokens, z, state["weight"], state["total"] = sel.draw_adaptive_p(x, step_keys, state["weight"], state["total"], draw["target"], decay)
         if self.uses_history:
             state["history"], state["suffix"] = hist.append_token(state["history"], state.get("suffix"), tokens, self.history_width is not None)
             if state["suffix"] is None:
                 del state["suffix"]
         return tokens, z, state
+
+    def run_draw(self, logits: mx.array, step_keys: mx.array, state: dict):
+        """run_step without the logits drawn from: compiled, an unused output would still be
+        written to memory ([B, V] float32 each step)."""
+        tokens, _, state = self.run_step(logits, step_keys, state)
+        return tokens, state
 
     # ---- batches ----
     def start(self, rows: list[RowKey], histories: list[list[int]] | None = None, logprobs: int = 0) -> BatchSampler:
@@ -193,8 +202,8 @@ class SamplerChain:
         Greedy: the distribution of the processed logits (the draw takes its argmax)."""
         batch = logits.shape[0]
         state = self.make_state(batch, history) if self.uses_history else {}
-        keys = mx.zeros((batch, 2), mx.uint32)
-        x = self.apply_stages(logits, keys, mx.array(0, mx.uint32), state, with_xtc=False)
+        keys = mx.zeros((batch, KEY_WORDS), mx.uint32)  # unused: no random stage runs
+        x = self.apply_stages(logits, keys, state, with_xtc=False)
         return sel.log_softmax(x)
 
     def __call__(self, logits: mx.array, rows: list[RowKey], positions: list[int]) -> mx.array:
@@ -202,8 +211,8 @@ class SamplerChain:
         if self.is_stateful:
             raise MlxcelError("this sampler chain keeps per-row state: draw through chain.start(rows, histories).sample(logits)")
         keys = self.start(rows).keys
-        position = mx.array(positions, dtype=mx.uint32)[:, None]
-        return self.run_step(logits, keys, position, {})[0]
+        step_keys = make_step_key_words(keys, mx.array(positions, dtype=mx.uint32)[:, None])[:, 0]
+        return self.run_step(logits, step_keys, {})[0]
 
 
 class BatchSampler:
@@ -211,21 +220,32 @@ class BatchSampler:
 
     def __init__(self, chain: SamplerChain, keys: mx.array, state: dict, logprobs: int = 0):
         self.chain = chain
-        self.keys = keys
+        self.keys = keys  # [B, 2] base keys
+        self.key_table: mx.array | None = None  # [KEY_TABLE_STEPS, B, KEY_WORDS] from the last multiple of it
         self.state = state
         self.top_n = logprobs
         self.step = 0
         fixed_shapes = chain.history_width is not None or not chain.uses_history
         self.compiled = fixed_shapes and should_compile(chain.compile, len(keys), chain.vocab_size)
 
+    def step_keys(self) -> mx.array:
+        """[B, KEY_WORDS]: the rows' keys at this step, a slice of the table (refilled every
+        KEY_TABLE_STEPS steps)."""
+        offset = self.step % KEY_TABLE_STEPS
+        if offset == 0 or self.key_table is None:
+            self.key_table = make_key_table(self.keys, self.step - offset, KEY_TABLE_STEPS)
+        return self.key_table[offset]
+
     def sample(self, logits: mx.array) -> Draw:
-        position = mx.array(self.step, dtype=mx.uint32)
-        run = self.chain._compiled if self.compiled else self.chain.run_step
-        tokens, z, self.state = run(logits, self.keys, position, self.state)
+        step_keys = self.step_keys()
         self.step += 1
         top_n = min(self.top_n, logits.shape[-1])
         if top_n <= 0:
+            run = self.chain._compiled_draw if self.compiled else self.chain.run_draw
+            tokens, self.state = run(logits, step_keys, self.state)
             return Draw(tokens)
+        run = self.chain._compiled if self.compiled else self.chain.run_step
+        tokens, z, self.state = run(logits, step_keys, self.state)
         lp = sel.log_softmax(z)
         top_ids = mx.argpartition(-lp, top_n - 1, axis=-1)[:, :top_n]
         return Draw(tokens, sel.take_token(lp, tokens), top_ids, mx.take_along_axis(lp, top_ids, axis=-1))

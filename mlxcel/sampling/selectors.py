@@ -1,8 +1,10 @@
 """The draws (shared/SAMPLERS.md step 10): greedy, categorical, mirostat v1/v2, adaptive-p.
 
 Every draw is Gumbel-max over the logits it samples from (an exact draw from their softmax),
-with the row's own noise. The stateful ones keep their state ([B] arrays) on the device and
-update it from the drawn token there, so decoding never waits on the host for them.
+with the row's own noise (rng.py, from the step keys [B, KEY_WORDS]): one CUDA kernel on MLX's
+CUDA backend (cuda_draw.py), the same hash and ops as an MLX graph elsewhere. The stateful ones
+keep their state ([B] arrays) on the device and update it from the drawn token there, so
+decoding never waits on the host for them.
 Each returns (tokens [B], the logits of the distribution drawn from, new state).
 """
 
@@ -12,6 +14,7 @@ import math
 
 import mlx.core as mx
 
+from mlxcel.sampling import cuda_draw
 from mlxcel.sampling.processors import (
     NEG_INF,
     remove_below,
@@ -19,6 +22,7 @@ from mlxcel.sampling.processors import (
     sort_descending,
     take_at,
 )
+from mlxcel.sampling.rng import gumbel_from_step_keys
 
 MIROSTAT_M = 100
 LN2 = math.log(2.0)
@@ -28,8 +32,14 @@ def draw_greedy(x: mx.array) -> mx.array:
     return mx.argmax(x, axis=-1)
 
 
-def draw_categorical(x: mx.array, gumbel: mx.array) -> mx.array:
-    return mx.argmax(x + gumbel, axis=-1)
+def draw_categorical(x: mx.array, step_keys: mx.array) -> mx.array:
+    if cuda_draw.is_available():
+        return cuda_draw.gumbel_max(x, step_keys)
+    return graph_gumbel_max(x, step_keys)
+
+
+def graph_gumbel_max(x: mx.array, step_keys: mx.array) -> mx.array:
+    return mx.argmax(x + gumbel_from_step_keys(step_keys, x.shape[-1]), axis=-1)
 
 
 def take_token(values: mx.array, tokens: mx.array) -> mx.array:
@@ -45,17 +55,17 @@ def surprise_bits(z: mx.array, tokens: mx.array) -> mx.array:
     return -take_token(log_softmax(z), tokens) / LN2
 
 
-def draw_mirostat_v2(x: mx.array, gumbel: mx.array, mu: mx.array, tau: float, eta: float):
+def draw_mirostat_v2(x: mx.array, step_keys: mx.array, mu: mx.array, tau: float, eta: float):
     """Keep the candidates with surprise -log2 p <= mu (the most probable at least), draw, and
     move mu by eta times the observed surprise (after renormalisation) minus tau."""
     surprise = -mx.log(mx.maximum(softmax_candidates(x), 1e-38)) / LN2
     top = mx.max(x, axis=-1, keepdims=True)
     z = mx.where((surprise <= mu[:, None]) | (x >= top), x, NEG_INF)
-    tokens = draw_categorical(z, gumbel)
+    tokens = draw_categorical(z, step_keys)
     return tokens, z, mu - eta * (surprise_bits(z, tokens) - tau)
 
 
-def draw_mirostat_v1(x: mx.array, gumbel: mx.array, mu: mx.array, tau: float, eta: float):
+def draw_mirostat_v1(x: mx.array, step_keys: mx.array, mu: mx.array, tau: float, eta: float):
     """Estimate the Zipf exponent s from the top m=100 probabilities, keep the top k =
     (e 2^mu / (1 - N^-e))^(1/s) (e = s - 1, N the vocabulary size), draw, update mu."""
     vocab = x.shape[-1]
@@ -71,7 +81,7 @@ def draw_mirostat_v1(x: mx.array, gumbel: mx.array, mu: mx.array, tau: float, et
     k = mx.where(mx.isnan(k), 1.0, mx.clip(k, 1.0, float(vocab)))  # llama.cpp: max(int(k), 1)
     k = mx.floor(k).astype(mx.int32)[:, None]
     z = remove_below(x, take_at(sort_descending(x), k))
-    tokens = draw_categorical(z, gumbel)
+    tokens = draw_categorical(z, step_keys)
     return tokens, z, mu - eta * (surprise_bits(z, tokens) - tau)
 
 
@@ -83,9 +93,9 @@ def transform_adaptive_p(x: mx.array, weight: mx.array, total: mx.array, target:
     return mx.where(x > NEG_INF, 5 - 10 * d * d / (1 + d), NEG_INF), probs
 
 
-def draw_adaptive_p(x: mx.array, gumbel: mx.array, weight: mx.array, total: mx.array, target: float, decay: float):
+def draw_adaptive_p(x: mx.array, step_keys: mx.array, weight: mx.array, total: mx.array, target: float, decay: float):
     z, probs = transform_adaptive_p(x, weight, total, target)
-    tokens = draw_categorical(z, gumbel)
+    tokens = draw_categorical(z, step_keys)
     return tokens, z, take_token(probs, tokens) + decay * weight, 1 + decay * total
 
 

@@ -21,12 +21,13 @@ from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    apply_convert_rgb,
     apply_normalize,
     apply_rescale,
     apply_resize,
-    apply_rgb_composite,
     describe_source,
     is_int,
+    is_positive_int,
     make_issue,
     parse_bool,
     parse_channel_floats,
@@ -96,10 +97,6 @@ def parse_clip_fields(raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[st
     return values
 
 
-def is_positive_int(value: object) -> bool:
-    return is_int(value) and value > 0
-
-
 def parse_size(value: object, default: SizeSpec, issues: list[ConfigIssue]) -> SizeSpec:
     """transformers' get_size_dict with default_to_square=False: an int is the shortest edge, [h, w] exact."""
     message = ("must be a positive int (shortest edge), [height, width], {shortest_edge}, "
@@ -132,22 +129,6 @@ def parse_crop_size(value: object, default: tuple[int, int], issues: list[Config
 
 
 # --- image steps, on channels-last uint8/float arrays (elementwise equal to transformers' CHW math) ---
-
-
-def apply_convert_rgb(image: Image.Image, convert: bool, source: str | None = None) -> np.ndarray:
-    """The [H, W, 3] uint8 array transformers' PIL backend starts from (alpha composited onto white)."""
-    if not isinstance(image, Image.Image):
-        raise VisionInputError(f"{describe_source(source)}: expected a PIL image, got {type(image).__name__}")
-    if image.width == 0 or image.height == 0:
-        raise VisionInputError(f"{describe_source(source)}: has no pixels ({image.width}x{image.height})")
-    if convert:
-        image = apply_rgb_composite(image)
-    array = np.array(image)
-    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8:
-        raise VisionInputError(
-            f"{describe_source(source)}: mode {image.mode} is not 8-bit RGB; set do_convert_rgb to true or convert it"
-        )
-    return array
 
 
 def plan_resize_size(height: int, width: int, size: SizeSpec) -> tuple[int, int]:

@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.vision.images import VisionInputError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -103,6 +104,28 @@ def apply_rgb_composite(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def apply_convert_rgb(image: Image.Image, convert: bool, source: str | None = None, max_input_pixels: int | None = None) -> np.ndarray:
+    """The [H, W, 3] uint8 array transformers' PIL backend starts from (alpha composited onto white);
+    with `max_input_pixels`, larger images are refused before any pixel work."""
+    if not isinstance(image, Image.Image):
+        raise VisionInputError(f"{describe_source(source)}: expected a PIL image, got {type(image).__name__}")
+    if image.width == 0 or image.height == 0:
+        raise VisionInputError(f"{describe_source(source)}: has no pixels ({image.width}x{image.height})")
+    if max_input_pixels is not None and image.width * image.height > max_input_pixels:
+        raise VisionInputError(
+            f"{describe_source(source)}: {image.width}x{image.height} is {image.width * image.height / 1e6:.1f} "
+            f"megapixels, above the limit of {max_input_pixels / 1e6:g}; downscale it first"
+        )
+    if convert:
+        image = apply_rgb_composite(image)
+    array = np.array(image)
+    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8:
+        raise VisionInputError(
+            f"{describe_source(source)}: mode {image.mode} is not 8-bit RGB; set do_convert_rgb to true or convert it"
+        )
+    return array
 
 
 def apply_resize(image: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:

@@ -31,8 +31,8 @@ from PIL import Image
 
 from mlxcel.errors import ConfigIssue, MlxcelError
 from mlxcel.vision.images import VisionInputError
-from mlxcel.vision.processors.clip import apply_convert_rgb
 from mlxcel.vision.processors.common import (
+    apply_convert_rgb,
     apply_normalize,
     apply_rescale,
     apply_resize,

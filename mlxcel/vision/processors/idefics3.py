@@ -31,12 +31,14 @@ from PIL import Image
 
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.vision.images import VisionInputError
-from mlxcel.vision.processors.clip import SizeSpec, apply_convert_rgb, is_positive_int
+from mlxcel.vision.processors.clip import SizeSpec
 from mlxcel.vision.processors.common import (
+    apply_convert_rgb,
     apply_normalize,
     apply_rescale,
     apply_resize,
     describe_source,
+    is_positive_int,
     make_issue,
     parse_bool,
     parse_channel_floats,

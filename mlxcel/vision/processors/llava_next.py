@@ -22,12 +22,18 @@ from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.clip import (
     ClipImageConfig,
     apply_clip_steps,
-    apply_convert_rgb,
     check_token_args,
-    is_positive_int,
     parse_clip_fields,
 )
-from mlxcel.vision.processors.common import apply_resize, make_issue, parse_bool, raise_config_issues, read_preprocessor_json
+from mlxcel.vision.processors.common import (
+    apply_convert_rgb,
+    apply_resize,
+    is_positive_int,
+    make_issue,
+    parse_bool,
+    raise_config_issues,
+    read_preprocessor_json,
+)
 
 DEFAULT_GRID_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 

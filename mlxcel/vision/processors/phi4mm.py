@@ -45,8 +45,8 @@ from PIL import Image
 
 from mlxcel.errors import ConfigIssue
 from mlxcel.vision.images import VisionInputError
-from mlxcel.vision.processors.clip import apply_convert_rgb
 from mlxcel.vision.processors.common import (
+    apply_convert_rgb,
     describe_source,
     is_positive_int,
     make_issue,

@@ -26,11 +26,13 @@ import numpy as np
 from PIL import Image
 
 from mlxcel.errors import ConfigIssue
+from mlxcel.vision.images import MAX_IMAGE_PIXELS as MAX_INPUT_PIXELS
 from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.clip import apply_center_crop, parse_crop_size
 from mlxcel.vision.processors.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    apply_convert_rgb,
     apply_normalize,
     apply_rescale,
     apply_resize,
@@ -44,7 +46,6 @@ from mlxcel.vision.processors.common import (
     raise_config_issues,
     read_preprocessor_json,
 )
-from mlxcel.vision.processors.qwen2_vl import MAX_INPUT_PIXELS, apply_convert_rgb
 
 BOOL_KEYS = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb")
 # Token names PixtralProcessor uses unless processor_config.json renames them.

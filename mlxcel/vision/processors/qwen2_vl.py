@@ -23,10 +23,10 @@ from mlxcel.vision.images import MAX_IMAGE_PIXELS, VisionInputError
 from mlxcel.vision.processors.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    apply_convert_rgb,
     apply_normalize,
     apply_rescale,
     apply_resize,
-    apply_rgb_composite,
     describe_source,
     is_int,
     make_issue,
@@ -177,27 +177,6 @@ def count_image_tokens(grid_thw, merge_size: int) -> int:
 
 
 # --- image steps, on channels-last uint8/float arrays (elementwise equal to transformers' CHW math) ---
-
-
-def apply_convert_rgb(image: Image.Image, convert: bool, source: str | None, max_input_pixels: int) -> np.ndarray:
-    """The [H, W, 3] uint8 array transformers' PIL backend starts from (alpha composited onto white)."""
-    if not isinstance(image, Image.Image):
-        raise VisionInputError(f"{describe_source(source)}: expected a PIL image, got {type(image).__name__}")
-    if image.width == 0 or image.height == 0:
-        raise VisionInputError(f"{describe_source(source)}: has no pixels ({image.width}x{image.height})")
-    if image.width * image.height > max_input_pixels:
-        raise VisionInputError(
-            f"{describe_source(source)}: {image.width}x{image.height} is {image.width * image.height / 1e6:.1f} "
-            f"megapixels, above the limit of {max_input_pixels / 1e6:g}; downscale it first"
-        )
-    if convert:
-        image = apply_rgb_composite(image)
-    array = np.array(image)
-    if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8:
-        raise VisionInputError(
-            f"{describe_source(source)}: mode {image.mode} is not 8-bit RGB; set do_convert_rgb to true or convert it"
-        )
-    return array
 
 
 def apply_patchify(image: np.ndarray, config: Qwen2VLImageConfig) -> tuple[np.ndarray, tuple[int, int, int]]:

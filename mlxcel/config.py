@@ -18,7 +18,7 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from mlxcel.errors import ConfigError, ConfigIssue
@@ -178,13 +178,26 @@ class ContentPart(Group):
         return self
 
 
+def pick_content_kind(value: Any) -> str:
+    return "parts" if isinstance(value, list) else "none" if value is None else "text"
+
+
+# Text or a list of parts, told apart by the value's type, so a bad part reports its own error
+# only (a plain union would also report "must be a string" for every list).
+CONTENT_TAGS = ("text", "parts", "none")
+MessageContent = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[list[ContentPart], Tag("parts")], Annotated[None, Tag("none")]],
+    Discriminator(pick_content_kind),
+]
+
+
 class Message(Group):
     """A chat message as transformers' templates take it: tool calls on an assistant message,
     and `tool_call_id` / `name` on a tool result. Content is text, or a list of text and image
     parts."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: MessageContent = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: [{"type": "function", "function": {"name", "arguments"}}]
     tool_call_id: str | None = None  # tool: which call this answers
     name: str | None = None  # tool: the function's name
@@ -391,8 +404,13 @@ _TYPE_NAMES = {
 _BOUNDS = {Gt: ("gt", ">"), Ge: ("ge", ">="), Lt: ("lt", "<"), Le: ("le", "<=")}
 
 
+def drop_union_tags(loc: tuple) -> tuple:
+    """A message's `content.parts.0.path` is `content.0.path` to the user (CONTENT_TAGS)."""
+    return tuple(part for i, part in enumerate(loc) if not (i and loc[i - 1] == "content" and part in CONTENT_TAGS))
+
+
 def format_error(root: type[BaseModel] | None, err: dict, prefix: tuple) -> ConfigIssue:
-    loc, kind, value = tuple(err["loc"]), err["type"], err.get("input")
+    loc, kind, value = drop_union_tags(tuple(err["loc"])), err["type"], err.get("input")
     ctx = err.get("ctx") or {}
     if kind == "mlxcel":
         field, message, given = ctx["mlxcel"]

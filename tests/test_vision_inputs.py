@@ -55,3 +55,20 @@ def test_text_only_model_given_an_image_fails_that_row_only(tmp_path, tiny_llama
     assert got[("parts", 0)]["token_ids"] == got[("plain", 0)]["token_ids"] and len(got[("plain", 0)]["token_ids"]) == 6
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 0 and stats["finish_reasons"] == {"error": 1, "length": 2}
+
+
+@pytest.mark.parametrize(
+    "part, path, message",
+    [
+        ({"type": "image"}, "prompt.messages.0.content.1.path", "an image part needs 'path'"),
+        ({"type": "imgae", "path": "a.jpg"}, "prompt.messages.0.content.1.type", "must be one of: text, image"),
+    ],
+)
+def test_a_bad_part_is_one_issue_at_its_own_path(part, path, message):
+    """Only the part's own error, not also "content must be a string" from the text form."""
+    from mlxcel.config import format_errors
+
+    with pytest.raises(ValidationError) as caught:
+        Message(role="user", content=[{"type": "text", "text": "hi"}, part])
+    issues = format_errors(Message, caught.value.errors(), ("prompt", "messages", 0))
+    assert [(i.path, i.message) for i in issues] == [(path, message)]

@@ -308,7 +308,7 @@ def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path
 def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_path, odd_images):
     """An image row, a text row, a two-image conversation and a missing image in one batch: the
     bad row fails alone, every good row gives its tokens alone."""
-    from tests.test_batch_jobs import by_key, write_rows
+    from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
 
     folder, _ = checkpoint("mistral")
     rows = [
@@ -318,15 +318,6 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
             {"type": "image", "path": str(odd_images["gray"])}, {"type": "text", "text": "and"}, {"type": "image", "path": str(photo_path)}]}]},
         {"id": "missing", "prompt": "Describe it.", "images": [str(tmp_path / "nope.png")]},
     ]
-    common = ("model=mistral3", f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true", "prompt=jsonl")
-    (tmp_path / "batch").mkdir()
-    result = run_cli(tmp_path / "batch", *common, f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "runner.batch_size=4")
-    assert result.returncode == 0, result.stderr
-    got = by_key(read_rows(tmp_path / "batch" / "run"))
-    assert got[("missing", 0)]["finish_reason"] == "error" and "nope.png: no such file" in got[("missing", 0)]["error"]
-    for row in rows[:3]:
-        (tmp_path / row["id"]).mkdir()
-        alone = run_cli(tmp_path / row["id"], *common, f"prompt.file={write_rows(tmp_path / (row['id'] + '.jsonl'), [row])}")
-        assert alone.returncode == 0, alone.stderr
-        assert got[(row["id"], 0)]["token_ids"] == read_rows(tmp_path / row["id"] / "run")[0]["token_ids"], row["id"]
+    args = ("model=mistral3", f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true")
+    got = assert_batch_rows_equal_their_runs_alone(tmp_path, args, rows, {"missing": "nope.png: no such file"})
     assert got[("two", 0)]["prompt_token_ids"].count(IMG) > 36  # both images expanded

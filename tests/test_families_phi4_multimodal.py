@@ -28,8 +28,9 @@ from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import expand_placeholders, is_vision_model, merge_embeddings
 from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, mlxcel_generate, save_widened
-from tests.test_batch_jobs import by_key, read_rows, write_rows
+from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
+from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -325,18 +326,8 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
             {"type": "image", "path": str(odd_images["gray"])}, {"type": "text", "text": "and"}, {"type": "image", "path": str(photo_path)}]}]},
         {"id": "missing", "prompt": "Describe it.", "images": [str(tmp_path / "nope.png")]},
     ]
-    common = ("model=phi4_multimodal", f"model.path={folder}", "model.max_context=4096", f"decode.max_tokens={MAX_TOKENS}",
-              "decode.ignore_eos=true", "prompt=jsonl")
-    (tmp_path / "batch").mkdir()
-    result = run_cli(tmp_path / "batch", *common, f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "runner.batch_size=4")
-    assert result.returncode == 0, result.stderr
-    got = by_key(read_rows(tmp_path / "batch" / "run"))
-    assert got[("missing", 0)]["finish_reason"] == "error" and "nope.png: no such file" in got[("missing", 0)]["error"]
-    for row in rows[:3]:
-        (tmp_path / row["id"]).mkdir()
-        alone = run_cli(tmp_path / row["id"], *common, f"prompt.file={write_rows(tmp_path / (row['id'] + '.jsonl'), [row])}")
-        assert alone.returncode == 0, alone.stderr
-        assert got[(row["id"], 0)]["token_ids"] == read_rows(tmp_path / row["id"] / "run")[0]["token_ids"], row["id"]
+    args = ("model=phi4_multimodal", f"model.path={folder}", "model.max_context=4096", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true")
+    assert_batch_rows_equal_their_runs_alone(tmp_path, args, rows, {"missing": "nope.png: no such file"})
 
 
 def test_quantized_model_keeps_the_vision_adapter(checkpoint, loaded, images):

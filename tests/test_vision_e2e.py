@@ -14,6 +14,7 @@ from tests.test_batch_jobs import by_key, read_rows, write_rows
 from tests.test_cli_run import run_cli
 from tests.test_families_qwen2_vl import TEXT
 from tests.test_families_qwen2_vl_images import PREPROCESSOR, VISION
+from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -97,20 +98,10 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, vlm, photo_path, odd_
             {"type": "text", "text": " with "}, {"type": "image", "path": str(photo_path)}]}]},
         {"id": "missing", "prompt": "Describe it.", "images": [str(tmp_path / "nope.jpg")]},
     ]
-    batch_dir, alone_dir = tmp_path / "batch", tmp_path / "alone"
-    batch_dir.mkdir(), alone_dir.mkdir()
-    result = run_cli(batch_dir, *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "runner.batch_size=4"))
-    assert result.returncode == 0, result.stderr
-    got = by_key(read_rows(batch_dir / "run"))
-    assert got[("missing", 0)]["finish_reason"] == "error" and "nope.jpg: no such file" in got[("missing", 0)]["error"]
-    for row in rows[:3]:
-        (alone_dir / row["id"]).mkdir()
-        alone = run_cli(alone_dir / row["id"], *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / (row['id'] + '.jsonl'), [row])}"))
-        assert alone.returncode == 0, alone.stderr
-        assert got[(row["id"], 0)]["token_ids"] == read_rows(alone_dir / row["id"] / "run")[0]["token_ids"], row["id"]
+    got = assert_batch_rows_equal_their_runs_alone(tmp_path, run_args(folder), rows, {"missing": "nope.jpg: no such file"})
     two = got[("two", 0)]
     assert two["token_ids"] == reference_generate(folder, reference, two["prompt_token_ids"], [str(odd_images["rgba"]), str(photo_path)])
-    stats = json.loads((batch_dir / "run" / "stats.json").read_text())
+    stats = json.loads((tmp_path / "batch" / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 56 + 56 + 15 and stats["finish_reasons"] == {"error": 1, "length": 3}
 
 
@@ -148,7 +139,9 @@ def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_
     (DESIGN.md): each <|image_pad|> of the rendered text becomes grid.prod() // merge^2 copies,
     with the grids from transformers' own Pillow image processor, then the tokenizer encodes."""
     from transformers.image_utils import load_image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     folder, _ = vlm
     paths = [str(odd_images["rgba"]), str(photo_path)]

@@ -14,9 +14,18 @@ import pytest
 
 from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import save_widened
-from tests.test_batch_jobs import by_key, read_rows, write_rows
+from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
-from tests.test_families_llava import CLIP_PROCESSOR, IMAGE, NEXT_PROCESSOR, PINPOINTS, TEXT, VISION, image_runs
+from tests.test_families_llava import (
+    CLIP_PROCESSOR,
+    IMAGE,
+    NEXT_PROCESSOR,
+    PINPOINTS,
+    TEXT,
+    VISION,
+    image_runs,
+)
+from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -151,18 +160,8 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
             {"type": "text", "text": " with "}, {"type": "image", "path": str(photo_path)}]}]},
         {"id": "unreadable", "prompt": "Describe it.", "images": [str(unreadable)]},
     ]
-    batch_dir, alone_dir = tmp_path / "batch", tmp_path / "alone"
-    batch_dir.mkdir(), alone_dir.mkdir()
-    result = run_cli(batch_dir, *run_args(kind, folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "runner.batch_size=4"))
-    assert result.returncode == 0, result.stderr
-    got = by_key(read_rows(batch_dir / "run"))
-    bad = got[("unreadable", 0)]
-    assert bad["finish_reason"] == "error" and f"{unreadable}: not an image Pillow can read" in bad["error"]
+    got = assert_batch_rows_equal_their_runs_alone(tmp_path, run_args(kind, folder), rows, {"unreadable": f"{unreadable}: not an image Pillow can read"})
     for row in rows[:3]:
-        (alone_dir / row["id"]).mkdir()
-        alone = run_cli(alone_dir / row["id"], *run_args(kind, folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / (row['id'] + '.jsonl'), [row])}"))
-        assert alone.returncode == 0, alone.stderr
-        assert got[(row["id"], 0)]["token_ids"] == read_rows(alone_dir / row["id"] / "run")[0]["token_ids"], row["id"]
         assert got[(row["id"], 0)]["finish_reason"] == "length" and len(got[(row["id"], 0)]["token_ids"]) == MAX_TOKENS
 
     # the two-image conversation: ids as LlavaNextProcessor makes them, tokens as transformers generates them
@@ -176,5 +175,5 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
     assert two["token_ids"] == reference_generate(kind, folder, reference, two["prompt_token_ids"], paths)
     assert got[("text", 0)]["prompt_token_ids"].count(IMAGE) == 0
 
-    stats = json.loads((batch_dir / "run" / "stats.json").read_text())
+    stats = json.loads((tmp_path / "batch" / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 72 + sum(counts) and stats["finish_reasons"] == {"error": 1, "length": 3}

@@ -350,3 +350,21 @@ def test_original_remote_code_layout_names_the_transformers_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi4mm", "architectures": ["Phi4MMForCausalLM"]}))
     with pytest.raises(MlxcelError, match=r"'phi4mm' is the original remote-code layout.*--revision refs/pr/70"):
         load_model(str(tmp_path))
+
+
+def test_image_prompt_in_pieces_equals_one_piece(checkpoint, loaded, images):
+    """Prefilled in 256-token pieces (the adapter merged per piece) or whole: the same tokens."""
+    from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+    from mlxcel.sampling import Sampler
+
+    folder, _ = checkpoint
+    ids = tokenize(folder, "<|user|><|image|>Describe it.<|end|><|assistant|>")
+    inputs = loaded.preprocess_images(images[:1], ["photo"])
+    expanded = expand_placeholders(ids, IMAGE, inputs.token_counts)
+    engine = DirectEngine(loaded, max_context=4096)
+    results = {}
+    for chunk in (256, 4096):
+        state = engine.generate(GenerationRequest([RowRequest(expanded, images=inputs)], Sampler("greedy"), max_tokens=12, chunk_size=chunk))
+        results[chunk] = state.results[0].token_ids
+        assert len(state.timings.prefill_pieces) == (-(-len(expanded) // chunk))
+    assert results[256] == results[4096] and len(set(results[256])) >= 2

@@ -79,6 +79,12 @@ def count_feature_layers(num_layers: int, feature_layer: object) -> int:
     return index
 
 
+def find_target(layer: nn.Module, path: str) -> nn.Module:
+    """A decoder layer's projection named by a LORA_TARGETS path ("self_attn.qkv_proj")."""
+    parent, name = path.split(".")
+    return getattr(getattr(layer, parent), name)
+
+
 def pool_features(features: mx.array, side: int) -> mx.array:
     """[F, side*side, D] -> [F, ceil(side/2), ceil(side/2), D]: 2x2 average pooling, an odd grid
     first reflection-padded by one row and column (transformers' ReflectionPad2d((0, 1, 0, 1)))."""
@@ -155,10 +161,9 @@ class Model(phi3.Model):
         for layer in self.model.layers:
             for path in LORA_TARGETS:
                 parent, name = path.split(".")
-                module = getattr(layer, parent)
-                old = getattr(module, name)
+                old = find_target(layer, path)
                 out_dims, in_dims = old.weight.shape
-                setattr(module, name, make_lora_linear(in_dims, out_dims, "bias" in old, self.lora_control))
+                setattr(getattr(layer, parent), name, make_lora_linear(in_dims, out_dims, "bias" in old, self.lora_control))
         self.image_embed = ImageEmbedding(args.vision, args.text.hidden_size)
         self._folder: Path | None = None
         self._image_config: processor.Phi4ImageConfig | None = None
@@ -197,11 +202,7 @@ class Model(phi3.Model):
         """The vision LoRA adapter (`vision-lora/` beside the weights), read once."""
         if self._lora_loaded:
             return
-        layers = {
-            f"model.layers.{i}.{path}": getattr(getattr(layer, path.split(".")[0]), path.split(".")[1])
-            for i, layer in enumerate(self.model.layers)
-            for path in LORA_TARGETS
-        }
+        layers = {f"model.layers.{i}.{path}": find_target(layer, path) for i, layer in enumerate(self.model.layers) for path in LORA_TARGETS}
         if self._folder is None:
             raise MlxcelError("phi4_multimodal: images need the vision LoRA adapter, but the model was not loaded from a folder")
         load_peft_adapter(self._folder / ADAPTER_FOLDER, layers, self.model.norm.weight.dtype)

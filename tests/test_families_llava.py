@@ -27,6 +27,7 @@ from tests.family_fixtures import (
     reference_logits,
     save_widened,
 )
+from tests.vision_fixtures import mlxcel_greedy_after
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -136,13 +137,6 @@ def mlxcel_image_prefill(model, ids: list[int], images) -> tuple[list[int], np.n
     embeddings = merge_embeddings(model.embed_tokens(mx.array([expanded])), expanded, model.image_token_id, model.encode_images(inputs))
     cache = model.make_cache()
     return expanded, np.array(model.forward_with_embeddings(embeddings, cache)[0]), cache
-
-
-def mlxcel_greedy_after(model, logits: np.ndarray, cache, n: int) -> list[int]:
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < n:
-        tokens.append(int(mx.argmax(model(mx.array([tokens[-1]])[None], cache)[0, -1]).item()))
-    return tokens
 
 
 @pytest.mark.parametrize("name", ["llava", "llava-full", "next", "next-mistral"])

@@ -32,6 +32,10 @@ from tests.family_fixtures import (
 )
 from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
+from tests.vision_fixtures import (
+    assert_batch_rows_equal_their_runs_alone,
+    mlxcel_greedy_after,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -144,13 +148,6 @@ def mlxcel_image_prefill(model, ids: list[int], images) -> tuple[list[int], np.n
     embeddings = merge_embeddings(model.embed_tokens(mx.array([expanded])), expanded, IMG, model.encode_images(inputs))
     cache = model.make_cache()
     return expanded, np.array(model.forward_with_embeddings(embeddings, cache)[0]), cache
-
-
-def mlxcel_greedy_after(model, logits: np.ndarray, cache, n: int) -> list[int]:
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < n:
-        tokens.append(int(mx.argmax(model(mx.array([tokens[-1]])[None], cache)[0, -1]).item()))
-    return tokens
 
 
 TWO_IMAGES = "[INST]Compare [IMG] with [IMG] today, how are you?[/INST]"
@@ -308,8 +305,6 @@ def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path
 def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_path, odd_images):
     """An image row, a text row, a two-image conversation and a missing image in one batch: the
     bad row fails alone, every good row gives its tokens alone."""
-    from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
-
     folder, _ = checkpoint("mistral")
     rows = [
         {"id": "photo", "prompt": "Describe it.", "images": [str(photo_path)]},

@@ -30,7 +30,10 @@ from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, mlxcel_generate, save_widened
 from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
-from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
+from tests.vision_fixtures import (
+    assert_batch_rows_equal_their_runs_alone,
+    mlxcel_greedy_after,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -134,13 +137,6 @@ def mlxcel_image_prefill(model, ids: list[int], images):
     mx.eval(logits)
     model.after_prefill()
     return expanded, inputs, np.array(logits[0]), cache
-
-
-def mlxcel_greedy_after(model, logits: np.ndarray, cache, n: int) -> list[int]:
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < n:
-        tokens.append(int(mx.argmax(model(mx.array([tokens[-1]])[None], cache)[0, -1]).item()))
-    return tokens
 
 
 TWO_IMAGES = "<|user|>Compare <|image|> with <|image|> today, how are you?<|end|><|assistant|>"

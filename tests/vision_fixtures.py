@@ -1,8 +1,11 @@
-"""What the VLM families' end-to-end tests share: a mixed JSONL batch through mlxcel-run."""
+"""What the VLM families' tests share: greedy decoding after an image prefill, a mixed JSONL batch through mlxcel-run."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
 
 from tests.test_batch_jobs import by_key, read_rows, write_rows
 from tests.test_cli_run import run_cli
@@ -27,3 +30,11 @@ def assert_batch_rows_equal_their_runs_alone(tmp_path: Path, args: tuple[str, ..
         assert alone.returncode == 0, alone.stderr
         assert got[key]["token_ids"] == read_rows(tmp_path / "alone" / row["id"] / "run")[0]["token_ids"], row["id"]
     return got
+
+
+def mlxcel_greedy_after(model, logits: np.ndarray, cache, n: int) -> list[int]:
+    """n greedy tokens: the first from a prefill's logits [L, V], the rest decoded on its cache."""
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < n:
+        tokens.append(int(mx.argmax(model(mx.array([tokens[-1]])[None], cache)[0, -1]).item()))
+    return tokens

@@ -44,7 +44,6 @@ from mlxcel.vision.processors.phi4mm import (
     Phi4ImageConfig,
     apply_bicubic_resize,
     apply_rescale_normalize,
-    load_phi4mm_config,
     make_hd_image,
     plan_hd,
     preprocess_image,
@@ -353,7 +352,7 @@ def test_config_file_and_defaults(tmp_path):
         '{"image_processor_type": "Phi4MultimodalImageProcessor", "dynamic_hd": 16, "size": {"height": 448, "width": 448},'
         ' "audio_compression_rate": 8, "do_resize": null}'
     )
-    config = load_phi4mm_config(tmp_path)
+    config = Phi4ImageConfig.load(tmp_path)
     assert config == Phi4ImageConfig(dynamic_hd=16)
     assert (config.mask_size, config.base_size) == (32, 16)
 

@@ -203,7 +203,7 @@ def configured(request, tmp_path_factory):
     (folder / "preprocessor_config.json").write_text(json.dumps(CONFIGS[request.param]))
     oracle = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
     assert type(oracle).__name__ == "PixtralImageProcessorPil"
-    return pixtral.load_pixtral_config(folder), oracle
+    return pixtral.PixtralImageConfig.load(folder), oracle
 
 
 def assert_same(ours, oracle_out):

@@ -16,7 +16,6 @@ from mlxcel.vision.images import VisionInputError, load_image
 from mlxcel.vision.processors.qwen2_vl import (
     Qwen2VLImageConfig,
     count_image_tokens,
-    load_qwen2_vl_config,
     preprocess_image,
     preprocess_images,
     smart_resize,
@@ -50,7 +49,7 @@ def configured(request, tmp_path_factory):
     (folder / "preprocessor_config.json").write_text(json.dumps(CONFIGS[request.param]))
     oracle = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
     assert type(oracle).__name__ == "Qwen2VLImageProcessorPil"
-    return load_qwen2_vl_config(folder), oracle
+    return Qwen2VLImageConfig.load(folder), oracle
 
 
 def run_oracle(oracle, images):

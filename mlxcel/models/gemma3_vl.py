@@ -143,7 +143,7 @@ class Model(gemma3.Model):
             path = folder / "preprocessor_config.json"
             if not path.is_file():
                 raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
-            config = gemma3_processor.load_gemma3_config(path)
+            config = gemma3_processor.Gemma3ImageConfig.load(path)
             size = self.vision_tower.args.image_size
             if config.do_resize and config.size != (size, size):
                 raise MlxcelError(f"{path}: size {config.size} disagrees with the vision tower's {size}x{size} (vision_config.image_size)")

@@ -146,7 +146,7 @@ class Model(OverTextModel, nn.Module):
         path = folder / "preprocessor_config.json"
         if not path.is_file():
             raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
-        config = processor.load_idefics3_config(path)
+        config = processor.Idefics3ImageConfig.load(path)
         size = self.idefics3_args.vision.image_size
         if config.max_image_size != size:
             raise MlxcelError(

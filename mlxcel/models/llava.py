@@ -174,8 +174,8 @@ class Model(OverTextModel, nn.Module):
         if not path.is_file():
             raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
         if not self.is_next:
-            return clip.load_clip_config(path)
-        config = llava_next.load_llava_next_config(path)
+            return clip.ClipImageConfig.load(path)
+        config = llava_next.LlavaNextImageConfig.load(path)
         pinpoints = tuple(tuple(p) for p in self.llava_args.image_grid_pinpoints)
         if config.image_grid_pinpoints != pinpoints:
             raise MlxcelError(

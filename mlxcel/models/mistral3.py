@@ -194,7 +194,7 @@ class Model(OverTextModel, nn.Module):
         path = folder / "preprocessor_config.json"
         if not path.is_file():
             raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
-        image_config = pixtral.load_pixtral_config(path)  # a ConfigError (an MlxcelError) names bad keys
+        image_config = pixtral.PixtralImageConfig.load(path)  # a ConfigError (an MlxcelError) names bad keys
         names = {"image_token": pixtral.IMAGE_TOKEN, "image_break_token": pixtral.IMAGE_BREAK_TOKEN, "image_end_token": pixtral.IMAGE_END_TOKEN}
         resize_patch = self.model_patch
         processor_path = folder / "processor_config.json"

@@ -188,7 +188,7 @@ class Model(phi3.Model):
             path = folder / "preprocessor_config.json"
             if not path.is_file():
                 raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
-            config = processor.load_phi4mm_config(path)
+            config = processor.Phi4ImageConfig.load(path)
             vision = self.phi4_args.vision
             if (config.size, config.patch_size) != (vision.image_size, vision.patch_size):
                 raise MlxcelError(

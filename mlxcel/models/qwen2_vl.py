@@ -110,7 +110,7 @@ class Model(llama.Model):
         path = folder / "preprocessor_config.json"
         if not path.is_file():
             raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
-        config = processor.load_qwen2_vl_config(path)
+        config = processor.Qwen2VLImageConfig.load(path)
         check_processor_matches_tower(config, self.visual, path)
         return config
 

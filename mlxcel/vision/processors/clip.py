@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    ImageConfig,
     apply_convert_rgb,
     apply_normalize,
     apply_rescale,
@@ -33,8 +33,6 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
-    raise_config_issues,
-    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb")
@@ -52,7 +50,7 @@ class SizeSpec:
 
 
 @dataclass(frozen=True)
-class ClipImageConfig:
+class ClipImageConfig(ImageConfig):
     """preprocessor_config.json of a CLIP image processor; defaults are transformers' class defaults."""
 
     do_resize: bool = True
@@ -68,17 +66,8 @@ class ClipImageConfig:
     do_convert_rgb: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ClipImageConfig:
-        """Parse the json dict; unknown keys (image_processor_type, ...) are ignored, bad values raise ConfigError."""
-        issues: list[ConfigIssue] = []
-        values = parse_clip_fields(raw, issues)
-        raise_config_issues(issues)
-        return cls(**values)
-
-
-def load_clip_config(path: str | Path) -> ClipImageConfig:
-    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    return ClipImageConfig.from_dict(read_preprocessor_json(path))
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
+        return parse_clip_fields(raw, issues)
 
 
 # --- parsing: each parser appends ConfigIssues and returns the parsed value (or the default) ---

@@ -150,6 +150,33 @@ def read_preprocessor_json(path: str | Path) -> dict[str, Any]:
     return json.loads((path / "preprocessor_config.json" if path.is_dir() else path).read_text())
 
 
+class ImageConfig:
+    """What the processors' frozen config dataclasses share: each family's `parse_fields(raw,
+    issues)` gives the constructor's values, appending a ConfigIssue per bad key; `from_dict`
+    raises them all at once (unknown keys ignored, JSON null = the default)."""
+
+    @classmethod
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]):
+        issues: list[ConfigIssue] = []
+        values = cls.parse_fields(raw, issues)
+        raise_config_issues(issues)
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | Path):
+        """From a preprocessor_config.json file or the checkpoint folder holding one."""
+        return cls.from_dict(read_preprocessor_json(path))
+
+    @classmethod
+    def coerce(cls, config):
+        """A config, or the dict of one."""
+        return config if isinstance(config, cls) else cls.from_dict(config)
+
+
 def raise_config_issues(issues: list[ConfigIssue]) -> None:
     """Every bad key of a preprocessor config at once, as one ConfigError."""
     if issues:

@@ -23,7 +23,6 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ from PIL import Image
 from mlxcel.errors import ConfigIssue, MlxcelError
 from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.common import (
+    ImageConfig,
     apply_convert_rgb,
     apply_normalize,
     apply_rescale,
@@ -44,8 +44,6 @@ from mlxcel.vision.processors.common import (
     parse_positive_int,
     parse_resample,
     parse_rescale_factor,
-    raise_config_issues,
-    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_pan_and_scan")
@@ -60,7 +58,7 @@ PAN_AND_SCAN_CROPS = " and here are some crops to help you see better "
 
 
 @dataclass(frozen=True)
-class Gemma3ImageConfig:
+class Gemma3ImageConfig(ImageConfig):
     """preprocessor_config.json of a Gemma 3 image processor. Defaults: Gemma3ImageProcessorPil's,
     and for pan-and-scan Gemma3Processor's (the Hub files leave those keys null)."""
 
@@ -80,18 +78,8 @@ class Gemma3ImageConfig:
     image_seq_length: int | None = None  # soft tokens per image, when the file says (256)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Gemma3ImageConfig:
-        """Parse the json dict; unknown keys (image_processor_type, processor_class, ...) are
-        ignored, JSON null means the default, bad values raise one ConfigError naming each."""
-        issues: list[ConfigIssue] = []
-        values = parse_gemma3_fields(raw, issues)
-        raise_config_issues(issues)
-        return cls(**values)
-
-
-def load_gemma3_config(path: str | Path) -> Gemma3ImageConfig:
-    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    return Gemma3ImageConfig.from_dict(read_preprocessor_json(path))
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
+        return parse_gemma3_fields(raw, issues)
 
 
 # --- parsing ---

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.clip import SizeSpec
 from mlxcel.vision.processors.common import (
+    ImageConfig,
     apply_convert_rgb,
     apply_normalize,
     apply_rescale,
@@ -44,8 +44,6 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
-    raise_config_issues,
-    read_preprocessor_json,
 )
 
 IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
@@ -56,7 +54,7 @@ BOOL_KEYS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_im
 
 
 @dataclass(frozen=True)
-class Idefics3ImageConfig:
+class Idefics3ImageConfig(ImageConfig):
     """preprocessor_config.json of an Idefics3 / SmolVLM image processor; defaults are
     Idefics3ImageProcessorPil's class defaults (Idefics3-8B-Llama3's values)."""
 
@@ -74,10 +72,9 @@ class Idefics3ImageConfig:
     do_pad: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Idefics3ImageConfig:
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
         """Parse the json dict; unknown keys (image_processor_type, ...) are ignored, JSON null means
         the default, bad values raise one ConfigError listing them all."""
-        issues: list[ConfigIssue] = []
         defaults = {f.name: f.default for f in fields(cls)}
         values: dict[str, Any] = {key: parse_bool(raw, key, defaults[key], issues) for key in BOOL_KEYS}
         values["size"] = parse_size(raw.get("size"), defaults["size"], issues)
@@ -86,13 +83,7 @@ class Idefics3ImageConfig:
         values["image_mean"] = parse_channel_floats(raw, "image_mean", defaults["image_mean"], issues, positive=False)
         values["image_std"] = parse_channel_floats(raw, "image_std", defaults["image_std"], issues, positive=True)
         values["max_image_size"] = parse_max_image_size(raw.get("max_image_size"), defaults["max_image_size"], issues)
-        raise_config_issues(issues)
-        return cls(**values)
-
-
-def load_idefics3_config(path: str | Path) -> Idefics3ImageConfig:
-    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    return Idefics3ImageConfig.from_dict(read_preprocessor_json(path))
+        return values
 
 
 def parse_size(value: object, default: SizeSpec, issues: list[ConfigIssue]) -> SizeSpec:

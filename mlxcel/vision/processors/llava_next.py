@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,6 @@ from mlxcel.vision.processors.common import (
     is_positive_int,
     make_issue,
     parse_bool,
-    raise_config_issues,
-    read_preprocessor_json,
 )
 
 DEFAULT_GRID_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
@@ -46,13 +43,11 @@ class LlavaNextImageConfig(ClipImageConfig):
     do_pad: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> LlavaNextImageConfig:
-        issues: list[ConfigIssue] = []
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
         values = parse_clip_fields(raw, issues)
         values["image_grid_pinpoints"] = parse_pinpoints(raw.get("image_grid_pinpoints"), issues)
         values["do_pad"] = parse_bool(raw, "do_pad", True, issues)
-        raise_config_issues(issues)
-        return cls(**values)
+        return values
 
     @property
     def base_size(self) -> tuple[int, int]:
@@ -72,11 +67,6 @@ class LlavaNextBatch:
     pixel_values: np.ndarray  # [n_images, max_patches, 3, H, W] float32
     image_sizes: np.ndarray  # [n_images, 2] int64: original (height, width)
     patch_counts: list[int]  # real tiles per image (base tile included); the rest is zero padding
-
-
-def load_llava_next_config(path: str | Path) -> LlavaNextImageConfig:
-    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    return LlavaNextImageConfig.from_dict(read_preprocessor_json(path))
 
 
 def parse_pinpoints(value: object, issues: list[ConfigIssue]) -> tuple[tuple[int, int], ...]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +45,7 @@ from PIL import Image
 from mlxcel.errors import ConfigIssue
 from mlxcel.vision.images import VisionInputError
 from mlxcel.vision.processors.common import (
+    ImageConfig,
     apply_convert_rgb,
     describe_source,
     is_positive_int,
@@ -54,8 +54,6 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_positive_int,
     parse_rescale_factor,
-    raise_config_issues,
-    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_rescale", "do_normalize", "do_convert_rgb")
@@ -68,7 +66,7 @@ PAD_FILL = 255
 
 
 @dataclass(frozen=True)
-class Phi4ImageConfig:
+class Phi4ImageConfig(ImageConfig):
     """preprocessor_config.json of a Phi-4-multimodal image processor; defaults are
     Phi4MultimodalImageProcessor's class defaults (Phi-4-multimodal-instruct's values)."""
 
@@ -94,11 +92,10 @@ class Phi4ImageConfig:
         return math.ceil(self.mask_size / 2)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Phi4ImageConfig:
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
         """Parse the json dict; unknown keys (image_processor_type, audio settings, do_resize, which
         the processor ignores, ...) are ignored, JSON null means the default, bad values raise one
         ConfigError listing them all."""
-        issues: list[ConfigIssue] = []
         defaults = {f.name: f.default for f in fields(cls)}
         values: dict[str, Any] = {key: parse_bool(raw, key, defaults[key], issues) for key in BOOL_KEYS}
         values["size"] = parse_square_side(raw.get("size"), defaults["size"], issues)
@@ -116,13 +113,7 @@ class Phi4ImageConfig:
                                                      "(the pixels would stay uint8)", raw.get("do_normalize")))
         if values["size"] % values["patch_size"]:
             issues.append(make_issue("patch_size", f"must divide size ({values['size']})", values["patch_size"]))
-        raise_config_issues(issues)
-        return cls(**values)
-
-
-def load_phi4mm_config(path: str | Path) -> Phi4ImageConfig:
-    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    return Phi4ImageConfig.from_dict(read_preprocessor_json(path))
+        return values
 
 
 def parse_square_side(value: object, default: int, issues: list[ConfigIssue]) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ from mlxcel.vision.processors.clip import apply_center_crop, parse_crop_size
 from mlxcel.vision.processors.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    ImageConfig,
     apply_convert_rgb,
     apply_normalize,
     apply_rescale,
@@ -43,8 +43,6 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
-    raise_config_issues,
-    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb")
@@ -53,7 +51,7 @@ IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN = "[IMG]", "[IMG_BREAK]", "[IMG_
 
 
 @dataclass(frozen=True)
-class PixtralImageConfig:
+class PixtralImageConfig(ImageConfig):
     """preprocessor_config.json of a Pixtral image processor; defaults are transformers' class defaults
     (Pixtral-12B: longest edge 1024, patch 16; Mistral-Small-3.1 writes 1540 and 14)."""
 
@@ -71,22 +69,8 @@ class PixtralImageConfig:
     do_convert_rgb: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> PixtralImageConfig:
-        """Parse the json dict; unknown keys (do_pad, image_processor_type, ...) are ignored, JSON null
-        means the default, bad values raise ConfigError naming every bad key at once."""
-        issues: list[ConfigIssue] = []
-        values = parse_pixtral_fields(raw, issues)
-        raise_config_issues(issues)
-        return cls(**values)
-
-
-def load_pixtral_config(path: str | Path) -> PixtralImageConfig:
-    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    return PixtralImageConfig.from_dict(read_preprocessor_json(path))
-
-
-def make_pixtral_config(config: PixtralImageConfig | dict[str, Any]) -> PixtralImageConfig:
-    return config if isinstance(config, PixtralImageConfig) else PixtralImageConfig.from_dict(config)
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
+        return parse_pixtral_fields(raw, issues)
 
 
 # --- parsing: each parser appends ConfigIssues and returns the parsed value (or the default) ---
@@ -219,7 +203,7 @@ def preprocess_image(
     patch_size: int | tuple[int, int] | None = None, max_input_pixels: int = MAX_INPUT_PIXELS,
 ) -> np.ndarray:
     """One image: pixel values [3, H, W] float32 (H, W whole patches when do_resize is on)."""
-    config = make_pixtral_config(config)
+    config = PixtralImageConfig.coerce(config)
     array = apply_convert_rgb(image, config.do_convert_rgb, source, max_input_pixels)
     return apply_pixtral_steps(array, config, source, as_pair(patch_size) if patch_size is not None else None)
 
@@ -232,7 +216,7 @@ def preprocess_images(
     PixtralImageProcessorPil(**config)(images) with each image cropped out of the padded batch.
     `patch_size` overrides the config's for the resize (PixtralProcessor: patch_size * spatial_merge_size);
     `sources` name the images in error messages."""
-    config = make_pixtral_config(config)
+    config = PixtralImageConfig.coerce(config)
     names = list(sources) if sources else [None] * len(images)
     pixel_values = [preprocess_image(image, config, name, patch_size, max_input_pixels) for image, name in zip(images, names)]
     image_sizes = np.array([values.shape[1:] for values in pixel_values], dtype=np.int64).reshape(-1, 2)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from mlxcel.vision.images import MAX_IMAGE_PIXELS, VisionInputError
 from mlxcel.vision.processors.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    ImageConfig,
     apply_convert_rgb,
     apply_normalize,
     apply_rescale,
@@ -34,8 +34,6 @@ from mlxcel.vision.processors.common import (
     parse_channel_floats,
     parse_resample,
     parse_rescale_factor,
-    raise_config_issues,
-    read_preprocessor_json,
 )
 
 BOOL_KEYS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
@@ -47,7 +45,7 @@ MAX_INPUT_PIXELS = MAX_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)
-class Qwen2VLImageConfig:
+class Qwen2VLImageConfig(ImageConfig):
     """preprocessor_config.json of a Qwen2-VL image processor; defaults are transformers' class defaults."""
 
     min_pixels: int = 56 * 56
@@ -70,21 +68,8 @@ class Qwen2VLImageConfig:
         return self.patch_size * self.merge_size
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Qwen2VLImageConfig:
-        """Parse the json dict; unknown keys are ignored, JSON null means the default, bad values raise ConfigError."""
-        issues: list[ConfigIssue] = []
-        values = parse_qwen2_vl_fields(raw, issues)
-        raise_config_issues(issues)
-        return cls(**values)
-
-
-def load_qwen2_vl_config(path: str | Path) -> Qwen2VLImageConfig:
-    """The config in `path`: a preprocessor_config.json file or the checkpoint folder holding one."""
-    return Qwen2VLImageConfig.from_dict(read_preprocessor_json(path))
-
-
-def make_qwen2_vl_config(config: Qwen2VLImageConfig | dict[str, Any]) -> Qwen2VLImageConfig:
-    return config if isinstance(config, Qwen2VLImageConfig) else Qwen2VLImageConfig.from_dict(config)
+    def parse_fields(cls, raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[str, Any]:
+        return parse_qwen2_vl_fields(raw, issues)
 
 
 # --- parsing: each parser appends ConfigIssues and returns the parsed value (or the default) ---
@@ -214,7 +199,7 @@ def preprocess_image(
     max_input_pixels: int = MAX_INPUT_PIXELS,
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One image: pixel_values [t*h*w, C*T*P*P] float32 and its grid (t, h, w)."""
-    config = make_qwen2_vl_config(config)
+    config = Qwen2VLImageConfig.coerce(config)
     array = apply_convert_rgb(image, config.do_convert_rgb, source, max_input_pixels)
     return apply_qwen2_vl_steps(array, config, source)
 
@@ -225,7 +210,7 @@ def preprocess_images(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(pixel_values [sum of patches, D] float32, grid_thw [n, 3] int64), equal to
     Qwen2VLImageProcessorPil(**config)(images). `sources` name the images in error messages."""
-    config = make_qwen2_vl_config(config)
+    config = Qwen2VLImageConfig.coerce(config)
     names = list(sources) if sources else [None] * len(images)
     results = [preprocess_image(image, config, name, max_input_pixels) for image, name in zip(images, names)]
     width = 3 * config.temporal_patch_size * config.patch_size**2

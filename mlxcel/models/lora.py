@@ -32,7 +32,7 @@ PEFT_PREFIX = "base_model.model."
 
 @dataclass
 class LoRAControl:
-    rows: mx.array | None = None  # [B, 1, 1]: 1.0 where the adapter applies; None: nowhere
+    rows: mx.array | None = None  # [B, 1, 1] in the compute dtype: 1 where the adapter applies; None: nowhere
     fused: bool = False  # every row takes the adapter: merge it into the weights for this pass
 
 
@@ -61,7 +61,7 @@ class LoRAMixin:
             y = x @ weight.T
             return y + self.bias if "bias" in self else y
         delta = ((x @ lora.a.T) @ lora.b.T) * lora.scale
-        return super().__call__(x) + control.rows.astype(delta.dtype) * delta
+        return super().__call__(x) + control.rows * delta
 
 
 def is_merge_cheaper(tokens: int, out_dims: int, in_dims: int) -> bool:

@@ -244,7 +244,8 @@ class Model(phi3.Model):
         first = cache[0]
         if vision_rows is not None and not hasattr(first, "vision_lora_rows"):  # the first prefill piece of an image batch
             flags = vision_rows[:, 0].tolist()  # built on the host: a tiny read
-            first.vision_lora_rows = mx.array(flags, dtype=mx.float32).reshape(-1, 1, 1) if any(flags) else None
+            dtype = self.model.norm.weight.dtype  # the compute dtype: no cast in every adapted layer's decode step
+            first.vision_lora_rows = mx.array(flags, dtype=dtype).reshape(-1, 1, 1) if any(flags) else None
             self.lora_control.fused = all(flags)
         control = self.lora_control
         control.rows = getattr(first, "vision_lora_rows", None)  # the request's rows, kept on its cache for decoding

@@ -13,72 +13,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxcel.errors import ConfigError, ConfigIssue
-from mlxcel.vision.clip_vit import ACTIVATIONS, EncoderLayer
-
-CONFIG_PREFIX = "vision_config"
+from mlxcel.vision.clip_vit import EncoderLayer, VisionArgs
 
 
 @dataclass
-class SiglipVisionArgs:
-    # Defaults are transformers' SiglipVisionConfig's, used for keys a config.json leaves out.
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    num_channels: int = 3
-    image_size: int = 224
+class SiglipVisionArgs(VisionArgs):
+    """CLIP's fields and checks (clip_vit.VisionArgs) with SiglipVisionConfig's defaults where they differ."""
+
     patch_size: int = 16
     hidden_act: str = "gelu_pytorch_tanh"
     layer_norm_eps: float = 1e-6
-
-    @classmethod
-    def from_config(cls, config: dict, **overrides: Any) -> SiglipVisionArgs:
-        """From a SiglipVisionConfig dict (`vision_config` of a Gemma 3 config.json); unknown keys
-        (vision_use_head, model_type, ...) ignored, JSON null means the default, bad values raise
-        ConfigError naming every bad `vision_config.KEY` at once."""
-        values = {k: config[k] for k in cls.__dataclass_fields__ if config.get(k) is not None}
-        values.update(overrides)
-        args = cls(**values)
-        args.check()
-        return args
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def num_patches(self) -> int:
-        return self.patches_per_side**2
-
-    def check(self) -> None:
-        issues = []
-
-        def bad(key: str, message: str) -> None:
-            issues.append(ConfigIssue(f"{CONFIG_PREFIX}.{key}", message, getattr(self, key)))
-
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "image_size", "patch_size"):
-            value = getattr(self, key)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                bad(key, "must be a positive int" + (" (non-square [h, w] sizes are not supported)" if key in ("image_size", "patch_size") else ""))
-        if not issues:
-            if self.hidden_size % self.num_attention_heads:
-                bad("num_attention_heads", f"must divide hidden_size {self.hidden_size}")
-            if self.patch_size > self.image_size:
-                bad("patch_size", f"must be at most image_size {self.image_size}")
-        if self.hidden_act not in ACTIVATIONS:
-            bad("hidden_act", f"must be one of {sorted(ACTIVATIONS)}")
-        eps = self.layer_norm_eps
-        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1):
-            bad("layer_norm_eps", "must be a number in (0, 1)")
-        if issues:
-            raise ConfigError(issues, hint="fix the checkpoint's config.json")
 
 
 def make_key_mask(patch_mask: mx.array) -> mx.array:

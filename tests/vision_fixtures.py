@@ -38,3 +38,14 @@ def mlxcel_greedy_after(model, logits: np.ndarray, cache, n: int) -> list[int]:
     while len(tokens) < n:
         tokens.append(int(mx.argmax(model(mx.array([tokens[-1]])[None], cache)[0, -1]).item()))
     return tokens
+
+
+def assert_config_issues(error, expected: dict[str, tuple[str, str]]) -> None:
+    """A ConfigError (exit 2) holding exactly the `expected` keys, each line naming the legal
+    range and the bad value: {key: (text of the legal range, repr of the value)}."""
+    text = str(error)
+    assert len(error.issues) == len(expected), text
+    for key, (legal, got) in expected.items():
+        line = next(line for line in text.splitlines() if line.startswith(key + ":"))
+        assert legal in line and f"(got {got})" in line, line
+    assert error.exit_code == 2

@@ -32,10 +32,7 @@ from tests.family_fixtures import (
 )
 from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
-from tests.vision_fixtures import (
-    assert_batch_rows_equal_their_runs_alone,
-    mlxcel_greedy_after,
-)
+from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone, mlxcel_greedy_after
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -16,15 +16,7 @@ from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import save_widened
 from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
-from tests.test_families_llava import (
-    CLIP_PROCESSOR,
-    IMAGE,
-    NEXT_PROCESSOR,
-    PINPOINTS,
-    TEXT,
-    VISION,
-    image_runs,
-)
+from tests.test_families_llava import CLIP_PROCESSOR, IMAGE, NEXT_PROCESSOR, PINPOINTS, TEXT, VISION, image_runs
 from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
 
 torch = pytest.importorskip("torch")

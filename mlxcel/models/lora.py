@@ -66,7 +66,7 @@ class LoRAMixin:
 
 def is_merge_cheaper(tokens: int, out_dims: int, in_dims: int) -> bool:
     """Merging costs out x in x r multiply-adds, the low-rank products tokens x (in + out) x r:
-    merge for pieces of at least out x in / (in + out) tokens (about 1.2k-2.3k for Phi-4's layers)."""
+    merge for pieces of at least out x in / (in + out) tokens (about 1.5k-2.6k for Phi-4's layers)."""
     return tokens * (in_dims + out_dims) >= in_dims * out_dims
 
 

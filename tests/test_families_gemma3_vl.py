@@ -20,6 +20,7 @@ from mlxcel.sampling import Sampler
 from mlxcel.vision.images import load_image
 from mlxcel.vision.processors import gemma3 as gemma3_processor
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
+from tests.vision_fixtures import build_once
 from tests.family_fixtures import BASE_SHAPE, FAMILIES, LOGIT_TOLERANCE, PROMPT, mlxcel_generate, reference_greedy, save_widened
 
 torch = pytest.importorskip("torch")
@@ -84,15 +85,8 @@ def make_checkpoint(folder: Path, window: int):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            folder = tmp_path_factory.mktemp(name)
-            built[name] = (folder, *make_checkpoint(folder, WINDOWS[name]))
-        return built[name]
-
-    return get
+    """window name -> (folder, transformers model, tokenizer), each built once."""
+    return build_once(tmp_path_factory, lambda folder, name: make_checkpoint(folder, WINDOWS[name]))
 
 
 @pytest.fixture(scope="module")

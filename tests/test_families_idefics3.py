@@ -19,6 +19,7 @@ from mlxcel.models.loader import FAMILIES, load_model
 from mlxcel.vision import siglip
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
+from tests.vision_fixtures import build_once
 from tests.conftest import SPECIALS, TRAINING_TEXT, write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, save_widened
 from tests.test_batch_jobs import read_rows
@@ -77,24 +78,20 @@ def write_tokenizer(folder: Path, kind: str) -> int:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """kind -> (folder, transformers model), each built once."""
-    built = {}
+    return build_once(tmp_path_factory, make_checkpoint)
 
-    def get(kind: str):
-        if kind not in built:
-            folder = tmp_path_factory.mktemp(f"tiny_{kind}")
-            config_class, model_class, _ = KINDS[kind]
-            text_config = {**TEXT, "model_type": "llama", "vocab_size": write_tokenizer(folder, kind)}
-            config = getattr(transformers, config_class)(vision_config=VISION, text_config=text_config, image_token_id=IMAGE,
-                                                         scale_factor=2, pad_token_id=0)
-            torch.manual_seed(0)
-            model = getattr(transformers, model_class)(config)
-            save_widened(model, folder)  # std 0.2 matrices, perturbed norms/biases; eval mode
-            (folder / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "image_processor_type": f"{KINDS[kind][2].__name__[:-3]}"}))
-            (folder / "processor_config.json").write_text(json.dumps({"image_seq_len": SEQ_LEN}))
-            built[kind] = folder, model
-        return built[kind]
 
-    return get
+def make_checkpoint(folder: Path, kind: str):
+    config_class, model_class, _ = KINDS[kind]
+    text_config = {**TEXT, "model_type": "llama", "vocab_size": write_tokenizer(folder, kind)}
+    config = getattr(transformers, config_class)(vision_config=VISION, text_config=text_config, image_token_id=IMAGE,
+                                                 scale_factor=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config)
+    save_widened(model, folder)  # std 0.2 matrices, perturbed norms/biases; eval mode
+    (folder / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "image_processor_type": f"{KINDS[kind][2].__name__[:-3]}"}))
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_len": SEQ_LEN}))
+    return model
 
 
 class NoVideoSmolVLMProcessor(transformers.SmolVLMProcessor):

@@ -27,7 +27,7 @@ from tests.family_fixtures import (
     reference_logits,
     save_widened,
 )
-from tests.vision_fixtures import mlxcel_greedy_after
+from tests.vision_fixtures import build_once, mlxcel_greedy_after
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -82,15 +82,7 @@ def make_checkpoint(folder: Path, kind: str, text: str, text_overrides: dict | N
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """case name -> (folder, transformers model), each built once."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            folder = tmp_path_factory.mktemp(name)
-            built[name] = folder, make_checkpoint(folder, **CASES[name])
-        return built[name]
-
-    return get
+    return build_once(tmp_path_factory, lambda folder, name: make_checkpoint(folder, **CASES[name]))
 
 
 @pytest.fixture(scope="module")

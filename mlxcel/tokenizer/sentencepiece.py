@@ -1,8 +1,10 @@
 """SentencePiece tokenizers: `tokenizer.model` (+ tokenizer_config.json), also GGUF `llama` vocabularies.
 
 Special tokens (the model's control pieces, the config's added and named tokens) are matched in
-the text first, longest first; only the text between them reaches SentencePiece (SPEC section 1),
-so ids equal `SentencePieceProcessor.encode` on text without special tokens.
+the text first, leftmost-longest as transformers does; only the text between them reaches
+SentencePiece (SPEC section 1), so ids equal `SentencePieceProcessor.encode` on text without
+special tokens. GGUF vocabularies also cut out their user-defined pieces, longest first, as
+llama.cpp does (see gguf.py and whole_tokens.py).
 
 SentencePiece adds a dummy-prefix space to every text it encodes. After a special token, the
 config's `legacy` flag decides as in transformers: `legacy: false` encodes the following text
@@ -13,7 +15,6 @@ exactly where encode() added one, so decode(encode(x)) == x.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import sentencepiece as spm
@@ -27,6 +28,7 @@ from mlxcel.tokenizer.hf import (
     read_token_strings,
 )
 from mlxcel.tokenizer.spm_proto import write_field
+from mlxcel.tokenizer.whole_tokens import WholeTokenSplitter
 
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _DUMMY = "▁"
@@ -49,6 +51,7 @@ class SentencePieceTokenizer:
         eos_token_ids: list[int] | None = None,
         unk_token: str | None = None,
         pad_token: str | None = None,
+        split_order: str = "leftmost-longest",
     ):
         self.sp = processor
         self._sp_no_prefix: spm.SentencePieceProcessor | None = None
@@ -57,13 +60,14 @@ class SentencePieceTokenizer:
         size = processor.get_piece_size()
         control = {processor.id_to_piece(i): i for i in range(size) if processor.is_control(i)}
         # Matched whole in the text: control pieces (SentencePiece never produces them from text)
-        # and the config's tokens; user-defined pieces are left to SentencePiece, which keeps them whole.
+        # and the caller's (`added`: a config's tokens, a GGUF's user-defined pieces); a folder's
+        # user-defined pieces are left to SentencePiece, which keeps them whole.
         self.special_tokens = {**control, **(added or {})}
         self._whole_ids = set(self.special_tokens.values())  # ids matched before SentencePiece
         # skip_special_tokens drops all but the added tokens marked special=false (as transformers)
         self._skipped_ids = {i for t, i in self.special_tokens.items() if t not in (non_special or set())}
         self._added_text = {i: t for t, i in self.special_tokens.items()}
-        self._pattern = make_special_pattern(self.special_tokens)
+        self._splitter = WholeTokenSplitter(self.special_tokens, split_order)
         self.vocab_size = max([size - 1, *self.special_tokens.values()]) + 1
         self.bos_token = bos_token if bos_token is not None else piece_or_none(processor, processor.bos_id())
         eos_tokens = eos_tokens or [t for t in [piece_or_none(processor, processor.eos_id())] if t is not None]
@@ -89,7 +93,7 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
-        for index, (part, special_id) in enumerate(split_special(text, self._pattern, self.special_tokens)):
+        for index, (part, special_id) in enumerate(self._splitter.split(text)):
             if special_id is not None:
                 ids.append(special_id)
             elif index == 0 or self.legacy:
@@ -156,26 +160,6 @@ def without_dummy_prefix(model: bytes) -> bytes:
 
 def piece_or_none(processor: spm.SentencePieceProcessor, i: int) -> str | None:
     return processor.id_to_piece(i) if 0 <= i < processor.get_piece_size() else None
-
-
-def make_special_pattern(tokens: dict[str, int]) -> re.Pattern | None:
-    # Alternatives are tried in order at each position: longest first gives leftmost-longest.
-    ordered = sorted((t for t in tokens if t), key=len, reverse=True)
-    return re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
-
-
-def split_special(text: str, pattern: re.Pattern | None, tokens: dict[str, int]) -> list[tuple[str, int | None]]:
-    """The text as pieces: (text, None) for plain text, (token, id) for a special token."""
-    parts: list[tuple[str, int | None]] = []
-    pos = 0
-    for match in pattern.finditer(text) if pattern is not None else ():
-        if match.start() > pos:
-            parts.append((text[pos : match.start()], None))
-        parts.append((match.group(), tokens[match.group()]))
-        pos = match.end()
-    if pos < len(text):
-        parts.append((text[pos:], None))
-    return parts
 
 
 def pick_default_template(templates: dict[str, str]) -> str | None:

@@ -1,0 +1,95 @@
+"""Cut whole tokens (special, added, user-defined) out of a text before the subword model sees it.
+
+The tools we match use two orders:
+- leftmost-longest (transformers, HF tokenizers' added vocabulary): left to right, the longest
+  token that starts at each position;
+- longest-first (llama.cpp's `tokenizer_st_partition`): tokens by UTF-8 length, longest first,
+  each cutting all its leftmost non-overlapping occurrences out of the text the longer ones left.
+They differ only where a shorter token starts before an overlapping longer one: tokens "ab" and
+"bcd" cut "abcd" into "ab" + "cd" leftmost-longest, "a" + "bcd" longest-first.
+
+Both scan with one regex shaped as a trie of the tokens, so at each position `re` tries one branch
+per distinct next character, not every token: for Gemma 3's 6.4k control and user-defined pieces
+that is 3 ms instead of 870 ms (a flat alternation) on 190k characters.
+"""
+
+from __future__ import annotations
+
+import re
+
+Part = tuple[str, "int | None"]  # (text, None) for plain text, (token, id) for a whole token
+ORDERS = ("leftmost-longest", "longest-first")
+
+
+def make_trie_regex(tokens: list[str]) -> str:
+    """A regex that matches the longest of `tokens` starting at a position (greedy `?` tries the
+    longer path first; sibling branches begin with different characters)."""
+    root: dict = {}
+    for token in tokens:
+        node = root
+        for char in token:
+            node = node.setdefault(char, {})
+        node[""] = {}  # end of a token
+
+    def emit(node: dict) -> str:
+        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return emit(root)
+
+
+class WholeTokenSplitter:
+    def __init__(self, tokens: dict[str, int], order: str = "leftmost-longest"):
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r}: must be one of {ORDERS}")
+        self.tokens = {t: i for t, i in tokens.items() if t}
+        self.order = order
+        regex = make_trie_regex(list(self.tokens)) if self.tokens else None
+        if order == "leftmost-longest":
+            self._pattern = re.compile(regex) if regex else None
+            return
+        # Longest-first only needs the tokens present in the text: a lookahead finds the longest
+        # token at every position, and the tokens that are its prefixes are present there too.
+        self._pattern = re.compile(f"(?=({regex}))") if regex else None
+        self._prefixes = {t: [t[:k] for k in range(1, len(t) + 1) if t[:k] in self.tokens] for t in self.tokens}
+        # llama.cpp sorts by byte length (std::sort, ties unspecified): ties go by id here.
+        self._rank = {t: (-len(t.encode()), i) for t, i in self.tokens.items()}
+
+    def split(self, text: str) -> list[Part]:
+        if self._pattern is None:
+            return [(text, None)] if text else []
+        if self.order == "leftmost-longest":
+            return self._split_leftmost_longest(text)
+        return self._split_longest_first(text)
+
+    def _split_leftmost_longest(self, text: str) -> list[Part]:
+        parts: list[Part] = []
+        pos = 0
+        for match in self._pattern.finditer(text):
+            if match.start() > pos:
+                parts.append((text[pos : match.start()], None))
+            parts.append((match.group(), self.tokens[match.group()]))
+            pos = match.end()
+        if pos < len(text):
+            parts.append((text[pos:], None))
+        return parts
+
+    def _split_longest_first(self, text: str) -> list[Part]:
+        present = {p for m in self._pattern.finditer(text) for p in self._prefixes[m.group(1)]}
+        parts: list[Part] = [(text, None)] if text else []
+        for token in sorted(present, key=self._rank.__getitem__):
+            cut: list[Part] = []
+            for part in parts:
+                if part[1] is not None:
+                    cut.append(part)
+                    continue
+                for k, piece in enumerate(part[0].split(token)):  # leftmost, non-overlapping
+                    if k:
+                        cut.append((token, self.tokens[token]))
+                    if piece:
+                        cut.append((piece, None))
+            parts = cut
+        return parts

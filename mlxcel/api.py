@@ -56,7 +56,7 @@ class Generator:
         self.stats: GenerationStats | None = None
 
     def generate(self, prompts: Prompt | list[Prompt], max_tokens: int | None = None, seed: int | None = None) -> Generation | list[Generation]:
-        """One prompt -> one Generation; a list of prompts -> a list, run in batches of runner.batch_size."""
+        """One prompt -> one Generation; a list of prompts -> a list, at most runner.max_rows decoding at once."""
         single = isinstance(prompts, str) or is_conversation(prompts)
         batch = [prompts] if single else list(prompts)
         start = time.perf_counter()
@@ -64,7 +64,7 @@ class Generator:
         results: dict[int, Generation] = {}
         measured = []
         runnable = [(i, p) for i, p in enumerate(prepared) if not p.error]
-        size = self.pipeline.cfg.runner.batch_size
+        size = self.pipeline.cfg.runner.max_rows
         for offset in range(0, len(runnable), size):
             chunk = runnable[offset : offset + size]
             streams = [self.pipeline.make_text_stream() for _ in chunk]

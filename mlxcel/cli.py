@@ -195,6 +195,8 @@ def describe_hydra_error(ex: BaseException) -> str:
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
+    from mlxcel.config import RENAMED_KEYS, describe_renamed
+
     if isinstance(ex, MissingConfigException) and ex.options is not None and ex.missing_cfg_file:
         group = ex.missing_cfg_file.rpartition("/")[0]
         options = ", ".join(ex.options) or "none"
@@ -208,6 +210,8 @@ def describe_hydra_error(ex: BaseException) -> str:
     lines = [line.strip() for line in str(ex).split("Config search path:")[0].splitlines()]
     lines = [line for line in lines if line and not line.startswith("See https://")]
     cause = ex.__cause__
+    if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause) and cause.full_key in RENAMED_KEYS:
+        return f"{cause.full_key}: {describe_renamed(cause.full_key)}"
     if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause):
         # An override of a key that no config defines: name the valid keys, as validation does.
         keys = [str(k) for k in (cause.parent_node or {}) if k != "hydra"]

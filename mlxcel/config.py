@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 from mlxcel.errors import ConfigError, ConfigIssue
 from mlxcel.models.embedded import EMBEDDED_MODELS
 from mlxcel.models.hub import is_repo_id
-from mlxcel.prefill_plan import DEFAULT_CHUNK_SIZE
+from mlxcel.prefill_plan import DEFAULT_CHUNK_SIZE, choose_tile_size
 
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -34,6 +34,15 @@ NonNegativeInt = Annotated[int, Strict(), Ge(0)]
 ENV_HINT = "fix: unset the environment variable or give it a valid value"
 NO_VALUE = object()  # reject(value=NO_VALUE): print no "(got ...)"
 _INPUT = object()  # reject's default: the value the validator was given
+
+
+# Keys that moved: naming the old one is an error that names the new one.
+RENAMED_KEYS = {"runner.batch_size": ("runner.max_rows", "rows decoding at once")}
+
+
+def describe_renamed(key: str) -> str:
+    new, meaning = RENAMED_KEYS[key]
+    return f"renamed to {new} ({meaning}); fix: {new}=N"
 
 
 def reject(message: str, field: str | None = None, value: Any = _INPUT) -> PydanticCustomError:
@@ -121,13 +130,23 @@ def read_env_flag(name: str) -> bool:
 
 class PrefillConfig(Group):
     chunk_size: PositiveInt | None = None
-    tile_size: PositiveInt | None = None
+    tile_size: int | str | None = "auto"  # auto: 32 on GPUs with Neural Accelerators, else none
+
+    @field_validator("tile_size", mode="before")
+    @classmethod
+    def _check_tile_size(cls, value: Any) -> int | str | None:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        raise reject("must be an integer > 0, 'auto' or null")
 
     def resolved_chunk_size(self) -> int:
         """chunk_size, else $MLXCEL_PREFILL_CHUNK, else 2048."""
         if self.chunk_size is not None:
             return self.chunk_size
         return read_env_int("MLXCEL_PREFILL_CHUNK", DEFAULT_CHUNK_SIZE)
+
+    def resolved_tile_size(self) -> int | None:
+        return choose_tile_size(self.tile_size)
 
 
 class DecodeConfig(Group):
@@ -296,7 +315,7 @@ class PromptConfig(Group):
 class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
-    batch_size: PositiveInt = 8  # rows generated together
+    max_rows: PositiveInt = 8  # rows decoding at once
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
     progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise
@@ -420,6 +439,8 @@ def format_error(root: type[BaseModel] | None, err: dict, prefix: tuple) -> Conf
     field = parent.model_fields.get(loc[-1]) if parent is not None and loc else None
     if kind == "missing":
         return make_issue(prefix + loc, "required", has_value=False)
+    if kind == "extra_forbidden" and ".".join(map(str, prefix + loc)) in RENAMED_KEYS:
+        return make_issue(prefix + loc, describe_renamed(".".join(map(str, prefix + loc))), value)
     if kind == "extra_forbidden":
         valid = ", ".join(parent.model_fields) if parent is not None else ""
         return make_issue(prefix + loc, f"unknown key; valid keys: {valid}", value)

@@ -18,7 +18,8 @@ GENERATIONS_FILE = "generations.jsonl"
 STATS_FILE = "stats.json"
 PROMPTS_FILE = "prompts.jsonl"
 # Keys that may change between a run and its resumption: they do not change what a row contains.
-RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.batch_size", "runner.dry_run")
+# runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed.
+RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.max_rows", "runner.batch_size", "runner.dry_run")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -87,11 +88,22 @@ def check_resume(outputs: RunOutputs, resolved: dict) -> set[tuple[str, int]]:
     changed = [
         ConfigIssue(key, f"differs from the run being resumed (was {previous.get(key, '<unset>')!r})", current.get(key, "<unset>"))
         for key in sorted(previous.keys() | current.keys())
-        if key not in RESUMABLE_KEYS and previous.get(key) != current.get(key)
+        if key not in RESUMABLE_KEYS and resolve_setting(key, previous.get(key)) != resolve_setting(key, current.get(key))
     ]
     if changed:
         raise ConfigError(changed, hint="fix: resume with the run's own config (its .hydra/overrides.yaml), or start a new run")
     return outputs.read_done_keys()
+
+
+def resolve_setting(key: str, value: Any) -> Any:
+    """What a setting means on this machine, where its default changed its spelling:
+    prefill.tile_size was null before `auto` (which is null here unless the GPU has Neural
+    Accelerators), so a folder written before still resumes."""
+    if key == "prefill.tile_size":
+        from mlxcel.prefill_plan import choose_tile_size
+
+        return choose_tile_size(value)
+    return value
 
 
 def flatten(data: dict, prefix: str = "") -> dict:

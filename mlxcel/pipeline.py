@@ -140,7 +140,7 @@ class Pipeline:
             len(prompt.token_ids),
             chunk_size=self.cfg.prefill.resolved_chunk_size(),
             history_boundary=prompt.history_tokens,
-            tile_size=self.cfg.prefill.tile_size,
+            tile_size=self.cfg.prefill.resolved_tile_size(),
         )
 
     def generate(self, batch: list[PreparedSample], on_token: OnToken | None = None, on_row_done: OnRowDone | None = None) -> BatchState:
@@ -176,7 +176,7 @@ class Pipeline:
             max_tokens=cfg.decode.max_tokens,
             stop_token_ids=frozenset(self.stop_ids),
             chunk_size=cfg.prefill.resolved_chunk_size(),
-            tile_size=cfg.prefill.tile_size,
+            tile_size=cfg.prefill.resolved_tile_size(),
             pad_token_id=self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else 0,
             logprobs=cfg.decode.logprobs,
             kv_bits=cfg.decode.kv_bits,

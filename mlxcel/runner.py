@@ -142,8 +142,8 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     streaming = len(samples) == 1 and stream is not None
     progress = Progress(len(runnable), "off" if streaming else cfg.runner.progress, log)
     try:
-        for start in range(0, len(runnable), cfg.runner.batch_size):
-            batch = runnable[start : start + cfg.runner.batch_size]
+        for start in range(0, len(runnable), cfg.runner.max_rows):
+            batch = runnable[start : start + cfg.runner.max_rows]
             state = run_batch(pipeline, batch, record, progress, stream if streaming else None)
             batches.append(measure_batch(state))
             report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())

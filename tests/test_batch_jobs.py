@@ -37,7 +37,7 @@ def job_args(model: Path, rows_file: Path, *extra: str) -> tuple[str, ...]:
 
 def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", ROWS)
-    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.batch_size=2"))
+    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.max_rows=2"))
     assert result.returncode == 0, result.stderr
     rows = by_key(read_rows(tmp_path / "run"))
     assert set(rows) == {("capital", 0), ("chat", 0), ("3", 0), ("many", 0), ("many", 1), ("too_long", 0), ("seeded", 0)}
@@ -52,14 +52,14 @@ def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llam
     assert "1 of 7 rows failed" in result.stderr
     # what makes the run reproducible is recorded with it
     assert stats["model"]["files"]["model.safetensors"] > 0 and len(stats["model"]["fingerprint_sha256"]) == 64
-    assert "runner.batch_size=2" in stats["overrides"] and {"mlx", "mlxcel", "device"} <= set(stats["environment"])
+    assert "runner.max_rows=2" in stats["overrides"] and {"mlx", "mlxcel", "device"} <= set(stats["environment"])
     assert "6/6 rows" in result.stderr  # plain progress lines when stderr is not a terminal
 
 
 def test_rows_are_the_same_alone_in_batches_and_across_reruns(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", [r for r in ROWS if r.get("id") != "too_long"])
     for run, batch in (("b1", 1), ("b4", 4), ("b4again", 4)):
-        result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, f"runner.batch_size={batch}", "sampler=temperature"), run=run)
+        result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, f"runner.max_rows={batch}", "sampler=temperature"), run=run)
         assert result.returncode == 0, result.stderr
     alone, batched, again = (by_key(read_rows(tmp_path / run)) for run in ("b1", "b4", "b4again"))
     assert {k: r["token_ids"] for k, r in alone.items()} == {k: r["token_ids"] for k, r in batched.items()}
@@ -86,12 +86,31 @@ def test_resume_skips_written_rows_and_appends_the_rest(tmp_path, tiny_llama):
     (crashed / "generations.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])
     fresh = run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="crashed")
     assert_one_line_error(fresh, 2, "runner.resume=true")
-    resumed = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true", "runner.batch_size=3"), run="crashed")
+    resumed = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true", "runner.max_rows=3"), run="crashed")
     assert resumed.returncode == 0, resumed.stderr
     assert "2 row(s) already written, 4 to go" in resumed.stderr
     rows = [json.loads(line) for line in (crashed / "generations.jsonl").read_text().splitlines()]
     assert sorted(by_key(rows)) == sorted(by_key(full)) and len(rows) == len(full)  # none lost, none twice
     assert {k: r["token_ids"] for k, r in by_key(rows).items()} == {k: r["token_ids"] for k, r in by_key(full).items()}
+
+
+def test_resume_a_folder_written_before_max_rows_and_tile_size_auto(tmp_path, tiny_llama):
+    """A run folder from before runner.batch_size became runner.max_rows and prefill.tile_size's
+    default became auto resumes, and gives the rows the uninterrupted run gives."""
+    rows_file = write_rows(tmp_path / "rows.jsonl", ROWS[:4])
+    assert run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="full").returncode == 0
+    assert run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="old").returncode == 0
+    old = tmp_path / "old"
+    config = json.loads((old / "config.resolved.json").read_text())
+    config["runner"]["batch_size"] = config["runner"].pop("max_rows")
+    config["prefill"]["tile_size"] = None
+    (old / "config.resolved.json").write_text(json.dumps(config))
+    lines = (old / "generations.jsonl").read_text().splitlines()
+    (old / "generations.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    resumed = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true"), run="old")
+    assert resumed.returncode == 0, resumed.stderr
+    full, rows = by_key(read_rows(tmp_path / "full")), by_key(read_rows(old))
+    assert {k: r["token_ids"] for k, r in rows.items()} == {k: r["token_ids"] for k, r in full.items()}
 
 
 def test_resume_with_a_different_config_says_what_differs(tmp_path, tiny_llama):
@@ -122,7 +141,9 @@ def test_inline_rows_and_dry_run(tmp_path, tiny_llama):
     assert [(p["id"], p["sample"]) for p in prompts] == [("a", 0), (2, 0), (2, 1)]
     first = prompts[0]
     assert first["prompt_text"].startswith("<|im_start|>user\nHello, world<|im_end|>")
-    assert first["prefill_pieces"][0] == {"start": 0, "end": first["history_tokens"], "pad": 0}
+    pieces = first["prefill_pieces"]
+    assert first["history_tokens"] in [p["end"] for p in pieces]  # the history boundary is a cut
+    assert all(p["end"] - p["start"] <= 4 and p["pad"] == 0 for p in pieces)
     assert first["prefill_pieces"][-1]["end"] == len(first["prompt_token_ids"])
     stats = json.loads((run_dir / "stats.json").read_text())
     assert stats["status"] == "dry_run" and "params" not in stats["model"]  # no weights were loaded
@@ -141,7 +162,7 @@ def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": i, "prompt": f"row {i}"} for i in range(6)])
     run_dir = tmp_path / "run"
     args = [f"model.path={tiny_llama}", "prompt=jsonl", f"prompt.file={rows_file}", "decode.max_tokens=480",
-            "decode.ignore_eos=true", "runner.batch_size=1", f"hydra.run.dir={run_dir}"]
+            "decode.ignore_eos=true", "runner.max_rows=1", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen([sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     generations = run_dir / "generations.jsonl"

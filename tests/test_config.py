@@ -52,7 +52,7 @@ def test_defaults_fill_every_group():
     assert (cfg.template.kind, cfg.template.text, cfg.template.file) == ("auto", None, None)
     assert (cfg.sampler.seed, cfg.sampler.min_keep, cfg.sampler.processors) == (0, 0, {})
     assert cfg.sampler.selector.kind == "categorical"
-    assert (cfg.prefill.chunk_size, cfg.prefill.tile_size) == (None, None)
+    assert (cfg.prefill.chunk_size, cfg.prefill.tile_size) == (None, "auto")
     assert cfg.prefill.resolved_chunk_size() == 2048
     assert (cfg.decode.max_tokens, cfg.decode.stop_token_ids, cfg.decode.ignore_eos) == (256, [], False)
     assert cfg.decode.pipeline is True and cfg.decode.use_pipeline() is True
@@ -94,6 +94,8 @@ ERROR_CASES = [
     ({"model": {"gguf_weights": "q4"}}, "model.gguf_weights: must be one of: auto, quantized, dequantize (got 'q4')"),
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
     ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize (got 1)"),
+    ({"runner": {"batch_size": 4}}, "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N (got 4)"),
+    ({"prefill": {"tile_size": 0}}, "prefill.tile_size: must be an integer > 0, 'auto' or null (got 0)"),
     ({"model": {"quantize": {"bits": 7}}}, "model.quantize.bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
     ({"decode": {"kv_bits": 7}}, "decode.kv_bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
     ({"decode": {"kv_group_size": 48}}, "decode.kv_group_size: must be one of: 32, 64, 128 (got 48)"),
@@ -132,7 +134,7 @@ ERROR_CASES = [
     ({"sampler": {"selector": {"kind": "beam"}}}, "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')"),
     ({"sampler": {"selector": {"kind": "greedy", "tau": 5.0}}}, "sampler.selector.tau: unknown key; valid keys: kind (got 5.0)"),
     ({"prefill": {"chunk_size": 0}}, "prefill.chunk_size: must be > 0 (got 0)"),
-    ({"prefill": {"tile_size": "x"}}, "prefill.tile_size: must be an integer > 0 or null (got 'x')"),
+    ({"prefill": {"tile_size": "x"}}, "prefill.tile_size: must be an integer > 0, 'auto' or null (got 'x')"),
     ({"decode": {"max_tokens": "abc"}}, "decode.max_tokens: must be an integer > 0 (got 'abc')"),
     ({"decode": {"max_tokens": True}}, "decode.max_tokens: must be an integer > 0 (got True)"),
     ({"decode": {"stop_token_ids": [1, -2]}}, "decode.stop_token_ids.1: must be >= 0 (got -2)"),

@@ -317,7 +317,7 @@ def test_mixed_batch_of_image_and_text_rows_generates_as_transformers(tmp_path, 
     ]
     result = run_cli(tmp_path, f"model={kind}", f"model.path={folder}", "model.max_context=1024", f"decode.max_tokens={MAX_TOKENS}",
                      "decode.ignore_eos=true", "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}",
-                     "runner.batch_size=3")
+                     "runner.max_rows=3")
     assert result.returncode == 0, result.stderr
     got = by_key(read_rows(tmp_path / "run"))
     for row in rows:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel.prefill_plan import PrefillPiece, plan_prefill
+from mlxcel import prefill_plan
+from mlxcel.prefill_plan import choose_tile_size, has_neural_accelerators, plan_prefill
 
 
 def spans(plan):
@@ -17,11 +18,17 @@ def test_rule1_adopted_prefix_is_not_run_again():
     assert plan.adopted_prefix == 40
 
 
-def test_rule2_history_boundary_is_one_unpadded_piece():
-    plan = plan_prefill(100, chunk_size=16, history_boundary=70, tile_size=32)
-    assert plan.pieces[0] == PrefillPiece(0, 70, 0)  # longer than a chunk, still one piece, never padded
-    assert all(p.length <= 16 for p in plan.pieces[1:])
-    assert plan.pieces[1].start == 70
+def test_rule2_history_boundary_is_a_cut_and_the_chunk_bounds_the_span_before_it():
+    plan = plan_prefill(100, chunk_size=16, history_boundary=70)
+    assert [p.end for p in plan.pieces] == [16, 32, 48, 64, 70, 86, 100]
+    assert all(p.pad == 0 and p.length <= 16 for p in plan.pieces)
+
+
+def test_rule2_the_history_span_is_never_padded_even_at_the_end_of_the_prompt():
+    plan = plan_prefill(100, chunk_size=64, history_boundary=70, tile_size=32)
+    assert spans(plan) == [(0, 64, 0), (64, 70, 0), (70, 100, 2)]
+    assert spans(plan_prefill(70, chunk_size=64, history_boundary=70, tile_size=32)) == [(0, 64, 0), (64, 70, 0)]
+    assert spans(plan_prefill(70, chunk_size=64, history_boundary=70, tile_size=32, supports_multi_piece=False)) == [(0, 70, 0)]
 
 
 def test_rule2_history_boundary_after_adopted_prefix():
@@ -50,6 +57,47 @@ def test_rule4_tile_padding_when_supported():
 def test_rule4_piece_ending_at_history_boundary_is_never_padded():
     plan = plan_prefill(50, chunk_size=64, history_boundary=45, tile_size=32)
     assert spans(plan) == [(0, 45, 0), (45, 50, 27)]
+
+
+def test_rule4_chunk_sizes_round_to_whole_tiles():
+    # chunk 20 with 32-token tiles used to pad 45 tokens onto 51 (20+12, 20+12, 11+21)
+    assert spans(plan_prefill(51, chunk_size=20, tile_size=32)) == [(0, 32, 0), (32, 51, 13)]
+    assert spans(plan_prefill(200, chunk_size=100, tile_size=32)) == [(0, 96, 0), (96, 192, 0), (192, 200, 24)]
+    for total in (1, 33, 51, 700):
+        for chunk in (1, 20, 31, 32, 100, 2048):
+            plan = plan_prefill(total, chunk_size=chunk, tile_size=32, history_boundary=total // 3)
+            assert all(p.pad < 32 for p in plan.pieces) and sum(p.pad > 0 for p in plan.pieces) <= 2
+
+
+@pytest.mark.parametrize(
+    ("architecture", "macos", "expected"),
+    [
+        ("applegpu_g17s", "26.2", True),  # M5
+        ("applegpu_g17g", "26.5.2", True),
+        ("applegpu_g17s", "26.1", False),  # MLX's NAX kernels need macOS 26.2
+        ("applegpu_g16s", "26.2", False),  # M4
+        ("applegpu_g17p", "26.2", False),  # phone-class parts from generation 18
+        ("applegpu_g18p", "27.0", True),
+        ("x86_64", "", False),
+        ("NVIDIA H200", "", False),
+    ],
+)
+def test_neural_accelerators_by_architecture(architecture, macos, expected):
+    assert has_neural_accelerators(architecture, macos) is expected
+
+
+def test_auto_tile_size_follows_the_device(monkeypatch):
+    import mlx.core as mx
+
+    assert choose_tile_size(16) == 16 and choose_tile_size(None) is None
+    assert choose_tile_size("auto") is None  # this CPU
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(prefill_plan.platform, "mac_ver", lambda: ("26.2", ("", "", ""), "arm64"))
+    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "applegpu_g17s"})
+    assert choose_tile_size("auto") == 32
+    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "applegpu_g16s"})
+    assert choose_tile_size("auto") is None
 
 
 @pytest.mark.parametrize("kwargs", [dict(total_tokens=0), dict(total_tokens=10, chunk_size=0), dict(total_tokens=10, adopted_prefix=10)])

@@ -20,7 +20,7 @@ def assert_batch_rows_equal_their_runs_alone(tmp_path: Path, args: tuple[str, ..
     Returns the batch's rows by (id, sample)."""
     common = (*args, "prompt=jsonl")
     (tmp_path / "batch").mkdir()
-    result = run_cli(tmp_path / "batch", *common, f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", f"runner.batch_size={len(rows)}")
+    result = run_cli(tmp_path / "batch", *common, f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", f"runner.max_rows={len(rows)}")
     assert result.returncode == 0, result.stderr
     got = by_key(read_rows(tmp_path / "batch" / "run"))
     for row in rows:

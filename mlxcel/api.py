@@ -64,9 +64,7 @@ class Generator:
         results: dict[int, Generation] = {}
         measured = []
         runnable = [(i, p) for i, p in enumerate(prepared) if not p.error]
-        size = self.pipeline.cfg.runner.max_rows
-        for offset in range(0, len(runnable), size):
-            chunk = runnable[offset : offset + size]
+        for chunk in self.pipeline.group_rows(runnable):
             streams = [self.pipeline.make_text_stream() for _ in chunk]
             state = self.pipeline.generate([p for _, p in chunk], make_on_token(streams))
             measured.append(measure_batch(state))
@@ -118,7 +116,7 @@ class Generator:
         text = stream.text + stream.finalize()  # equals decode(token_ids), cut at a stop string
         if stream.stopped:
             result.finish_reason = "stop"
-        return Generation(prepared.sample.row.id, text, result.token_ids, result.finish_reason, result.prompt_tokens)
+        return Generation(prepared.sample.row.id, text, result.token_ids, result.finish_reason, result.prompt_tokens, result.error)
 
 
 def make_on_token(streams: list[TextStream]):

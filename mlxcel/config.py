@@ -316,6 +316,7 @@ class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
     max_rows: PositiveInt = 8  # rows decoding at once
+    kv_budget_gb: Annotated[float, Field(gt=0)] | None = None  # KV cache cap; None: 40% of device memory (RAM on the CPU)
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
     progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise

@@ -10,6 +10,7 @@ from typing import Iterator, TextIO
 from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.engine import OnRowDone, OnToken
+from mlxcel.engine.scheduler import BatchScheduler, ScheduleState, supports_scheduling
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
 from mlxcel.models.fingerprint import ModelHeader, read_model_header
@@ -143,18 +144,40 @@ class Pipeline:
             tile_size=self.cfg.prefill.resolved_tile_size(),
         )
 
-    def generate(self, batch: list[PreparedSample], on_token: OnToken | None = None, on_row_done: OnRowDone | None = None) -> BatchState:
-        """Run one batch to the end."""
-        return self.make_engine().generate(self.make_request(batch), on_token or (lambda row, token: True), on_row_done)
+    def generate(self, batch: list[PreparedSample], on_token: OnToken | None = None, on_row_done: OnRowDone | None = None) -> BatchState | ScheduleState:
+        """Run these rows to the end (see group_rows for how many at once)."""
+        request = self.make_request(batch)
+        return self.make_engine(request).generate(request, on_token or (lambda row, token: True), on_row_done)
 
-    def steps(self, batch: list[PreparedSample], on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[BatchState]:
-        """Run one batch, yielding after every decode step (for streaming APIs)."""
-        return self.make_engine().steps(self.make_request(batch), on_token, on_row_done)
+    def steps(self, batch: list[PreparedSample], on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[BatchState | ScheduleState]:
+        """Run these rows, yielding after every decode step (for streaming APIs)."""
+        request = self.make_request(batch)
+        return self.make_engine(request).steps(request, on_token, on_row_done)
 
-    def make_engine(self) -> DirectEngine:
+    def group_rows(self, rows: list) -> list[list]:
+        """How a job's rows go to generate(): all at once to the scheduler (runner.max_rows of them
+        decode together), or runner.max_rows at a time to the batch engine, which still runs what
+        the scheduler does not cover yet (scheduler.supports_scheduling)."""
+        if not rows:
+            return []
+        if self.can_schedule(rows):
+            return [rows]
+        size = self.cfg.runner.max_rows
+        return [rows[start : start + size] for start in range(0, len(rows), size)]
+
+    def can_schedule(self, rows: list) -> bool:
+        prepared = [row[1] if isinstance(row, tuple) else row for row in rows]
+        return self.loaded is not None and supports_scheduling(self.loaded.model, self.make_request(prepared))
+
+    def make_engine(self, request: GenerationRequest) -> DirectEngine | BatchScheduler:
         if self.loaded is None:
             raise MlxcelError("this pipeline was loaded without weights (dry run): it cannot generate")
-        return DirectEngine(self.loaded.model, self.max_context, pipeline=self.cfg.decode.use_pipeline())
+        pipelined = self.cfg.decode.use_pipeline()
+        if supports_scheduling(self.loaded.model, request):
+            runner = self.cfg.runner
+            budget = int(runner.kv_budget_gb * 1e9) if runner.kv_budget_gb else None
+            return BatchScheduler(self.loaded.model, self.max_context, runner.max_rows, budget, pipelined, self.cfg.prefill.chunk_size)
+        return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined)
 
     def make_request(self, batch: list[PreparedSample]) -> GenerationRequest:
         cfg = self.cfg

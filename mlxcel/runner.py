@@ -142,8 +142,7 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     streaming = len(samples) == 1 and stream is not None
     progress = Progress(len(runnable), "off" if streaming else cfg.runner.progress, log)
     try:
-        for start in range(0, len(runnable), cfg.runner.max_rows):
-            batch = runnable[start : start + cfg.runner.max_rows]
+        for batch in pipeline.group_rows(runnable):
             state = run_batch(pipeline, batch, record, progress, stream if streaming else None)
             batches.append(measure_batch(state))
             report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())
@@ -201,6 +200,7 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         "prompt_tokens": result.prompt_tokens,
         "generated_tokens": len(result.token_ids),
         **({"logprobs": result.logprobs} if result.logprobs is not None else {}),  # decode.logprobs > 0
+        **({"error": result.error} if result.error else {}),  # a row the engine could not run
     }
 
 

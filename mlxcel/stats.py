@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlxcel
 from mlxcel.blas import describe_blas
 from mlxcel.engine import BatchState
+from mlxcel.engine.scheduler import ScheduleState
 
 
 @dataclass
@@ -34,6 +35,10 @@ class BatchStats:
     visual_tokens: int = 0  # prompt tokens that are image features (counted in prompt_tokens too)
     image_preprocess_ms: float = 0.0  # loading and preprocessing this batch's images (before the engine)
     vision_encode_ms: float = 0.0  # towers + projectors + merge, inside prefill_time_ms
+    decode_steps: int = 0
+    rows_decoding_sum: int = 0  # rows in each decode step, summed
+    kv_budget_bytes: int = 0  # the scheduler's KV cap (0: the batch engine, which has none)
+    kv_peak_bytes: int = 0
 
 
 @dataclass
@@ -51,13 +56,16 @@ class GenerationStats:
     vision_encode_ms: float = 0.0  # vision towers + projectors (part of prefill_time_ms)
     rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    occupancy: float = 0.0  # mean rows decoding per decode step (the scheduler's; 0 for the batch engine)
+    kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
+    kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
     batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def measure_batch(state: BatchState) -> BatchStats:
+def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
     timings, results = state.timings, state.results
     images = [r for r in state.request.rows if r.images is not None]
     first, end = timings.first_token or timings.start, timings.end or timings.start
@@ -73,6 +81,10 @@ def measure_batch(state: BatchState) -> BatchStats:
         visual_tokens=sum(sum(r.images.token_counts) for r in images),
         image_preprocess_ms=sum(r.images.preprocess_ms for r in images),
         vision_encode_ms=timings.vision_encode_ms,
+        decode_steps=getattr(state, "decode_steps", 0),
+        rows_decoding_sum=getattr(state, "rows_decoding_sum", 0),
+        kv_budget_bytes=getattr(state, "kv_budget_bytes", 0),
+        kv_peak_bytes=getattr(state, "kv_peak_bytes", 0),
     )
 
 
@@ -95,6 +107,9 @@ def make_generation_stats(batches: list[BatchStats], prepare_start: float, finis
         vision_encode_ms=round(sum(b.vision_encode_ms for b in batches), 3),
         rows=sum(finish_reasons.values()),
         finish_reasons=dict(finish_reasons),
+        occupancy=round(sum(b.rows_decoding_sum for b in batches) / max(1, sum(b.decode_steps for b in batches)), 3),
+        kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),
+        kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
         batches=[
             {
                 "rows": b.rows,
@@ -122,7 +137,8 @@ def format_stats_table(stats: GenerationStats) -> str:
             f"images: {stats.visual_tokens} of the prompt tokens | preprocess {stats.image_preprocess_ms:.0f} ms"
             f" | encode {stats.vision_encode_ms:.0f} ms (in prefill)"
         )
-    lines.append(f"ttft {stats.ttft_ms:.0f} ms | peak {stats.peak_memory_gb:.2f} GB | rows {stats.rows} ({reasons})")
+    occupancy = f" | occupancy {stats.occupancy:.1f}" if stats.occupancy else ""
+    lines.append(f"ttft {stats.ttft_ms:.0f} ms | peak {stats.peak_memory_gb:.2f} GB | rows {stats.rows} ({reasons}){occupancy}")
     return "\n".join(lines)
 
 

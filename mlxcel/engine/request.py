@@ -41,6 +41,7 @@ class RowResult:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     logprobs: list[dict] | None = None  # per token {token, logprob, top: [[id, logprob], ...]}
+    error: str | None = None  # why a row with finish_reason "error" could not run
 
 
 @dataclass

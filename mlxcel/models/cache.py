@@ -94,6 +94,8 @@ def make_kv_caches(num_layers: int, batch_size: int = 1, left_pad: list[int] | N
 def make_attention_mask(length: int, cache: KVCache | None) -> mx.array | str | None:
     """Mask for `length` new queries at the cache's offset: causal within the new tokens,
     and left-padding slots hidden. Returns None or "causal" when no explicit mask is needed."""
+    if hasattr(cache, "attention_mask"):  # a paged cache knows its rows' lengths
+        return cache.attention_mask(length)
     offset = 0 if cache is None else cache.offset
     left_pad = None if cache is None else cache.left_pad
     if left_pad is None:

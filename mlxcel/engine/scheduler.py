@@ -1,0 +1,346 @@
+"""BatchScheduler: continuous batching over a paged KV cache.
+
+Rows wait in arrival order. A row is admitted when a row slot is free (`max_rows`) and the KV
+pool has the blocks for its prompt and every token it may generate (reserved up front: no row is
+ever preempted, and admission never exceeds the budget). Each iteration:
+1. admits what fits, then prefills new rows piece by piece within a token budget (the chunk
+   size: 2048 when no row decodes, 512 while rows decode; `prefill.chunk_size` pins both), so a
+   long prompt delays the running rows by at most one piece;
+2. runs one decode step for every decoding row, ragged (each row at its own length);
+3. draws the next token of every decoding row and of each row whose prefill just ended;
+4. reads the previous iteration's draw (one step of lookahead: the device computes step t+1
+   while the host handles step t), applies stop rules, and lets finished rows go: their slots
+   and blocks serve the next admissions.
+Every decision depends on the rows, their tokens and the config, never on timing, so a rerun
+forms the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcel.engine.engine import OnRowDone, OnToken
+from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
+from mlxcel.models.cache import KVCache
+from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
+from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
+from mlxcel.sampling import RowKey
+from mlxcel.sampling.rows import RowsSampler
+
+KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
+
+
+@dataclass
+class Row:
+    index: int  # position in the request
+    request: RowRequest
+    result: RowResult
+    limit: int  # tokens it may draw: its max_tokens, less what the context cannot hold
+    error: str | None = None
+    slot: int = -1
+    last_draw: int = 0  # sequence number of the last draw it took part in
+    prefilled: int = 0  # prompt positions in the cache
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_ids
+
+
+@dataclass
+class PendingDraw:
+    """A queued draw and the rows it drew for, in batch order."""
+
+    draw: object
+    rows: list[Row]
+
+
+@dataclass
+class ScheduleState:
+    """What a scheduled request gives back (the fields stats.measure_batch reads)."""
+
+    request: GenerationRequest
+    results: list[RowResult]
+    timings: GenerationTimings
+    rows: list[Row] = field(default_factory=list)
+    kv_budget_bytes: int = 0
+    kv_peak_bytes: int = 0
+    kv_peak_blocks: int = 0
+    decode_steps: int = 0
+    rows_decoding_sum: int = 0  # summed over decode steps: occupancy = this / decode_steps
+
+
+def supports_scheduling(model, request: GenerationRequest) -> bool:
+    """The paged path covers full-attention text models; the rest (sliding windows, a quantized
+    KV cache, images, per-row LoRA, longrope) still runs in the batch engine for now."""
+    if request.kv_bits or any(r.images is not None for r in request.rows):
+        return False
+    if not getattr(model, "supports_compiled_decode", True) or hasattr(model, "make_prefill_extras"):
+        return False
+    if getattr(model, "image_token_id", None) is not None or not hasattr(model, "forward_with_embeddings"):
+        return False
+    return all(type(c) is KVCache for c in model.make_cache(1))
+
+
+def kv_bytes_per_position(model) -> int:
+    """Keys and values of one position in every layer, in the model's dtype."""
+    attention = model.model.layers[0].self_attn
+    dtype_size = model.model.embed_tokens.weight.dtype.size
+    if dtype_size == 1 or str(model.model.embed_tokens.weight.dtype).startswith("mlx.core.uint"):
+        dtype_size = 2  # quantized weights: activations (and the cache) are in the compute dtype
+    return len(model.model.layers) * 2 * attention.n_kv_heads * attention.head_dim * dtype_size
+
+
+def default_kv_budget_bytes() -> int:
+    """KV_BUDGET_SHARE of the GPU's memory, or of the machine's RAM on the CPU."""
+    if mx.default_device() == mx.gpu:
+        info = mx.device_info()
+        total = info.get("memory_size") or info.get("total_memory") or 0
+        if total:
+            return int(total * KV_BUDGET_SHARE)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * KV_BUDGET_SHARE)
+
+
+class BatchScheduler:
+    def __init__(self, model, max_context: int, max_rows: int, kv_budget_bytes: int | None = None, pipeline: bool = True, chunk_size: int | None = None):
+        self.model = model
+        self.max_context = max_context
+        self.max_rows = max_rows
+        self.kv_budget_bytes = kv_budget_bytes or default_kv_budget_bytes()
+        self.pipeline = pipeline
+        self.pinned_chunk = chunk_size  # None: 2048 idle, 512 while rows decode
+
+    def generate(self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None) -> ScheduleState:
+        """Generate every row; `on_token(row, token)` streams each token as it reaches the host
+        (False cancels that row), `on_row_done(row, result)` reports each row as it finishes.
+        A row that cannot run (empty, longer than the context, more KV than the budget) ends
+        with finish_reason "error" and the others run."""
+        state = None
+        for state in self.steps(request, on_token, on_row_done):
+            pass
+        return state
+
+    def steps(self, request: GenerationRequest, on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[ScheduleState]:
+        """generate() as a generator: yields after every iteration (stopping early abandons the rest)."""
+        timings = GenerationTimings(start=time.perf_counter())
+        rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
+        state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
+        per_block = kv_bytes_per_position(self.model) * BLOCK_SIZE
+        for row in rows:
+            needed = count_blocks(self.reserved_positions(row, request)) * per_block
+            if row.error is None and needed > self.kv_budget_bytes:
+                row.error = (f"needs {needed / 1e9:.3f} GB of KV cache (prompt {len(row.prompt)} + up to {row.limit} tokens); "
+                             f"runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or lower max_tokens")
+            if row.error is not None:
+                row.result.finish_reason, row.result.error = "error", row.error
+                if on_row_done is not None:
+                    on_row_done(row.index, row.result)
+        runnable = [r for r in rows if r.error is None]
+        # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
+        sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
+        num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
+        table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE)
+        caches = make_paged_caches(len(self.model.model.layers), table)
+        for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
+            state.kv_peak_bytes = state.kv_peak_blocks * per_block
+            yield state
+        state.kv_peak_bytes = state.kv_peak_blocks * per_block
+        timings.end = timings.end or time.perf_counter()
+        yield state
+
+    # ---- rows ----
+    def make_row(self, index: int, request: RowRequest, job: GenerationRequest) -> Row:
+        result = RowResult(prompt_tokens=len(request.prompt_ids), logprobs=[] if job.logprobs else None)
+        limit = min(request.max_tokens or job.max_tokens, self.max_context - len(request.prompt_ids) + 1)
+        row = Row(index, request, result, max(limit, 1))
+        if not request.prompt_ids:
+            row.error = "empty prompt (no tokens to prefill)"
+        elif len(request.prompt_ids) >= self.max_context:
+            row.error = (f"prompt has {len(request.prompt_ids)} tokens; the model's context is {self.max_context} "
+                         "(shorten the prompt or raise model.max_context if the model supports it)")
+        return row
+
+    def reserved_positions(self, row: Row, request: GenerationRequest) -> int:
+        """Positions a row can ever write: its prompt (plus a tile of padding) and every drawn
+        token but the last."""
+        return len(row.prompt) + (request.tile_size or 0) + row.limit - 1
+
+    # ---- the loop ----
+    def run_rows(self, state, waiting: deque, table: PageTable, caches: list, request: GenerationRequest, on_token: OnToken, on_row_done) -> None:
+        sampler = RowsSampler(request.sampler, request.logprobs)
+        batch = DecodeBatch()
+        prefilling: deque[Row] = deque()
+        free_slots = list(range(self.max_rows))
+        inflight: deque[PendingDraw] = deque()
+        leaving: list[Row] = []  # done drawing; their slot goes back once their tokens are read
+        draws_queued = draws_read = 0
+        while waiting or prefilling or len(batch) or inflight:
+            # 1. admissions: a free slot and the blocks for everything the row may write
+            while waiting and free_slots and count_blocks(self.reserved_positions(waiting[0], request)) <= table.free_blocks:
+                row = waiting.popleft()
+                row.slot = free_slots.pop(0)
+                table.reserve(row.slot, self.reserved_positions(row, request))
+                row.admitted_at = time.perf_counter()
+                prefilling.append(row)
+            state.kv_peak_blocks = max(state.kv_peak_blocks, table.num_blocks - table.free_blocks)
+            # 2. the decode step, then prefill pieces within the iteration's token budget
+            logits_parts, joined = [], []
+            if len(batch):
+                logits_parts.append(self.decode_step(table, caches, batch))
+                state.decode_steps += 1
+                state.rows_decoding_sum += len(batch)
+            budget = self.pinned_chunk or (BUSY_CHUNK_SIZE if len(batch) else DEFAULT_CHUNK_SIZE)
+            while prefilling and budget > 0:
+                logits, spent = self.prefill_piece(table, caches, prefilling[0], budget, request, state.timings)
+                budget -= spent
+                if logits is None:
+                    break
+                logits_parts.append(logits)
+                joined.append(prefilling.popleft())
+            # 3. one draw for the decoding rows and the rows whose prefill ended
+            if logits_parts:
+                for row in joined:
+                    sampler.add(RowKey(row.request.row_id, row.request.sample_index, row.request.seed), row.prompt)
+                batch.join(joined)
+                draw = sampler.sample(logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts))
+                mx.async_eval(draw.arrays() + sampler.state_arrays())
+                inflight.append(PendingDraw(draw, list(batch.rows)))
+                draws_queued += 1
+                batch.next_input = draw.tokens
+                batch.drawn += 1
+                # rows that drew their last token leave the decode batch now (no wasted step)
+                leaving += self.keep(batch, batch.drawn < batch.limits, sampler, draws_queued)
+            # 4. read the oldest draw (pipelined: one step behind), apply stop rules
+            if inflight and (len(inflight) > 1 or not self.pipeline or not (len(batch) or prefilling)):
+                ended = self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
+                draws_read += 1
+                if ended and len(batch):
+                    leaving += self.keep(batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued)
+            # slots and blocks of rows whose every queued step has been read go back
+            for row in [row for row in leaving if row.last_draw <= draws_read]:
+                leaving.remove(row)
+                table.release(row.slot)
+                free_slots.append(row.slot)
+                row.slot = -1
+            free_slots.sort()
+            yield state
+
+    def keep(self, batch: DecodeBatch, mask: np.ndarray, sampler: RowsSampler, last_draw: int) -> list[Row]:
+        """Only the rows where `mask` holds go on decoding; returns the others, which took part
+        in draws up to `last_draw` (their slot is free once that one is read)."""
+        if mask.all():
+            return []
+        keep = np.nonzero(mask)[0]
+        sampler.keep(keep.tolist())
+        dropped = batch.keep(keep)
+        for row in dropped:
+            row.last_draw = last_draw
+        return dropped
+
+    def decode_step(self, table: PageTable, caches: list, batch: DecodeBatch) -> mx.array:
+        table.begin(batch.slots, 1)
+        logits = self.model(batch.next_input[:, None], caches)[:, -1, :]
+        table.end()
+        return logits
+
+    def prefill_piece(self, table: PageTable, caches: list, row: Row, budget: int, request: GenerationRequest, timings: GenerationTimings):
+        """The row's next piece within `budget` tokens: (logits of its last position if the
+        prompt is done else None, tokens spent). Pieces end at the history boundary (never
+        padded there) and are padded to whole tiles where a tile is set."""
+        total, start, tile = len(row.prompt), row.prefilled, request.tile_size
+        boundary = row.request.history_tokens
+        span_end = boundary if start < boundary < total else total
+        size = min(span_end - start, budget)
+        if tile and size < span_end - start:
+            size = size // tile * tile
+        if size <= 0:
+            return None, budget
+        end = start + size
+        pad = (-size) % tile if tile and end != boundary else 0
+        began = time.perf_counter()
+        chunk = mx.array([row.prompt[start:end] + [request.pad_token_id] * pad])
+        table.begin(np.array([row.slot]), size + pad)
+        is_last = end == total
+        logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
+        table.end(padding=pad)
+        row.prefilled = end
+        mx.async_eval([c.state for c in caches])
+        timings.prefill_pieces.append({"row": row.index, "start": start, "end": end, "pad": pad, "ms": round((time.perf_counter() - began) * 1000, 3)})
+        return (logits[:, -1, :] if is_last else None), size + pad
+
+    def read_draw(self, pending: PendingDraw, request: GenerationRequest, state: ScheduleState, on_token: OnToken, on_row_done) -> list[Row]:
+        """Apply one step's tokens (the per-row work that overlaps the next step); returns the
+        rows that finished."""
+        ended = []
+        tokens, logprobs = pending.draw.to_host()
+        now = time.perf_counter()
+        if state.timings.first_token is None:
+            state.timings.first_token = now
+        stop_ids = request.stop_token_ids
+        for i, row in enumerate(pending.rows):
+            result = row.result
+            if result.finish_reason is not None:
+                continue  # a step queued before the row was known to have finished
+            token = tokens[i]
+            if row.first_token_at is None:
+                row.first_token_at = now
+            if token in stop_ids:
+                result.finish_reason = "stop"
+            else:
+                result.token_ids.append(token)
+                if logprobs is not None:
+                    result.logprobs.append({"token": token, **logprobs[i]})
+                if on_token(row.index, token) is False:
+                    result.finish_reason = "cancelled"
+                elif len(result.token_ids) >= row.limit:
+                    result.finish_reason = "length"
+            if result.finish_reason is not None:
+                row.finished_at = now
+                ended.append(row)
+                if on_row_done is not None:
+                    on_row_done(row.index, result)
+        state.timings.end = now
+        return ended
+
+
+class DecodeBatch:
+    """The decoding rows in the sampler's order, with per-row arrays so a step is built
+    without a Python loop over rows."""
+
+    def __init__(self):
+        self.rows: list[Row] = []
+        self.slots = np.zeros(0, dtype=np.int32)
+        self.indices = np.zeros(0, dtype=np.int64)
+        self.drawn = np.zeros(0, dtype=np.int64)
+        self.limits = np.zeros(0, dtype=np.int64)
+        self.next_input: mx.array | None = None  # the last draw's tokens, aligned with rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, rows: list[Row]) -> None:
+        if rows:
+            self.rows = self.rows + rows
+            self.slots = np.append(self.slots, [r.slot for r in rows]).astype(np.int32)
+            self.indices = np.append(self.indices, [r.index for r in rows])
+            self.drawn = np.append(self.drawn, [0] * len(rows))
+            self.limits = np.append(self.limits, [r.limit for r in rows])
+
+    def keep(self, keep: np.ndarray) -> list[Row]:
+        """Keep the rows at these positions; returns the rows dropped."""
+        kept = set(keep.tolist())
+        dropped = [row for i, row in enumerate(self.rows) if i not in kept]
+        self.rows = [self.rows[i] for i in keep]
+        self.slots, self.indices = self.slots[keep], self.indices[keep]
+        self.drawn, self.limits = self.drawn[keep], self.limits[keep]
+        self.next_input = self.next_input[mx.array(keep.astype(np.int32))] if len(keep) else None
+        return dropped

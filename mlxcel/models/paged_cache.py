@@ -1,0 +1,158 @@
+"""A paged KV cache: rows of any length share one pool of fixed-size blocks per layer.
+
+Why paged (vLLM's PagedAttention idea) rather than one left-padded array per batch: a batch whose
+rows have different lengths then needs no padding to its longest row, a finished row hands its
+blocks back the moment it ends, and a new row takes whatever blocks are free. Memory follows the
+sum of the rows' lengths, not rows x the longest (a ragged job's rows run 48-1536 positions).
+
+Layout: each layer keeps keys and values as [num_blocks * BLOCK_SIZE, kv_heads, head_dim], flat
+positions; a row's position p lives at block_table[row, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
+The page table (host) is shared by every layer, and each forward call's indices are built once
+(`PageTable.begin`), not per layer.
+
+Attention here is plain MLX, correct on every backend: a step gathers its rows' positions into a
+dense [B, kv_heads, S, head_dim] view and masks the positions past each row's length. The gather
+copies the rows' cache once per layer and step; a fused kernel that reads the blocks in place
+(CUDA) replaces it where our tests ran it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+BLOCK_SIZE = 32  # positions per block: small enough to waste < 1 block per row, large enough to index cheaply
+
+
+def count_blocks(positions):
+    """Blocks that hold `positions` positions (an int or an array of them)."""
+    return -(-positions // BLOCK_SIZE)
+
+
+class PageTable:
+    """The host side: which blocks each row slot owns and how many positions it holds."""
+
+    def __init__(self, num_blocks: int, max_rows: int, max_positions: int):
+        self.num_blocks = num_blocks
+        self.blocks_per_row = -(-max_positions // BLOCK_SIZE)
+        self.table = np.zeros((max_rows, self.blocks_per_row), dtype=np.int32)
+        self.owned = np.zeros(max_rows, dtype=np.int32)  # blocks each slot holds
+        self.lengths = np.zeros(max_rows, dtype=np.int32)  # positions written
+        self.free = list(range(num_blocks))  # lowest first: allocation is a function of the schedule alone
+        self.step: StepIndices | None = None
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self.free)
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """Give `slot` blocks for `positions` positions in all (the caller checked free_blocks)."""
+        needed = count_blocks(positions) - self.owned[slot]
+        if needed > len(self.free):
+            raise MemoryError(f"the KV pool has {len(self.free)} free blocks, {needed} needed")
+        if needed > 0:
+            taken, self.free = self.free[:needed], self.free[needed:]
+            self.table[slot, self.owned[slot] : self.owned[slot] + needed] = taken
+            self.owned[slot] += needed
+
+    def release(self, slot: int) -> None:
+        """The slot's blocks go back to the pool (kept sorted: lowest first again)."""
+        owned = self.table[slot, : self.owned[slot]].tolist()
+        self.free = sorted(self.free + owned)
+        self.owned[slot] = 0
+        self.lengths[slot] = 0
+
+    def begin(self, slots: np.ndarray, new_tokens: int) -> StepIndices:
+        """Indices for one forward call: `new_tokens` positions for each of `slots` (in batch order)."""
+        self.step = StepIndices(self, np.asarray(slots, dtype=np.int32), new_tokens)
+        return self.step
+
+    def end(self, padding: int = 0) -> None:
+        """The call's positions are written: the rows grow by its tokens, less the `padding` at
+        their end (a tile-padded prefill piece), which later writes overwrite."""
+        step = self.step
+        self.lengths[step.slots] += step.new_tokens - padding
+        self.step = None
+
+
+class StepIndices:
+    """One forward call's device indices, shared by every layer."""
+
+    def __init__(self, table: PageTable, slots: np.ndarray, new_tokens: int):
+        self.slots, self.new_tokens = slots, new_tokens
+        starts = table.lengths[slots]  # [B] positions already cached
+        self.starts = starts
+        ends = starts + new_tokens
+        if (count_blocks(ends) > table.owned[slots]).any():
+            raise RuntimeError("a row would write past its reserved blocks")
+        new_pos = starts[:, None] + np.arange(new_tokens)[None, :]  # [B, L]
+        self.write = mx.array(flat_positions(table.table[slots], new_pos).reshape(-1))
+        # Keys to attend over: each row's positions up to its end. One row gathers exactly those,
+        # so it needs no array mask (MLX's fused attention takes none: "causal" aligns the new
+        # queries to the last keys). Several rows are padded to the longest in whole blocks (fewer
+        # distinct shapes for the kernels' caches); padding reads a valid slot and is masked out.
+        span = int(ends.max()) if len(slots) == 1 else int(count_blocks(ends.max()) * BLOCK_SIZE)
+        key_pos = np.arange(span)[None, :]
+        valid = key_pos < ends[:, None]
+        self.gather = mx.array(flat_positions(table.table[slots], np.where(valid, key_pos, 0)))  # [B, S]
+        self.rope_offset: int | mx.array = int(starts[0]) if len(slots) == 1 else mx.array(starts)
+        if len(slots) == 1:
+            self.mask = None
+        elif new_tokens == 1:
+            self.mask = mx.array(valid)[:, None, None, :]  # [B, 1, 1, S]
+        else:
+            query_pos = new_pos[:, :, None]  # [B, L, 1]
+            self.mask = mx.array((key_pos[:, None, :] <= query_pos) & valid[:, None, :])[:, None]  # [B, 1, L, S]
+
+
+def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Flat pool indices of row positions; blocks [B, blocks_per_row], positions [B, N]."""
+    block = np.take_along_axis(blocks, positions // BLOCK_SIZE, axis=1)
+    return (block * BLOCK_SIZE + positions % BLOCK_SIZE).astype(np.int32)
+
+
+class PagedKVCache:
+    """One layer's pool, behind the KVCache interface the model families call."""
+
+    def __init__(self, table: PageTable, dtype: mx.Dtype | None = None):
+        self.table = table
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.dtype = dtype
+
+    @property
+    def offset(self) -> int:
+        step = self.table.step
+        return int(step.starts.max()) if step is not None else 0
+
+    def rope_offset(self) -> int | mx.array:
+        return self.table.step.rope_offset
+
+    def attention_mask(self, length: int) -> mx.array | str | None:
+        step = self.table.step
+        if step.mask is not None:
+            return step.mask
+        return None if length == 1 else "causal"
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write [B, kv_heads, L, D] at the rows' next positions; return their cached positions
+        as [B, kv_heads, S, D] (the new ones included)."""
+        step = self.table.step
+        B, heads, L, _ = keys.shape
+        if self.keys is None:
+            size = self.table.num_blocks * BLOCK_SIZE
+            self.keys = mx.zeros((size, heads, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
+        self.keys[step.write] = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
+        self.values[step.write] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
+        if B == 1 and int(step.starts[0]) == 0:
+            return keys, values  # a first piece attends to exactly what it brought
+        return self.keys[step.gather].transpose(0, 2, 1, 3), self.values[step.gather].transpose(0, 2, 1, 3)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+def make_paged_caches(num_layers: int, table: PageTable) -> list[PagedKVCache]:
+    return [PagedKVCache(table) for _ in range(num_layers)]

@@ -1,0 +1,144 @@
+"""BatchScheduler on a tiny random Llama (fp32, CPU): every row's tokens equal that row run alone
+through the batch engine (DirectEngine, the independent oracle), whatever the schedule: arrival
+order, max_rows, chunk size, pipelining, cancellations and stops mid-row; reruns form the same
+batches; rows that cannot run end as error rows while the others complete."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine.scheduler import BatchScheduler, kv_bytes_per_position, supports_scheduling
+from mlxcel.models.loader import load_model
+from mlxcel.models.paged_cache import BLOCK_SIZE
+from mlxcel.sampling import Sampler, make_sampler_chain
+from tests.test_sampling_engine import CHAINS
+
+GREEDY = Sampler("greedy")
+CATEGORICAL = Sampler("categorical", temperature=1.0, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return load_model(str(tiny_llama), dtype="float32").model
+
+
+def make_prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randint(1, 90))] for _ in range(count)]
+
+
+def alone(model, sampler, prompt, row_id, max_tokens, **kwargs):
+    request = GenerationRequest([RowRequest(prompt, row_id=row_id, max_tokens=max_tokens)], sampler, max_tokens=64, **kwargs)
+    return DirectEngine(model, 512).generate(request).results[0]
+
+
+def schedule(model, sampler, prompts, row_ids, max_tokens, max_rows=4, chunk_size=None, pipeline=True, on_token=None, **kwargs):
+    rows = [RowRequest(p, row_id=i, max_tokens=m) for p, i, m in zip(prompts, row_ids, max_tokens)]
+    request = GenerationRequest(rows, sampler, max_tokens=64, **kwargs)
+    scheduler = BatchScheduler(model, 512, max_rows, chunk_size=chunk_size, pipeline=pipeline)
+    return scheduler.generate(request, on_token or (lambda row, token: True))
+
+
+def test_the_tiny_llama_runs_through_the_scheduler(model):
+    assert supports_scheduling(model, GenerationRequest([RowRequest([1, 2])], GREEDY))
+    assert not supports_scheduling(model, GenerationRequest([RowRequest([1, 2])], GREEDY, kv_bits=4))
+
+
+@pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
+def test_randomized_schedules_equal_each_row_alone(model, sampler):
+    prompts = make_prompts(0, 9)
+    lengths = [random.Random(i).randint(1, 24) for i in range(9)]
+    expected = [alone(model, sampler, p, i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
+    for seed in range(6):
+        rng = random.Random(seed)
+        order = rng.sample(range(9), 9)
+        max_rows, chunk, pipeline = rng.choice([1, 2, 3, 9]), rng.choice([None, 1, 7, 32]), rng.random() < 0.7
+        state = schedule(model, sampler, [prompts[i] for i in order], order, [lengths[i] for i in order], max_rows, chunk, pipeline)
+        got = {order[k]: r.token_ids for k, r in enumerate(state.results)}
+        assert got == dict(enumerate(expected)), (seed, max_rows, chunk, pipeline)
+        assert all(r.finish_reason == "length" for r in state.results)
+
+
+def test_cancellations_and_stop_ids_mid_row(model):
+    prompts = make_prompts(1, 6)
+    full = [alone(model, CATEGORICAL, p, i, 20).token_ids for i, p in enumerate(prompts)]
+    stop = full[2][5]  # row 2 stops at its first occurrence of this token
+    cancel_after = {1: 3, 4: 1}  # row -> tokens it receives before cancelling
+    seen: dict[int, int] = {}
+
+    def on_token(row, token):
+        seen[row] = seen.get(row, 0) + 1
+        return seen[row] < cancel_after.get(row, 99)
+
+    state = schedule(model, CATEGORICAL, prompts, range(6), [20] * 6, max_rows=3, chunk_size=8, on_token=on_token, stop_token_ids=frozenset([stop]))
+    for i, result in enumerate(state.results):
+        if i in cancel_after:
+            assert result.finish_reason == "cancelled" and result.token_ids == full[i][: cancel_after[i]]
+        elif stop in full[i]:
+            assert result.finish_reason == "stop" and result.token_ids == full[i][: full[i].index(stop)]
+        else:
+            assert result.finish_reason == "length" and result.token_ids == full[i]
+
+
+@pytest.mark.parametrize("name", ["full", "penalties", "mirostat", "adaptive_p"])
+def test_stateful_chains_equal_each_row_alone(model, name):
+    chain = make_sampler_chain({"seed": 7, **CHAINS[name]}, model.args.vocab_size)
+    prompts = make_prompts(2, 5)
+    expected = [alone(model, chain, p, i, 12).token_ids for i, p in enumerate(prompts)]
+    state = schedule(model, chain, prompts[::-1], [4, 3, 2, 1, 0], [12] * 5, max_rows=2, chunk_size=16)
+    assert [r.token_ids for r in state.results][::-1] == expected
+
+
+def test_logprobs_equal_each_row_alone(model):
+    prompts = make_prompts(3, 3)
+    expected = [alone(model, CATEGORICAL, p, i, 6, logprobs=3).logprobs for i, p in enumerate(prompts)]
+    state = schedule(model, CATEGORICAL, prompts, range(3), [6] * 3, max_rows=2, logprobs=3)
+    assert [r.logprobs for r in state.results] == expected
+
+
+def test_reruns_form_the_same_batches(model):
+    prompts = make_prompts(4, 8)
+    runs = [schedule(model, CATEGORICAL, prompts, range(8), [5, 9, 2, 14, 7, 1, 11, 3], max_rows=3, chunk_size=16) for _ in range(3)]
+    pieces = [[(p["row"], p["start"], p["end"]) for p in run.timings.prefill_pieces] for run in runs]
+    assert pieces[0] == pieces[1] == pieces[2]
+    assert len({(run.decode_steps, run.rows_decoding_sum) for run in runs}) == 1
+    assert len({tuple(tuple(r.token_ids) for r in run.results) for run in runs}) == 1
+
+
+def test_prefill_interleaves_with_decode_in_chunks(model):
+    """A long prompt arriving while rows decode is prefilled in pieces of the busy chunk size, one
+    budget per step, so the decoding rows keep stepping meanwhile."""
+    prompts = [[5] * 10, [7] * 10, list(range(3, 303))]
+    state = schedule(model, GREEDY, prompts, range(3), [40, 40, 4], max_rows=3, chunk_size=64)
+    long_pieces = [p for p in state.timings.prefill_pieces if p["row"] == 2]
+    assert [p["end"] - p["start"] for p in long_pieces] == [64 - 20, 64, 64, 64, 64]  # first budget shared with the short rows
+    assert state.rows_decoding_sum / state.decode_steps > 1.5  # the short rows decoded alongside
+
+
+def test_rows_that_cannot_run_are_error_rows(model):
+    prompts = [[5] * 20, [6] * 600, [], [7] * 30]
+    done = []
+    state = schedule(model, GREEDY, prompts, range(4), [4] * 4, on_token=None)
+    reasons = [r.finish_reason for r in state.results]
+    assert reasons == ["length", "error", "error", "length"]
+    assert "600 tokens" in state.results[1].error and "empty prompt" in state.results[2].error
+    # a KV budget that holds the small row but not the large one
+    per_block = kv_bytes_per_position(model) * BLOCK_SIZE
+    request = GenerationRequest([RowRequest([5] * 20), RowRequest([6] * 200, row_id=1)], GREEDY, max_tokens=4)
+    state = BatchScheduler(model, 512, 4, kv_budget_bytes=2 * per_block).generate(request, on_row_done=lambda i, r: done.append(i))
+    assert [r.finish_reason for r in state.results] == ["length", "error"]
+    assert "runner.kv_budget_gb" in state.results[1].error and sorted(done) == [0, 1]
+
+
+def test_finished_rows_free_their_blocks_for_waiting_rows(model):
+    """max_rows=2 over 6 rows: the pool holds two rows' blocks, and all six run through it."""
+    prompts = make_prompts(5, 6)
+    state = schedule(model, GREEDY, prompts, range(6), [6] * 6, max_rows=2)
+    per_block = kv_bytes_per_position(model) * BLOCK_SIZE
+    two_largest = sorted((-(-(len(p) + 5) // BLOCK_SIZE) for p in prompts), reverse=True)[:2]
+    assert state.kv_peak_bytes <= sum(two_largest) * per_block
+    assert all(len(r.token_ids) == 6 for r in state.results)
+    assert state.rows_decoding_sum / state.decode_steps <= 2

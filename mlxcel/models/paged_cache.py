@@ -32,8 +32,9 @@ def count_blocks(positions):
 class PageTable:
     """The host side: which blocks each row slot owns and how many positions it holds."""
 
-    def __init__(self, num_blocks: int, max_rows: int, max_positions: int):
+    def __init__(self, num_blocks: int, max_rows: int, max_positions: int, decode_kernel: bool = False):
         self.num_blocks = num_blocks
+        self.decode_kernel = decode_kernel  # decode steps read the blocks in place (paged_attention.py)
         self.blocks_per_row = -(-max_positions // BLOCK_SIZE)
         self.table = np.zeros((max_rows, self.blocks_per_row), dtype=np.int32)
         self.owned = np.zeros(max_rows, dtype=np.int32)  # blocks each slot holds
@@ -85,8 +86,15 @@ class StepIndices:
         ends = starts + new_tokens
         if (count_blocks(ends) > table.owned[slots]).any():
             raise RuntimeError("a row would write past its reserved blocks")
+        blocks = table.table[slots, : int(count_blocks(ends.max()))]  # the columns any row reaches
         new_pos = starts[:, None] + np.arange(new_tokens)[None, :]  # [B, L]
-        self.write = mx.array(flat_positions(table.table[slots], new_pos).reshape(-1))
+        self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
+        self.rope_offset: int | mx.array = int(starts[0]) if len(slots) == 1 else mx.array(starts)
+        self.paged: PagedDecode | None = None
+        if new_tokens == 1 and table.decode_kernel:
+            self.paged = PagedDecode(mx.array(blocks), mx.array(ends.astype(np.int32)), int(ends.max()))
+            self.mask = self.paged
+            return
         # Keys to attend over: each row's positions up to its end. One row gathers exactly those,
         # so it needs no array mask (MLX's fused attention takes none: "causal" aligns the new
         # queries to the last keys). Several rows are padded to the longest in whole blocks (fewer
@@ -94,8 +102,7 @@ class StepIndices:
         span = int(ends.max()) if len(slots) == 1 else int(count_blocks(ends.max()) * BLOCK_SIZE)
         key_pos = np.arange(span)[None, :]
         valid = key_pos < ends[:, None]
-        self.gather = mx.array(flat_positions(table.table[slots], np.where(valid, key_pos, 0)))  # [B, S]
-        self.rope_offset: int | mx.array = int(starts[0]) if len(slots) == 1 else mx.array(starts)
+        self.gather = mx.array(flat_positions(blocks, np.where(valid, key_pos, 0)))  # [B, S]
         if len(slots) == 1:
             self.mask = None
         elif new_tokens == 1:
@@ -103,6 +110,19 @@ class StepIndices:
         else:
             query_pos = new_pos[:, :, None]  # [B, L, 1]
             self.mask = mx.array((key_pos[:, None, :] <= query_pos) & valid[:, None, :])[:, None]  # [B, 1, L, S]
+
+
+class PagedDecode:
+    """The mask argument of a decode step whose attention reads the blocks in place: the model's
+    attention hands it the pool (update_and_fetch) and this (attention_mask), and calls attend."""
+
+    def __init__(self, block_table: mx.array, lengths: mx.array, longest: int):
+        self.block_table, self.lengths, self.longest = block_table, lengths, longest
+
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        from mlxcel.models.paged_attention import paged_decode_attention
+
+        return paged_decode_attention(q, keys, values, self.block_table, self.lengths, self.longest, scale, BLOCK_SIZE)
 
 
 def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -145,6 +165,8 @@ class PagedKVCache:
             self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
         self.keys[step.write] = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
         self.values[step.write] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
+        if step.paged is not None:
+            return self.keys, self.values  # the pool itself: PagedDecode.attend reads it in place
         if B == 1 and int(step.starts[0]) == 0:
             return keys, values  # a first piece attends to exactly what it brought
         return self.keys[step.gather].transpose(0, 2, 1, 3), self.values[step.gather].transpose(0, 2, 1, 3)

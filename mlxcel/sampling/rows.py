@@ -73,10 +73,11 @@ class RowsSampler:
         return Draw(tokens, sel.take_token(lp, tokens), top_ids, mx.take_along_axis(lp, top_ids, axis=-1))
 
     def is_compiled(self, batch: int) -> bool:
-        """As BatchSampler: compiled where it pays, and only with fixed-shape state (a whole-context
-        history changes width every step)."""
+        """Only when asked (sampler compile=true): the batch changes size as rows join and leave,
+        and mx.compile traces again for every new size (on the H200, 256 ragged rows: 27.6 ms a
+        step compiled, 17.2 eager)."""
         fixed_shapes = self.chain.history_width is not None or not self.chain.uses_history
-        return fixed_shapes and should_compile(self.chain.compile, batch, self.chain.vocab_size)
+        return fixed_shapes and self.chain.compile is True and should_compile(True, batch, self.chain.vocab_size)
 
     def state_arrays(self) -> list[mx.array]:
         return list(self.state.values())

@@ -1,0 +1,70 @@
+"""The ragged-job benchmark (python -m mlxcel.bench.jobs) on a tiny checkpoint.
+
+The mlx-lm side needs the `bench` extra, which CI does not install: that test skips without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from mlxcel.bench import jobs
+from mlxcel.bench.jobs import METRICS, draw_job
+
+requires_mlx_lm = pytest.mark.skipif(
+    importlib.util.find_spec("mlx_lm") is None, reason="needs mlx-lm, the bench extra (not installed on CI): pip install -e '.[bench]'"
+)
+TINY_JOB = ["--rows", "5", "--prompt-tokens", "3,12", "--output-tokens", "1,6", "--max-rows", "2", "--dtype", "float32"]
+
+
+def run_tiny_job(tiny_llama, tmp_path, capsys, engines: str) -> tuple[dict, list[str]]:
+    out = tmp_path / "out.json"
+    argv = ["--models", str(tiny_llama), *TINY_JOB, "--engines", engines, "--work-dir", str(tmp_path), "--json", str(out)]
+    assert jobs.main(argv) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out.splitlines()
+
+
+def test_rows_are_drawn_from_the_seed():
+    job = draw_job(20, (3, 9), (1, 4), vocab_size=1000, special_ids=[200, 201], seed=3)
+    assert job == draw_job(20, (3, 9), (1, 4), vocab_size=1000, special_ids=[200, 201], seed=3)
+    assert job != draw_job(20, (3, 9), (1, 4), vocab_size=1000, special_ids=[200, 201], seed=4)
+    assert all(3 <= len(p) <= 9 for p in job.prompts) and all(1 <= n <= 4 for n in job.output_lengths)
+    ids = {i for p in job.prompts for i in p}
+    assert min(ids) >= 100 and max(ids) < 1000 and not ids & {200, 201}  # no low (special) ids, no config specials
+    other_vocab = draw_job(20, (3, 9), (1, 4), vocab_size=50000, special_ids=[], seed=3)
+    assert list(map(len, other_vocab.prompts)) == list(map(len, job.prompts))  # every model gets the same lengths
+    assert other_vocab.output_lengths == job.output_lengths
+
+
+def test_mlxcel_rows_generate_their_drawn_lengths(tiny_llama, tmp_path, capsys):
+    report, lines = run_tiny_job(tiny_llama, tmp_path, capsys, "mlxcel")
+    (model,) = report["models"]
+    assert model["rows"]["mlxcel"]["generated_tokens"] == report["job"]["output_lengths"]  # no EOS stop, per-row max_tokens
+    assert len(report["job"]["prompt_lengths"]) == 5 and all(t > 0 for t in model["rows"]["mlxcel"]["ttft_s"])
+    assert model["ratio"] is None
+    top = next(i for i, line in enumerate(lines) if line.startswith("model "))
+    bottom = next(i for i, line in enumerate(lines) if line.startswith("ratio = "))
+    assert lines[top].split() == ["model", "metric", "mlxcel", "mlx-lm", "ratio"]
+    rows = lines[top + 2 : bottom]
+    assert [line.split("  ")[1].strip() for line in rows] == [label for label, _ in METRICS.values()]
+    assert all(line.startswith(tiny_llama.name) for line in rows)
+    assert rows[0].split()[-2:] == ["-", "-"]  # no mlx-lm column, no ratio
+    assert f"{tiny_llama.name} mlxcel: 0 rows off their output length" in lines
+
+
+@requires_mlx_lm
+def test_both_engines_run_the_job_and_agree(tiny_llama, tmp_path, capsys):
+    report, lines = run_tiny_job(tiny_llama, tmp_path, capsys, "mlxcel,mlx-lm")
+    (model,) = report["models"]
+    assert model["rows"]["mlx-lm"]["generated_tokens"] == report["job"]["output_lengths"]
+    assert model["rows_agree"] == 5 and model["token_ids_agree"] == "agree"  # fp32, same weights
+    assert all(ratio > 0 for ratio in model["ratio"].values())
+    assert f"{tiny_llama.name} greedy token ids: 5/5 rows agree" in lines
+
+
+def test_bad_ranges_and_engines_are_refused():
+    for argv in (["--prompt-tokens", "9,3"], ["--output-tokens", "4"], ["--engines", "mlxcel,vllm"]):
+        with pytest.raises(SystemExit):
+            jobs.parse_args(argv)

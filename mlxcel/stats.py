@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 import mlxcel
 from mlxcel.blas import describe_blas
@@ -39,6 +40,8 @@ class BatchStats:
     rows_decoding_sum: int = 0  # rows in each decode step, summed
     kv_budget_bytes: int = 0  # the scheduler's KV cap (0: the batch engine, which has none)
     kv_peak_bytes: int = 0
+    row_ttft_ms: list[float] = field(default_factory=list)  # the scheduler's rows, from its start
+    row_latency_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +60,8 @@ class GenerationStats:
     rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     occupancy: float = 0.0  # mean rows decoding per decode step (the scheduler's; 0 for the batch engine)
+    row_ttft_ms: dict[str, float] = field(default_factory=dict)  # p50, p95 over the scheduler's rows
+    row_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p95: start to a row's last token
     kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
     batches: list[dict] = field(default_factory=list)
@@ -85,6 +90,8 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         rows_decoding_sum=getattr(state, "rows_decoding_sum", 0),
         kv_budget_bytes=getattr(state, "kv_budget_bytes", 0),
         kv_peak_bytes=getattr(state, "kv_peak_bytes", 0),
+        row_ttft_ms=[r.timing["ttft_ms"] for r in results if r.timing],
+        row_latency_ms=[r.timing["latency_ms"] for r in results if r.timing],
     )
 
 
@@ -108,6 +115,8 @@ def make_generation_stats(batches: list[BatchStats], prepare_start: float, finis
         rows=sum(finish_reasons.values()),
         finish_reasons=dict(finish_reasons),
         occupancy=round(sum(b.rows_decoding_sum for b in batches) / max(1, sum(b.decode_steps for b in batches)), 3),
+        row_ttft_ms=percentiles([t for b in batches for t in b.row_ttft_ms]),
+        row_latency_ms=percentiles([t for b in batches for t in b.row_latency_ms]),
         kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
         batches=[
@@ -122,6 +131,14 @@ def make_generation_stats(batches: list[BatchStats], prepare_start: float, finis
             for b in batches
         ],
     )
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50 and p95 (linear interpolation, numpy's default); empty without values."""
+    if not values:
+        return {}
+    p50, p95 = np.percentile(values, [50, 95])
+    return {"p50": round(float(p50), 3), "p95": round(float(p95), 3)}
 
 
 def format_stats_table(stats: GenerationStats) -> str:

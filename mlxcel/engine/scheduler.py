@@ -323,11 +323,25 @@ class BatchScheduler:
                     result.finish_reason = "length"
             if result.finish_reason is not None:
                 row.finished_at = now
+                result.timing = measure_row(row, state.timings.start)
                 ended.append(row)
                 if on_row_done is not None:
                     on_row_done(row.index, result)
         state.timings.end = now
         return ended
+
+
+def measure_row(row: Row, start: float) -> dict:
+    """Milliseconds from the request's start: until admission (queue), to the first token on the
+    host (TTFT) and to the last (latency); decode tok/s after the first token."""
+    first, end = row.first_token_at or row.finished_at, row.finished_at
+    after_first = len(row.result.token_ids) - 1
+    return {
+        "queue_ms": round((row.admitted_at - start) * 1000, 3),
+        "ttft_ms": round((first - start) * 1000, 3),
+        "latency_ms": round((end - start) * 1000, 3),
+        "decode_tok_per_sec": round(after_first / (end - first), 3) if after_first > 0 and end > first else None,
+    }
 
 
 class DecodeBatch:

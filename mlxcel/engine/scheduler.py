@@ -90,6 +90,10 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
+    if len(request.rows) == 1 and mx.default_device() == mx.gpu:
+        # One row on a GPU keeps the batch engine's segmented (compiled) decode step: the
+        # scheduler's step is eager, and dispatch bounds a single row's decode there. To measure.
+        return False
     if request.kv_bits or any(r.images is not None for r in request.rows):
         return False
     if not getattr(model, "supports_compiled_decode", True) or hasattr(model, "make_prefill_extras"):

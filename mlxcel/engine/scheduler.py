@@ -194,7 +194,8 @@ class BatchScheduler:
         return len(row.prompt) + (request.tile_size or 0) + row.limit - 1
 
     # ---- the loop ----
-    def run_rows(self, state, waiting: deque, table: PageTable, caches: list, request: GenerationRequest, on_token: OnToken, on_row_done) -> None:
+    def run_rows(self, state: ScheduleState, waiting: deque, table: PageTable, caches: list, request: GenerationRequest, on_token: OnToken, on_row_done) -> Iterator[ScheduleState]:
+        """The loop of the module docstring; yields after every iteration."""
         sampler = RowsSampler(request.sampler, request.logprobs)
         batch = DecodeBatch()
         prefilling: deque[Row] = deque()

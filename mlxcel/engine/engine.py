@@ -33,6 +33,34 @@ class PromptTooLongError(MlxcelError):
     pass
 
 
+def apply_token(result: RowResult, row: int, token: int, logprobs: dict | None, stop_ids, max_tokens: int, on_token: OnToken) -> None:
+    """One drawn token's stop rules, shared by both engines: a stop id ends the row unemitted;
+    otherwise the token is kept and streamed, and the row ends if the callback cancels it or it
+    reached max_tokens."""
+    if token in stop_ids:
+        result.finish_reason = "stop"
+        return
+    result.token_ids.append(token)
+    if logprobs is not None:
+        result.logprobs.append({"token": token, **logprobs})
+    if on_token(row, token) is False:
+        result.finish_reason = "cancelled"
+    elif len(result.token_ids) >= max_tokens:
+        result.finish_reason = "length"
+
+
+def check_prompt(index: int, prompt_ids: list[int], max_context: int) -> str | None:
+    """Why a row's prompt cannot run, or None."""
+    if not prompt_ids:
+        return f"row {index}: empty prompt (no tokens to prefill)"
+    if len(prompt_ids) >= max_context:
+        return (
+            f"row {index}: prompt has {len(prompt_ids)} tokens; the model's context is {max_context} "
+            "(shorten the prompt or raise model.max_context if the model supports it)"
+        )
+    return None
+
+
 DECODE_STEPS = ("eager", "segmented", "compiled")
 
 
@@ -88,13 +116,9 @@ class Engine:
         """Prefill every row (left-padded to one length) and queue the first token."""
         rows = request.rows
         for index, row in enumerate(rows):
-            if not row.prompt_ids:
-                raise MlxcelError(f"row {index}: empty prompt (no tokens to prefill)")
-            if len(row.prompt_ids) >= self.max_context:
-                raise PromptTooLongError(
-                    f"row {index}: prompt has {len(row.prompt_ids)} tokens; the model's context is {self.max_context} "
-                    "(shorten the prompt or raise model.max_context if the model supports it)"
-                )
+            problem = check_prompt(index, row.prompt_ids, self.max_context)
+            if problem is not None:
+                raise (PromptTooLongError if row.prompt_ids else MlxcelError)(problem)
         timings = GenerationTimings(start=time.perf_counter())
         length = max(len(r.prompt_ids) for r in rows)
         left_pad = [length - len(r.prompt_ids) for r in rows]
@@ -238,17 +262,7 @@ class Engine:
             mx.clear_cache()  # hand prefill's intermediate buffers back before decoding
         stop_ids = state.request.stop_token_ids
         for i in state.active_rows:
-            token, result = tokens[i], state.results[i]
-            if token in stop_ids:
-                result.finish_reason = "stop"
-                continue
-            result.token_ids.append(token)
-            if logprobs is not None:
-                result.logprobs.append({"token": token, **logprobs[i]})
-            if on_token(i, token) is False:
-                result.finish_reason = "cancelled"
-            elif len(result.token_ids) >= state.max_tokens[i]:
-                result.finish_reason = "length"
+            apply_token(state.results[i], i, tokens[i], logprobs[i] if logprobs is not None else None, stop_ids, state.max_tokens[i], on_token)
         state.timings.end = time.perf_counter()
 
     def step(self, state: BatchState, on_token: OnToken, on_row_done: OnRowDone | None = None) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.engine.engine import OnRowDone, OnToken
+from mlxcel.engine.engine import OnRowDone, OnToken, apply_token, check_prompt
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
@@ -180,13 +180,7 @@ class BatchScheduler:
     def make_row(self, index: int, request: RowRequest, job: GenerationRequest) -> Row:
         result = RowResult(prompt_tokens=len(request.prompt_ids), logprobs=[] if job.logprobs else None)
         limit = min(request.max_tokens or job.max_tokens, self.max_context - len(request.prompt_ids) + 1)
-        row = Row(index, request, result, max(limit, 1))
-        if not request.prompt_ids:
-            row.error = "empty prompt (no tokens to prefill)"
-        elif len(request.prompt_ids) >= self.max_context:
-            row.error = (f"prompt has {len(request.prompt_ids)} tokens; the model's context is {self.max_context} "
-                         "(shorten the prompt or raise model.max_context if the model supports it)")
-        return row
+        return Row(index, request, result, max(limit, 1), error=check_prompt(index, request.prompt_ids, self.max_context))
 
     def reserved_positions(self, row: Row, request: GenerationRequest) -> int:
         """Positions a row can ever write: its prompt (plus a tile of padding) and every drawn
@@ -316,16 +310,7 @@ class BatchScheduler:
             token = tokens[i]
             if row.first_token_at is None:
                 row.first_token_at = now
-            if token in stop_ids:
-                result.finish_reason = "stop"
-            else:
-                result.token_ids.append(token)
-                if logprobs is not None:
-                    result.logprobs.append({"token": token, **logprobs[i]})
-                if on_token(row.index, token) is False:
-                    result.finish_reason = "cancelled"
-                elif len(result.token_ids) >= row.limit:
-                    result.finish_reason = "length"
+            apply_token(result, row.index, token, logprobs[i] if logprobs is not None else None, stop_ids, row.limit, on_token)
             if result.finish_reason is not None:
                 row.finished_at = now
                 result.timing = measure_row(row, state.timings.start)

@@ -134,16 +134,10 @@ def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
 class PagedKVCache:
     """One layer's pool, behind the KVCache interface the model families call."""
 
-    def __init__(self, table: PageTable, dtype: mx.Dtype | None = None):
+    def __init__(self, table: PageTable):
         self.table = table
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        self.dtype = dtype
-
-    @property
-    def offset(self) -> int:
-        step = self.table.step
-        return int(step.starts.max()) if step is not None else 0
 
     def rope_offset(self) -> int | mx.array:
         return self.table.step.rope_offset

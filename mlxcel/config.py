@@ -103,7 +103,7 @@ class TemplateConfig(Group):
         return self
 
 
-# ---- sampler (shared/SAMPLERS.md): its schema lives with the sampler chain ----
+# ---- sampler (docs/sampling.md): its schema lives with the sampler chain ----
 from mlxcel.sampling.config import CHAIN_ORDER, PROCESSORS, SELECTOR_KINDS, SamplerConfig, SelectorConfig, TemperatureConfig  # noqa: E402,F401
 
 

@@ -1,7 +1,7 @@
 """PrefillPlan: how a prompt is split into prefill pieces. A pure function of lengths and
 capabilities, shared by the runner and (later) the server so both split prompts the same way.
 
-The four rules (SPEC.md, "PrefillPlan"):
+The four rules (docs/design.md, "PrefillPlan"):
 1. a prefix adopted from the prompt cache is not run again;
 2. the history boundary (the chat without its generation prompt) is always a cut, so a cache
    snapshot can correspond exactly to those tokens; the span up to it is cut into chunks like

@@ -219,6 +219,6 @@ def make_error_row(prepared: PreparedSample) -> dict:
 
 
 def order_report(report: dict) -> dict:
-    """status and the six SPEC fields first, so stats.json reads top-down."""
+    """status and the six headline fields first (SPEC_FIELDS), so stats.json reads top-down."""
     head = ["status", *SPEC_FIELDS, "ttft_ms", "peak_memory_gb"]
     return {**{k: report[k] for k in head if k in report}, **{k: v for k, v in report.items() if k not in head}}

@@ -1,4 +1,4 @@
-"""GenerationStats: what every run reports (SPEC.md section 6), plus timing detail.
+"""GenerationStats: what every run reports (docs/design.md), plus timing detail.
 
 Definitions: token counts are sums over rows (a stop id is not counted); prefill time runs
 from the first prefill piece until the first token is on the host; decode throughput is

@@ -1,4 +1,4 @@
-"""An independent NumPy reference of shared/SAMPLERS.md, written from the spec (and llama.cpp's
+"""An independent NumPy reference of docs/sampling.md, written from the spec (and llama.cpp's
 loops), not from mlxcel's MLX code: one row at a time, float64, over an explicit candidate list
 (token ids + logits) from which stages remove entries, as llama.cpp's llama_token_data_array.
 
@@ -192,7 +192,7 @@ def ref_temperature(c: Candidates, value: float, spread: float = 0.0, exponent: 
 
 
 def ref_chain(logits: np.ndarray, processors: dict, min_keep: int = 0, history=None, breakers=(), eos=(), u_xtc: float = 1.0) -> np.ndarray:
-    """Log-probabilities [V] after the stages present in `processors` (SAMPLERS.md defaults filled by the caller)."""
+    """Log-probabilities [V] after the stages present in `processors` (docs/sampling.md defaults filled by the caller)."""
     c = Candidates.full(logits)
     p = processors
     if "logit_bias" in p:

@@ -1,4 +1,4 @@
-"""PrefillPlan: one test per rule of SPEC.md, plus the edges."""
+"""PrefillPlan: one test per rule of docs/design.md, plus the edges."""
 
 from __future__ import annotations
 

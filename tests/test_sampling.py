@@ -1,4 +1,4 @@
-"""The sampler chain against tests/sampler_reference.py (NumPy, float64, written from SAMPLERS.md),
+"""The sampler chain against tests/sampler_reference.py (NumPy, float64, written from docs/sampling.md),
 stage by stage and as whole chains, plus edge cases, DRY by hand and statistical checks.
 
 Tolerances: kept sets identical and log-probabilities within 2e-4 + 5e-5 * |logprob| (float32 vs
@@ -54,7 +54,7 @@ def random_histories(seed: int, batch: int = BATCH, vocab: int = VOCAB) -> list[
 
 
 def filled(processors: dict) -> dict:
-    """Every parameter filled with SAMPLERS.md's defaults, as the reference takes them."""
+    """Every parameter filled with docs/sampling.md's defaults, as the reference takes them."""
     return {name: PROCESSORS[name].model_validate(params).model_dump() for name, params in processors.items()}
 
 

@@ -136,7 +136,7 @@ def test_quantize_at_load_keeps_the_vision_stage_dense_and_images_work(tmp_path,
 def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_images):
     """Rendering, tokenizing and expanding as transformers' Qwen2VLProcessor does. The processor
     class insists on a (torchvision) video processor, so its image step is reproduced by hand
-    (DESIGN.md): each <|image_pad|> of the rendered text becomes grid.prod() // merge^2 copies,
+    (as transformers does): each <|image_pad|> of the rendered text becomes grid.prod() // merge^2 copies,
     with the grids from transformers' own Pillow image processor, then the tokenizer encodes."""
     from transformers.image_utils import load_image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (

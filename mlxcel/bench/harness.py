@@ -1,7 +1,7 @@
 """Alternate the two engines over repetitions of each case, take medians and ratios.
 
 A case is (model, batch, prompt length). Run-to-run noise is large (~30% on a GPU, see
-DESIGN.md), so every repetition runs both engines back to back, in swapped order on odd
+docs/benchmarks.md), so every repetition runs both engines back to back, in swapped order on odd
 repetitions, and only medians over repetitions are compared.
 """
 

@@ -8,7 +8,7 @@ Dtype: batch 1, one prompt, greedy decode; prefill and decode tok/s per compute 
 policy, `model.dtype=auto`: bf16 on a GPU, fp32 on the CPU).
 Chunk: one long prompt prefilled in pieces of each size, in the device's default dtype; prefill
 tok/s and the longest piece, which is how long rows already decoding would wait for it if a
-server interleaved it with their steps (the policy, SPEC.md: 2048 alone, 512 while a batch
+server interleaved it with their steps (the policy, docs/design.md: 2048 alone, 512 while a batch
 decodes). The settings alternate inside each repetition; medians are printed.
 """
 

@@ -213,7 +213,7 @@ class Engine:
             # Each piece is materialised before the next: the graph per piece stays small, the
             # logits of inner pieces are never built, and after_prefill sees the whole prefill.
             # The piece's time is how long other rows' decoding would wait for it (the server's
-            # 512-token chunks while a batch decodes; see SPEC.md).
+            # 512-token chunks while a batch decodes; docs/design.md).
             mx.eval([c.state for c in cache])
             elapsed_ms = round((time.perf_counter() - began) * 1000, 3)
             timings.prefill_pieces.append({"start": piece.start, "end": piece.end, "pad": piece.pad, "ms": elapsed_ms})

@@ -1,4 +1,4 @@
-"""The sampler chain: shared/SAMPLERS.md's stages in their fixed order, then the draw.
+"""The sampler chain: docs/sampling.md's stages in their fixed order, then the draw.
 
 `make_sampler_chain(config, vocab_size)` builds a `SamplerChain` once per job; `chain.start(rows,
 histories)` gives a batch its `BatchSampler`, whose `sample(logits)` draws one token per row.
@@ -254,7 +254,7 @@ class BatchSampler:
         return list(self.state.values())
 
 
-CPU_COMPILE_MIN_ENTRIES = 1 << 20  # batch x vocabulary; measured on a 2-core VM at vocab 152k (README)
+CPU_COMPILE_MIN_ENTRIES = 1 << 20  # batch x vocabulary; measured on a 2-core VM at vocab 152k (docs/benchmarks.md)
 
 
 def should_compile(requested: bool | None, batch: int, vocab_size: int) -> bool:

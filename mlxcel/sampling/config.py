@@ -1,4 +1,4 @@
-"""The sampler group's schema (shared/SAMPLERS.md): `processors` keyed by stage name, one
+"""The sampler group's schema (docs/sampling.md): `processors` keyed by stage name, one
 `selector` chosen by `kind`. Every parameter left unset takes llama.cpp's default.
 
 Imports nothing from mlxcel.config (which imports this), so errors are raised in the shape its
@@ -298,7 +298,7 @@ class SamplerConfig(BaseModel):
 
 
 def is_stage_off(stage: dict) -> bool:
-    """SAMPLERS.md's "off when" column."""
+    """docs/sampling.md's "off when" column."""
     name = stage["stage"]
     if name == "logit_bias":
         return not stage["bias"] and not stage["suppress"] and not stage["ignore_eos"]

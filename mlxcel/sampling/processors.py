@@ -1,4 +1,4 @@
-"""The stateless stages of the chain (shared/SAMPLERS.md), batch-wide on [B, V] float32 logits.
+"""The stateless stages of the chain (docs/sampling.md), batch-wide on [B, V] float32 logits.
 
 A removed candidate is a logit of -inf; "the candidates" are the finite logits. Truncations keep
 every token whose value ties the last one kept (a threshold, never a sort position), so equal

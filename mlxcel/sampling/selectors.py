@@ -1,4 +1,4 @@
-"""The draws (shared/SAMPLERS.md step 10): greedy, categorical, mirostat v1/v2, adaptive-p.
+"""The draws (docs/sampling.md, step 10): greedy, categorical, mirostat v1/v2, adaptive-p.
 
 Every draw is Gumbel-max over the logits it samples from (an exact draw from their softmax),
 with the row's own noise (rng.py, from the step keys [B, KEY_WORDS]): one CUDA kernel on MLX's

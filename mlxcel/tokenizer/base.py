@@ -10,7 +10,7 @@ TOKENIZER_KINDS = ("hf", "sentencepiece", "tiktoken", "gguf")
 
 @runtime_checkable
 class MlxcelTokenizer(Protocol):
-    """One encode()/decode() whatever the backend (SPEC section 1).
+    """One encode()/decode() whatever the backend (docs/tokenizers.md).
 
     `special_tokens` holds every added/control token (content -> id): the tokens matched whole
     in the text. `eos_token_ids` come from the tokenizer's own config only; the model and

@@ -2,7 +2,7 @@
 
 Special tokens (the model's control pieces, the config's added and named tokens) are matched in
 the text first, leftmost-longest as transformers does; only the text between them reaches
-SentencePiece (SPEC section 1), so ids equal `SentencePieceProcessor.encode` on text without
+SentencePiece (docs/design.md, stage 1), so ids equal `SentencePieceProcessor.encode` on text without
 special tokens. GGUF vocabularies also cut out their user-defined pieces, longest first, as
 llama.cpp does (see gguf.py and whole_tokens.py).
 

@@ -1,2 +1,2 @@
-"""The vision stage of VLMs (SPEC.md section 7): image loading, per-family preprocessing
+"""The vision stage of VLMs (docs/vision.md): image loading, per-family preprocessing
 (processors/), vision towers, projectors and the EmbedMerger."""

@@ -40,6 +40,8 @@ class BatchStats:
     rows_decoding_sum: int = 0  # rows in each decode step, summed
     kv_budget_bytes: int = 0  # the scheduler's KV cap (0: the batch engine, which has none)
     kv_peak_bytes: int = 0
+    iterations: int = 0  # the scheduler's loop iterations
+    host_ms: float = 0.0  # host work over them (not waiting on the device)
     row_ttft_ms: list[float] = field(default_factory=list)  # the scheduler's rows, from its start
     row_latency_ms: list[float] = field(default_factory=list)
 
@@ -64,6 +66,7 @@ class GenerationStats:
     row_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p95: start to a row's last token
     kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
+    host_ms_per_step: float = 0.0  # the scheduler's host work per iteration: below the device's step time, the device bounds the job
     batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -90,6 +93,8 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         rows_decoding_sum=getattr(state, "rows_decoding_sum", 0),
         kv_budget_bytes=getattr(state, "kv_budget_bytes", 0),
         kv_peak_bytes=getattr(state, "kv_peak_bytes", 0),
+        iterations=getattr(state, "iterations", 0),
+        host_ms=state.host_ms_per_iteration * state.iterations if hasattr(state, "iterations") else 0.0,
         row_ttft_ms=[r.timing["ttft_ms"] for r in results if r.timing],
         row_latency_ms=[r.timing["latency_ms"] for r in results if r.timing],
     )
@@ -119,6 +124,7 @@ def make_generation_stats(batches: list[BatchStats], prepare_start: float, finis
         row_latency_ms=percentiles([t for b in batches for t in b.row_latency_ms]),
         kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
+        host_ms_per_step=round(sum(b.host_ms for b in batches) / max(1, sum(b.iterations for b in batches)), 3),
         batches=[
             {
                 "rows": b.rows,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlxcel.models import paged_attention
-from mlxcel.models.paged_cache import BLOCK_SIZE, flat_positions
+from mlxcel.models.paged_cache import BLOCK_SIZE, count_blocks, flat_positions
 
 pytestmark = pytest.mark.skipif(not paged_attention.is_available(64), reason="MLX's CUDA backend only")
 
@@ -26,6 +26,17 @@ def reference(q, keys, values, table, lengths, scale):
     return mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k, v, scale=scale, mask=mask)
 
 
+def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
+    """A pool holding `keys` and `values` [positions, KVH, D], written by write_and_gather."""
+    positions, kv_heads, head_dim = keys.shape
+    pool = paged_attention.PoolLayer(positions, kv_heads, head_dim, keys.dtype)
+    k_out, v_out = paged_attention.write_and_gather(
+        pool, keys.transpose(1, 0, 2)[None], values.transpose(1, 0, 2)[None],
+        mx.arange(positions, dtype=mx.int32), mx.zeros((1, positions), mx.int32), mx.array([0], mx.int32))
+    assert mx.array_equal(k_out[0], keys.transpose(1, 0, 2)) and mx.array_equal(v_out[0], values.transpose(1, 0, 2))
+    return pool
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(("rows", "heads", "kv_heads", "head_dim", "longest"), [(1, 32, 8, 64, 3000), (3, 14, 2, 64, 700), (64, 8, 8, 128, 300), (256, 32, 8, 64, 90)])
 def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest):
@@ -34,16 +45,54 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
     lengths[0] = longest
     width = -(-longest // BLOCK_SIZE)
     blocks = rng.permutation(rows * width).reshape(rows, width).astype(np.int32)  # scattered blocks
-    pool = rows * width * BLOCK_SIZE
-    keys = mx.array(rng.standard_normal((pool, kv_heads, head_dim)).astype(np.float32)).astype(dtype)
-    values = mx.array(rng.standard_normal((pool, kv_heads, head_dim)).astype(np.float32)).astype(dtype)
-    q = mx.array(rng.standard_normal((rows, heads, 1, head_dim)).astype(np.float32)).astype(dtype)
+    positions = rows * width * BLOCK_SIZE
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    keys, values = normal(positions, kv_heads, head_dim), normal(positions, kv_heads, head_dim)
+    pool = filled_pool(keys, values)
+    new_keys, new_values = normal(rows, kv_heads, 1, head_dim), normal(rows, kv_heads, 1, head_dim)
+    q = normal(rows, heads, 1, head_dim)
     scale = head_dim**-0.5
-    got = paged_attention.paged_decode_attention(q, keys, values, mx.array(blocks), mx.array(lengths), longest, scale, BLOCK_SIZE)
+    got = paged_attention.paged_decode_attention(q, new_keys, new_values, pool, mx.array(blocks), mx.array(lengths), longest, scale, BLOCK_SIZE)
+    # the reference: each row's new key and value at its last position, then gather + mask
+    last = mx.array(flat_positions(blocks, (lengths - 1)[:, None])[:, 0])
+    keys[last], values[last] = new_keys[:, :, 0], new_values[:, :, 0]
     want = reference(q, keys, values, blocks, lengths, scale)
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert got.shape == q.shape and got.dtype == dtype
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), atol=tolerance, rtol=tolerance)
+    mx.eval(pool.done)  # the kernel stored the new positions in the pool, in place
+    assert mx.array_equal(pool.keys, keys) and mx.array_equal(pool.values, values)
+
+
+def test_write_and_gather_equals_numpy():
+    rng = np.random.default_rng(7)
+    kv_heads, head_dim, rows, new = 2, 64, 3, 5
+    starts = np.array([0, 40, 3], dtype=np.int32)
+    ends = starts + new
+    width = int(count_blocks(ends.max()))
+    blocks = rng.permutation(rows * width).reshape(rows, width).astype(np.int32)
+    positions = rows * width * BLOCK_SIZE
+    keys = rng.standard_normal((positions, kv_heads, head_dim)).astype(np.float32)
+    values = rng.standard_normal((positions, kv_heads, head_dim)).astype(np.float32)
+    pool = filled_pool(mx.array(keys), mx.array(values))
+    new_keys = rng.standard_normal((rows, kv_heads, new, head_dim)).astype(np.float32)
+    new_values = rng.standard_normal((rows, kv_heads, new, head_dim)).astype(np.float32)
+    span = int(ends.max()) + 3
+    key_pos = np.arange(span)[None, :]
+    gather = flat_positions(blocks, np.where(key_pos < ends[:, None], key_pos, 0))
+    write = flat_positions(blocks, starts[:, None] + np.arange(new)[None, :])
+    k_out, v_out = paged_attention.write_and_gather(pool, mx.array(new_keys), mx.array(new_values), mx.array(write.reshape(-1)), mx.array(gather), mx.array(starts))
+    keys[write.reshape(-1)] = new_keys.transpose(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
+    values[write.reshape(-1)] = new_values.transpose(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
+    want_k = np.where((key_pos < ends[:, None])[:, None, :, None], keys[gather].transpose(0, 2, 1, 3), 0)
+    want_v = np.where((key_pos < ends[:, None])[:, None, :, None], values[gather].transpose(0, 2, 1, 3), 0)
+    np.testing.assert_array_equal(np.array(k_out), want_k)
+    np.testing.assert_array_equal(np.array(v_out), want_v)
+    np.testing.assert_array_equal(np.array(pool.keys), keys)
+    np.testing.assert_array_equal(np.array(pool.values), values)
 
 
 def test_scheduler_with_the_kernel_equals_it_without(tiny_llama, monkeypatch):

@@ -82,6 +82,15 @@ class ScheduleState:
     kv_peak_blocks: int = 0
     decode_steps: int = 0
     rows_decoding_sum: int = 0  # summed over decode steps: occupancy = this / decode_steps
+    iterations: int = 0
+    wait_seconds: float = 0.0  # the host blocked on the device (reading draws, queueing work); the rest is host work
+
+    @property
+    def host_ms_per_iteration(self) -> float:
+        """Host work per iteration (building steps, scheduling, per-row text work): when this
+        is below the device's time per step, the device bounds the job."""
+        busy = (self.timings.end or time.perf_counter()) - self.timings.start - self.wait_seconds
+        return 1000 * busy / max(self.iterations, 1)
 
 
 def supports_scheduling(model, request: GenerationRequest) -> bool:
@@ -103,11 +112,13 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     return all(type(c) is KVCache for c in model.make_cache(1))
 
 
-def uses_decode_kernel(model) -> bool:
-    """The paged decode kernel, where it runs (paged_attention.is_available) and the family's
-    attention is llama's (whose attend hands a PagedDecode mask to it)."""
+def uses_kernels(model) -> tuple[bool, bool]:
+    """(pool writes in place, decode attention in place): the paged kernels where they run
+    (paged_attention.is_available); the decode kernel also needs llama's attend, which hands a
+    PagedDecode mask to it."""
     attention = model.model.layers[0].self_attn
-    return type(attention).attend is llama.Attention.attend and paged_attention.is_available(attention.head_dim)
+    in_place = paged_attention.is_available(attention.head_dim)
+    return in_place, in_place and type(attention).attend is llama.Attention.attend
 
 
 def kv_bytes_per_position(model) -> int:
@@ -167,7 +178,7 @@ class BatchScheduler:
         # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
         sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
         num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
-        table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, uses_decode_kernel(self.model))
+        table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, *uses_kernels(self.model))
         caches = make_paged_caches(len(self.model.model.layers), table)
         for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
             state.kv_peak_bytes = state.kv_peak_blocks * per_block
@@ -228,7 +239,7 @@ class BatchScheduler:
                     sampler.add(RowKey(row.request.row_id, row.request.sample_index, row.request.seed), row.prompt)
                 batch.join(joined)
                 draw = sampler.sample(logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts))
-                mx.async_eval(draw.arrays() + sampler.state_arrays())
+                submit(draw.arrays() + sampler.state_arrays(), state)
                 inflight.append(PendingDraw(draw, list(batch.rows)))
                 draws_queued += 1
                 batch.next_input = draw.tokens
@@ -248,6 +259,7 @@ class BatchScheduler:
                 free_slots.append(row.slot)
                 row.slot = -1
             free_slots.sort()
+            state.iterations += 1
             yield state
 
     def keep(self, batch: DecodeBatch, mask: np.ndarray, sampler: RowsSampler, last_draw: int) -> list[Row]:
@@ -289,7 +301,7 @@ class BatchScheduler:
         logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
         table.end(padding=pad)
         row.prefilled = end
-        mx.async_eval([c.state for c in caches])
+        submit([c.state for c in caches], state)
         piece = {"row": row.index, "step": state.decode_steps, "start": start, "end": end, "pad": pad}
         state.timings.prefill_pieces.append({**piece, "ms": round((time.perf_counter() - began) * 1000, 3)})
         return (logits[:, -1, :] if is_last else None), size + pad
@@ -298,8 +310,10 @@ class BatchScheduler:
         """Apply one step's tokens (the per-row work that overlaps the next step); returns the
         rows that finished."""
         ended = []
+        waited = time.perf_counter()
         tokens, logprobs = pending.draw.to_host()
         now = time.perf_counter()
+        state.wait_seconds += now - waited
         if state.timings.first_token is None:
             state.timings.first_token = now
         stop_ids = request.stop_token_ids
@@ -319,6 +333,14 @@ class BatchScheduler:
                     on_row_done(row.index, result)
         state.timings.end = now
         return ended
+
+
+def submit(arrays: list, state: ScheduleState) -> None:
+    """Queue work on the device. MLX blocks here while too much is in flight (the CPU backend
+    caps its queued tasks), so this counts as waiting, not host work."""
+    began = time.perf_counter()
+    mx.async_eval(arrays)
+    state.wait_seconds += time.perf_counter() - began
 
 
 def measure_row(row: Row, start: float) -> dict:

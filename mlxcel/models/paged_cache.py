@@ -12,8 +12,9 @@ The page table (host) is shared by every layer, and each forward call's indices 
 
 Attention here is plain MLX, correct on every backend: a step gathers its rows' positions into a
 dense [B, kv_heads, S, head_dim] view and masks the positions past each row's length. The gather
-copies the rows' cache once per layer and step; a fused kernel that reads the blocks in place
-(CUDA) replaces it where our tests ran it.
+copies the rows' cache once per layer and step. Where our tests ran them (CUDA), kernels replace
+both halves (paged_attention.py): writes go into the pool in place (MLX would copy the whole pool
+for each), and decode attention reads the blocks in place.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ def count_blocks(positions):
 class PageTable:
     """The host side: which blocks each row slot owns and how many positions it holds."""
 
-    def __init__(self, num_blocks: int, max_rows: int, max_positions: int, decode_kernel: bool = False):
+    def __init__(self, num_blocks: int, max_rows: int, max_positions: int, in_place: bool = False, decode_kernel: bool = False):
         self.num_blocks = num_blocks
-        self.decode_kernel = decode_kernel  # decode steps read the blocks in place (paged_attention.py)
+        self.in_place = in_place  # the pools are written in place by paged_attention's kernels
+        self.decode_kernel = decode_kernel and in_place  # decode steps read the blocks in place too
         self.blocks_per_row = -(-max_positions // BLOCK_SIZE)
         self.table = np.zeros((max_rows, self.blocks_per_row), dtype=np.int32)
         self.owned = np.zeros(max_rows, dtype=np.int32)  # blocks each slot holds
@@ -83,6 +85,7 @@ class StepIndices:
         self.slots, self.new_tokens = slots, new_tokens
         starts = table.lengths[slots]  # [B] positions already cached
         self.starts = starts
+        self.device_starts = mx.array(starts) if table.in_place else None
         ends = starts + new_tokens
         if (count_blocks(ends) > table.owned[slots]).any():
             raise RuntimeError("a row would write past its reserved blocks")
@@ -114,15 +117,17 @@ class StepIndices:
 
 class PagedDecode:
     """The mask argument of a decode step whose attention reads the blocks in place: the model's
-    attention hands it the pool (update_and_fetch) and this (attention_mask), and calls attend."""
+    attention gets the step's new keys and values back from update_and_fetch, which also names
+    its layer's pool here (`layer`), gets this from attention_mask, and calls attend."""
 
     def __init__(self, block_table: mx.array, lengths: mx.array, longest: int):
         self.block_table, self.lengths, self.longest = block_table, lengths, longest
+        self.layer = None  # the PoolLayer of the layer whose attention runs now
 
-    def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    def attend(self, q: mx.array, new_keys: mx.array, new_values: mx.array, scale: float) -> mx.array:
         from mlxcel.models.paged_attention import paged_decode_attention
 
-        return paged_decode_attention(q, keys, values, self.block_table, self.lengths, self.longest, scale, BLOCK_SIZE)
+        return paged_decode_attention(q, new_keys, new_values, self.layer, self.block_table, self.lengths, self.longest, scale, BLOCK_SIZE)
 
 
 def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -138,6 +143,7 @@ class PagedKVCache:
         self.table = table
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
+        self.pool = None  # paged_attention.PoolLayer on the in-place path
 
     def rope_offset(self) -> int | mx.array:
         return self.table.step.rope_offset
@@ -153,6 +159,8 @@ class PagedKVCache:
         as [B, kv_heads, S, D] (the new ones included)."""
         step = self.table.step
         B, heads, L, _ = keys.shape
+        if self.table.in_place:
+            return self.write_in_place(step, keys, values)
         if self.keys is None:
             size = self.table.num_blocks * BLOCK_SIZE
             self.keys = mx.zeros((size, heads, keys.shape[3]), keys.dtype)
@@ -165,8 +173,21 @@ class PagedKVCache:
             return keys, values  # a first piece attends to exactly what it brought
         return self.keys[step.gather].transpose(0, 2, 1, 3), self.values[step.gather].transpose(0, 2, 1, 3)
 
+    def write_in_place(self, step: StepIndices, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        from mlxcel.models import paged_attention
+
+        if self.pool is None:
+            self.pool = paged_attention.PoolLayer(self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[3], keys.dtype)
+        if step.paged is not None:
+            step.paged.layer = self.pool  # the decode kernel stores them and reads the pool
+            return keys, values
+        return paged_attention.write_and_gather(self.pool, keys, values, step.write, step.gather, step.device_starts)
+
     @property
     def state(self) -> list[mx.array]:
+        """What evaluating the cache means: the pool, or on the in-place path the last write."""
+        if self.pool is not None:
+            return [self.pool.done]
         return [] if self.keys is None else [self.keys, self.values]
 
 

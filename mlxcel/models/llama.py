@@ -17,7 +17,7 @@ from mlxcel.models.base import (
     swiglu,
 )
 from mlxcel.models.cache import KVCache, make_attention_mask, make_kv_caches
-from mlxcel.models.paged_cache import PagedDecode
+from mlxcel.models.paged_cache import PagedMask
 
 REQUIRED_KEYS = (
     "hidden_size",
@@ -130,7 +130,7 @@ class Attention(nn.Module):
         return to_heads(q, self.n_heads), to_heads(k, self.n_kv_heads), to_heads(v, self.n_kv_heads)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any) -> mx.array:
-        if isinstance(mask, PagedDecode):  # k and v are a paged pool: its own kernel reads them
+        if isinstance(mask, PagedMask):  # the paged cache's own attention (paged_cache.py)
             return mask.attend(q, k, v, self.scale)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 

@@ -23,6 +23,11 @@ import mlx.core as mx
 import numpy as np
 
 BLOCK_SIZE = 32  # positions per block: small enough to waste < 1 block per row, large enough to index cheaply
+# On CUDA, MLX runs prefill attention in cuDNN, which builds a graph (~45 ms on an H200) for every
+# new query and key length; a ragged job's pieces would build one each. There, pieces attend over
+# key spans rounded up to KEY_BUCKET and queries padded to a power of two (PagedPrefill), so a job
+# meets a few dozen shapes; the padding costs attention only, not the model's matmuls.
+KEY_BUCKET = 512
 
 
 def count_blocks(positions):
@@ -36,7 +41,9 @@ class PageTable:
     def __init__(self, num_blocks: int, max_rows: int, max_positions: int, in_place: bool = False, decode_kernel: bool = False):
         self.num_blocks = num_blocks
         self.in_place = in_place  # the pools are written in place by paged_attention's kernels
-        self.decode_kernel = decode_kernel and in_place  # decode steps read the blocks in place too
+        # the model's attention takes PagedMask objects: decode reads the blocks in place, prefill
+        # pieces run at bucketed shapes
+        self.decode_kernel = decode_kernel and in_place
         self.blocks_per_row = -(-max_positions // BLOCK_SIZE)
         self.table = np.zeros((max_rows, self.blocks_per_row), dtype=np.int32)
         self.owned = np.zeros(max_rows, dtype=np.int32)  # blocks each slot holds
@@ -102,20 +109,50 @@ class StepIndices:
         # so it needs no array mask (MLX's fused attention takes none: "causal" aligns the new
         # queries to the last keys). Several rows are padded to the longest in whole blocks (fewer
         # distinct shapes for the kernels' caches); padding reads a valid slot and is masked out.
-        span = int(ends.max()) if len(slots) == 1 else int(count_blocks(ends.max()) * BLOCK_SIZE)
+        # On the in-place path pieces use bucketed spans (KEY_BUCKET) and always an array mask.
+        exact = len(slots) == 1 and not table.in_place
+        bucket = KEY_BUCKET if table.in_place and new_tokens > 1 else BLOCK_SIZE
+        span = int(ends.max()) if exact else int(-(-ends.max() // bucket) * bucket)
         key_pos = np.arange(span)[None, :]
         valid = key_pos < ends[:, None]
         self.gather = mx.array(flat_positions(blocks, np.where(valid, key_pos, 0)))  # [B, S]
-        if len(slots) == 1:
+        if exact:
             self.mask = None
         elif new_tokens == 1:
             self.mask = mx.array(valid)[:, None, None, :]  # [B, 1, 1, S]
         else:
-            query_pos = new_pos[:, :, None]  # [B, L, 1]
-            self.mask = mx.array((key_pos[:, None, :] <= query_pos) & valid[:, None, :])[:, None]  # [B, 1, L, S]
+            # queries padded to a power of two where the model's attention pads them (PagedPrefill);
+            # a padded query sees what the last real one sees
+            queries = 1 << (new_tokens - 1).bit_length() if table.decode_kernel else new_tokens
+            query_pos = starts[:, None, None] + np.minimum(np.arange(queries), new_tokens - 1)[None, :, None]  # [B, Lq, 1]
+            mask = mx.array((key_pos[:, None, :] <= query_pos) & valid[:, None, :])[:, None]  # [B, 1, Lq, S]
+            self.mask = PagedPrefill(mask) if table.decode_kernel else mask
 
 
-class PagedDecode:
+class PagedMask:
+    """A mask argument the model's attention hands its queries, keys and values to (llama's
+    Attention.attend): the paged cache decides how they attend."""
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        raise NotImplementedError
+
+
+class PagedPrefill(PagedMask):
+    """A piece's mask at bucketed shapes: its queries are padded to the mask's length (zeros,
+    whose outputs are dropped) so cuDNN meets few distinct shapes."""
+
+    def __init__(self, mask: mx.array):
+        self.mask = mask
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        length, padded = q.shape[2], self.mask.shape[2]
+        if padded > length:
+            q = mx.pad(q, [(0, 0), (0, 0), (0, padded - length), (0, 0)])
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=self.mask)
+        return out[:, :, :length] if padded > length else out
+
+
+class PagedDecode(PagedMask):
     """The mask argument of a decode step whose attention reads the blocks in place: the model's
     attention gets the step's new keys and values back from update_and_fetch, which also names
     its layer's pool here (`layer`), gets this from attention_mask, and calls attend."""

@@ -46,7 +46,11 @@ __device__ __forceinline__ float warp_sum(float x) {
 """
 
 # Template constants: T (cache dtype), D (head dim), G (query heads per KV head), KVH (KV heads),
-# BS (positions per cache block), ACC ((G * D) / THREADS, rounded up). params: split length, table width.
+# BS (positions per cache block). params: split length, table width.
+# Per tile of NT positions: each thread scores one position for the G query heads (16-byte key
+# loads), warps run the online softmax, then the values: thread t owns the dimension pair t % (D/2)
+# for every head and takes every (NT / (D/2))-th position, so a warp reads whole value rows, each
+# once; the groups' partial sums meet in shared memory at the end.
 _SOURCE = f"""
   constexpr int NT = {THREADS};
   constexpr int NWARPS = NT / 32;
@@ -80,9 +84,12 @@ _SOURCE = f"""
     qs[g][d] = static_cast<float>(q[((size_t)b * KVH * G + kvh * G + g) * D + d]) * sc;
   }}
   if (t < G) {{ m_sh[t] = NEG_INF; l_sh[t] = 0.0f; }}
-  float acc[ACC];
+  constexpr int PAIRS = D / 2;
+  constexpr int GROUPS = NT / PAIRS;  // threads past GROUPS * PAIRS idle in the value phase
+  const int pair = t % PAIRS, group = t / PAIRS;
+  float acc[G][2];
   #pragma unroll
-  for (int j = 0; j < ACC; j++) acc[j] = 0.0f;
+  for (int g = 0; g < G; g++) {{ acc[g][0] = 0.0f; acc[g][1] = 0.0f; }}
   __syncthreads();
   for (int tile = p0; tile < p1; tile += NT) {{
     const int p = tile + t;
@@ -130,17 +137,18 @@ _SOURCE = f"""
     }}
     __syncthreads();
     const int count = min(NT, p1 - tile);
-    #pragma unroll
-    for (int j = 0; j < ACC; j++) {{
-      const int i = t + j * NT;
-      if (i < G * D) {{
-        const int g = i / D, d = i % D;
-        float a = acc[j] * alpha_sh[g];
-        for (int pi = 0; pi < count; pi++) {{
-          const T* vrow = rows[pi] < 0 ? v_in : v + ((size_t)rows[pi] * KVH + kvh) * D;
-          a += probs[g][pi] * static_cast<float>(vrow[d]);
+    if (group < GROUPS) {{
+      #pragma unroll
+      for (int g = 0; g < G; g++) {{ acc[g][0] *= alpha_sh[g]; acc[g][1] *= alpha_sh[g]; }}
+      for (int pi = group; pi < count; pi += GROUPS) {{
+        const T* vrow = (rows[pi] < 0 ? v_in : v + ((size_t)rows[pi] * KVH + kvh) * D) + 2 * pair;
+        const float v0 = static_cast<float>(vrow[0]), v1 = static_cast<float>(vrow[1]);
+        #pragma unroll
+        for (int g = 0; g < G; g++) {{
+          const float w = probs[g][pi];
+          acc[g][0] += w * v0;
+          acc[g][1] += w * v1;
         }}
-        acc[j] = a;
       }}
     }}
     __syncthreads();
@@ -151,13 +159,18 @@ _SOURCE = f"""
     out_m[o] = m_sh[t];
     out_l[o] = l_sh[t];
   }}
-  #pragma unroll
-  for (int j = 0; j < ACC; j++) {{
-    const int i = t + j * NT;
-    if (i < G * D) {{
-      const int g = i / D, d = i % D;
-      out_acc[(((size_t)b * KVH * G + kvh * G + g) * splits + split) * D + d] = acc[j];
-    }}
+  // the groups' partial sums, added in a fixed order 
+  __shared__ float partial[GROUPS][G][D];
+  if (group < GROUPS) {{
+    #pragma unroll
+    for (int g = 0; g < G; g++) {{ partial[group][g][2 * pair] = acc[g][0]; partial[group][g][2 * pair + 1] = acc[g][1]; }}
+  }}
+  __syncthreads();
+  for (int i = t; i < G * D; i += NT) {{
+    const int g = i / D, d = i % D;
+    float total = 0.0f;
+    for (int j = 0; j < GROUPS; j++) total += partial[j][g][d];
+    out_acc[(((size_t)b * KVH * G + kvh * G + g) * splits + split) * D + d] = total;
   }}
 """
 
@@ -175,8 +188,9 @@ def _kernel():
 
 def is_available(head_dim: int) -> bool:
     """On MLX's CUDA backend with the GPU as the default device, for head dims the kernel's 16-byte
-    loads divide ($MLXCEL_PAGED_KERNEL=0 turns it off: the plain path, to compare)."""
-    if os.environ.get("MLXCEL_PAGED_KERNEL", "1") == "0" or head_dim % 8:
+    loads divide, up to two per thread in the value phase ($MLXCEL_PAGED_KERNEL=0 turns it off:
+    the plain path, to compare)."""
+    if os.environ.get("MLXCEL_PAGED_KERNEL", "1") == "0" or head_dim % 8 or head_dim > 2 * THREADS:
         return False
     return mx.default_device() == mx.gpu and has_cuda_backend()
 
@@ -204,7 +218,7 @@ def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array
     out_m, out_l, out_acc, pool.done = _kernel()(
         inputs=[q.reshape(B, H, D), pool.keys, pool.values, new_keys, new_values, block_table, lengths,
                 mx.array([split_len, block_table.shape[1]], mx.int32), mx.array([scale], mx.float32), pool.done],
-        template=[("T", pool.keys.dtype), ("D", D), ("G", group), ("KVH", kv_heads), ("BS", block_size), ("ACC", -(-(group * D) // THREADS))],
+        template=[("T", pool.keys.dtype), ("D", D), ("G", group), ("KVH", kv_heads), ("BS", block_size)],
         grid=(splits * THREADS, B * kv_heads, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, H, splits), (B, H, splits), (B, H, splits, D), (1,)],

@@ -79,10 +79,12 @@ def time_decode_step(model, table: PageTable, caches: list, reps: int) -> tuple[
 
 
 def time_prefill_piece(model, context: int, size: int) -> float:
-    """ms for one row's piece of `size` tokens after `context` cached positions (median of 3)."""
-    table, caches = fill_rows(model, np.array([context]), 4 * size)
+    """ms for one row's piece of `size` tokens after `context` cached positions (median of 3
+    after a warm-up: each rep rewrites the same positions, so the shapes repeat)."""
+    table, caches = fill_rows(model, np.array([context]), size)
     times = []
     for _ in range(4):
+        table.lengths[0] = context
         start = time.perf_counter()
         table.begin(np.array([0]), size)
         model(mx.array(np.full((1, size), 123)), caches, logits_at=size - 1)

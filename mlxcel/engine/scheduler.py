@@ -233,23 +233,19 @@ class BatchScheduler:
                 if logits is not None:
                     logits_parts.append(logits)
                     joined.append(prefilling.popleft())
-            # the caches' latest state covers every piece's writes: queued with the draw, one submission an iteration
-            writes = [a for c in caches for a in c.state] if budget < PIECES_PER_STEP * piece else []
             # 3. one draw for the decoding rows and the rows whose prefill ended
             if logits_parts:
                 for row in joined:
                     sampler.add(RowKey(row.request.row_id, row.request.sample_index, row.request.seed), row.prompt)
                 batch.join(joined)
                 draw = sampler.sample(logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts))
-                submit(draw.arrays() + sampler.state_arrays() + writes, state)
+                submit(draw.arrays() + sampler.state_arrays(), state)
                 inflight.append(PendingDraw(draw, list(batch.rows)))
                 draws_queued += 1
                 batch.next_input = draw.tokens
                 batch.drawn += 1
                 # rows that drew their last token leave the decode batch now (no wasted step)
                 leaving += self.keep(batch, batch.drawn < batch.limits, sampler, draws_queued)
-            elif writes:
-                submit(writes, state)
             # 4. read the oldest draw (pipelined: one step behind), apply stop rules
             if inflight and (len(inflight) > 1 or not self.pipeline or not (len(batch) or prefilling)):
                 ended = self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
@@ -288,7 +284,7 @@ class BatchScheduler:
         """The row's next piece of at most `budget` tokens: (logits of its last position if the
         prompt is done else None, tokens spent; 0 when the budget holds no whole tile). Pieces end
         at the history boundary (never padded there) and are padded to whole tiles where a tile is
-        set. The caller submits the caches' writes."""
+        set."""
         total, start, tile = len(row.prompt), row.prefilled, request.tile_size
         boundary = row.request.history_tokens
         span_end = boundary if start < boundary < total else total
@@ -306,6 +302,9 @@ class BatchScheduler:
         logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
         table.end(padding=pad)
         row.prefilled = end
+        # Each piece is submitted on its own: one submission an iteration (pieces with the draw)
+        # was a quarter slower on CUDA, as larger, ever-different graphs (docs/benchmarks.md).
+        submit([a for c in caches for a in c.state], state)
         piece = {"row": row.index, "step": state.decode_steps, "start": start, "end": end, "pad": pad}
         state.timings.prefill_pieces.append({**piece, "ms": round((time.perf_counter() - began) * 1000, 3)})
         return (logits[:, -1, :] if is_last else None), size + pad

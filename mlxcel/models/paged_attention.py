@@ -3,8 +3,7 @@ attention that reads the blocks in place.
 
 Writes. MLX arrays are values: `pool[idx] = new` makes a new pool, and its CUDA backend copies
 the whole pool for it whenever the old buffer is still referenced, which a pipelined step always
-does (measured on an H200: 1.0-2.5 ms per write into a 4.3 GB pool, 32 writes a step for a 16-layer
-model). vLLM writes its cache in place (reshape_and_cache); so do these kernels: they take the pool
+does (docs/benchmarks.md has the cost: milliseconds per write, 32 writes a step for 16 layers). vLLM writes its cache in place (reshape_and_cache); so do these kernels: they take the pool
 as an input and store into it. That is sound only because every access to a pool on this path goes
 through these kernels, and each takes the layer's previous kernel's `done` output as an input, so
 MLX orders them (the pool itself never changes identity, so MLX sees no dependency through it).

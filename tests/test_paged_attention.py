@@ -14,15 +14,16 @@ from mlxcel.models.paged_cache import BLOCK_SIZE, count_blocks, flat_positions
 pytestmark = pytest.mark.skipif(not paged_attention.is_available(64), reason="MLX's CUDA backend only")
 
 
-def reference(q, keys, values, table, lengths, scale):
+def reference(q, keys, values, table, lengths, scale, window=0):
     """Gather + mask + MLX attention, in float32."""
     span = int(lengths.max())
     positions = np.arange(span)[None, :]
     valid = positions < lengths[:, None]
+    seen = valid & (positions >= lengths[:, None] - window) if window else valid
     gather = mx.array(flat_positions(table, np.where(valid, positions, 0)))
     k = keys.astype(mx.float32)[gather].transpose(0, 2, 1, 3)
     v = values.astype(mx.float32)[gather].transpose(0, 2, 1, 3)
-    mask = mx.array(valid)[:, None, None, :]
+    mask = mx.array(seen)[:, None, None, :]
     return mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k, v, scale=scale, mask=mask)
 
 
@@ -38,8 +39,11 @@ def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize(("rows", "heads", "kv_heads", "head_dim", "longest"), [(1, 32, 8, 64, 3000), (3, 14, 2, 64, 700), (64, 8, 8, 128, 300), (256, 32, 8, 64, 90)])
-def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest):
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "head_dim", "longest", "window"),
+    [(1, 32, 8, 64, 3000, 0), (3, 14, 2, 64, 700, 0), (64, 8, 8, 128, 300, 0), (256, 32, 8, 64, 90, 0), (5, 8, 2, 256, 900, 200), (1, 32, 8, 64, 3000, 1000)],
+)
+def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest, window):
     rng = np.random.default_rng(rows)
     lengths = rng.integers(1, longest + 1, size=rows).astype(np.int32)
     lengths[0] = longest
@@ -55,11 +59,12 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
     new_keys, new_values = normal(rows, kv_heads, 1, head_dim), normal(rows, kv_heads, 1, head_dim)
     q = normal(rows, heads, 1, head_dim)
     scale = head_dim**-0.5
-    got = paged_attention.paged_decode_attention(q, new_keys, new_values, pool, mx.array(blocks), mx.array(lengths), longest, scale, BLOCK_SIZE)
+    attended = min(longest, window) if window else longest
+    got = paged_attention.paged_decode_attention(q, new_keys, new_values, pool, mx.array(blocks), mx.array(lengths), attended, scale, BLOCK_SIZE, window)
     # the reference: each row's new key and value at its last position, then gather + mask
     last = mx.array(flat_positions(blocks, (lengths - 1)[:, None])[:, 0])
     keys[last], values[last] = new_keys[:, :, 0], new_values[:, :, 0]
-    want = reference(q, keys, values, blocks, lengths, scale)
+    want = reference(q, keys, values, blocks, lengths, scale, window)
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert got.shape == q.shape and got.dtype == dtype
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), atol=tolerance, rtol=tolerance)

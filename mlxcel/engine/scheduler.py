@@ -31,6 +31,7 @@ from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowReque
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
+from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
 from mlxcel.sampling.rows import RowsSampler
@@ -94,8 +95,8 @@ class ScheduleState:
 
 
 def supports_scheduling(model, request: GenerationRequest) -> bool:
-    """The paged path covers full-attention text models; the rest (sliding windows, a quantized
-    KV cache, images, per-row LoRA, longrope) still runs in the batch engine for now.
+    """The paged path covers text models with full-attention and sliding-window layers; the rest
+    (a quantized KV cache, images, per-row LoRA, longrope) still runs in the batch engine for now.
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -109,7 +110,12 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         return False
     if getattr(model, "image_token_id", None) is not None or not hasattr(model, "forward_with_embeddings"):
         return False
-    return all(type(c) is KVCache for c in model.make_cache(1))
+    return all(type(c) in (KVCache, RotatingKVCache) for c in model.make_cache(1))
+
+
+def layer_windows(model) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as the family's own caches say."""
+    return [getattr(c, "window", None) for c in model.make_cache(1)]
 
 
 def uses_kernels(model) -> tuple[bool, bool]:
@@ -179,7 +185,7 @@ class BatchScheduler:
         sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
         num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
         table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, *uses_kernels(self.model))
-        caches = make_paged_caches(len(self.model.model.layers), table)
+        caches = make_paged_caches(len(self.model.model.layers), table, layer_windows(self.model))
         for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
             state.kv_peak_bytes = state.kv_peak_blocks * per_block
             yield state

@@ -45,7 +45,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 """
 
 # Template constants: T (cache dtype), D (head dim), G (query heads per KV head), KVH (KV heads),
-# BS (positions per cache block). params: split length, table width.
+# BS (positions per cache block). params: split length, table width, window (0: none).
 # Per tile of NT positions: each thread scores one position for the G query heads (16-byte key
 # loads), warps run the online softmax, then the values: thread t owns the dimension pair t % (D/2)
 # for every head and takes every (NT / (D/2))-th position, so a warp reads whole value rows, each
@@ -60,7 +60,9 @@ _SOURCE = f"""
   const int split_len = params[0];
   const int TW = params[1];
   const int len = lengths[b];
-  const int p0 = split * split_len;
+  const int window = params[2];  // a sliding-window layer sees this many positions back; 0: all
+  const int first = window > 0 ? max(0, len - window) : 0;
+  const int p0 = first + split * split_len;
   const int p1 = min(p0 + split_len, len);
   __shared__ float qs[G][D];
   __shared__ float probs[G][NT];
@@ -202,13 +204,14 @@ def choose_split_length(rows: int, kv_heads: int, longest: int) -> int:
     return -(-per_split // THREADS) * THREADS
 
 
-def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array, pool: PoolLayer, block_table: mx.array, lengths: mx.array, longest: int, scale: float, block_size: int) -> mx.array:
+def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array, pool: PoolLayer, block_table: mx.array, lengths: mx.array, longest: int, scale: float, block_size: int, window: int = 0) -> mx.array:
     """Store each row's new key and value in the pool, and attend its one new query over its
     positions (the new one included).
 
     q [B, H, 1, D]; new_keys, new_values [B, KVH, 1, D]; block_table [B, TW] int32; lengths [B]
-    int32 (positions to attend, the new one included); longest: the largest length (host).
-    Returns [B, H, 1, D] in q's dtype."""
+    int32 (positions in the row, the new one included); longest: the most positions a row
+    attends to (host); window: a sliding window's size (0: every position). Returns [B, H, 1, D]
+    in q's dtype."""
     B, H, _, D = q.shape
     kv_heads = pool.keys.shape[1]
     group = H // kv_heads
@@ -216,7 +219,7 @@ def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array
     splits = -(-longest // split_len)
     out_m, out_l, out_acc, pool.done = _kernel()(
         inputs=[q.reshape(B, H, D), pool.keys, pool.values, new_keys, new_values, block_table, lengths,
-                mx.array([split_len, block_table.shape[1]], mx.int32), mx.array([scale], mx.float32), pool.done],
+                mx.array([split_len, block_table.shape[1], window], mx.int32), mx.array([scale], mx.float32), pool.done],
         template=[("T", pool.keys.dtype), ("D", D), ("G", group), ("KVH", kv_heads), ("BS", block_size)],
         grid=(splits * THREADS, B * kv_heads, 1),
         threadgroup=(THREADS, 1, 1),

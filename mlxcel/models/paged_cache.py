@@ -100,33 +100,51 @@ class StepIndices:
         new_pos = starts[:, None] + np.arange(new_tokens)[None, :]  # [B, L]
         self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
         self.rope_offset: int | mx.array = int(starts[0]) if len(slots) == 1 else mx.array(starts)
-        self.paged: PagedDecode | None = None
-        if new_tokens == 1 and table.decode_kernel:
-            self.paged = PagedDecode(mx.array(blocks), mx.array(ends.astype(np.int32)), int(ends.max()))
-            self.mask = self.paged
+        self.ends, self.blocks = ends, blocks
+        self.masks: dict = {}  # window (None: full attention) -> that kind of layer's mask
+        self.decode_kernel = new_tokens == 1 and table.decode_kernel
+        if self.decode_kernel:
             return
         # Keys to attend over: each row's positions up to its end. One row gathers exactly those,
         # so it needs no array mask (MLX's fused attention takes none: "causal" aligns the new
         # queries to the last keys). Several rows are padded to the longest in whole blocks (fewer
         # distinct shapes for the kernels' caches); padding reads a valid slot and is masked out.
         # On the in-place path pieces use bucketed spans (KEY_BUCKET) and always an array mask.
-        exact = len(slots) == 1 and not table.in_place
+        self.exact = len(slots) == 1 and not table.in_place
         bucket = KEY_BUCKET if table.in_place and new_tokens > 1 else BLOCK_SIZE
-        span = int(ends.max()) if exact else int(-(-ends.max() // bucket) * bucket)
-        key_pos = np.arange(span)[None, :]
-        valid = key_pos < ends[:, None]
-        self.gather = mx.array(flat_positions(blocks, np.where(valid, key_pos, 0)))  # [B, S]
-        if exact:
-            self.mask = None
-        elif new_tokens == 1:
-            self.mask = mx.array(valid)[:, None, None, :]  # [B, 1, 1, S]
-        else:
-            # queries padded to a power of two where the model's attention pads them (PagedPrefill);
-            # a padded query sees what the last real one sees
-            queries = 1 << (new_tokens - 1).bit_length() if table.decode_kernel else new_tokens
-            query_pos = starts[:, None, None] + np.minimum(np.arange(queries), new_tokens - 1)[None, :, None]  # [B, Lq, 1]
-            mask = mx.array((key_pos[:, None, :] <= query_pos) & valid[:, None, :])[:, None]  # [B, 1, Lq, S]
-            self.mask = PagedPrefill(mask) if table.decode_kernel else mask
+        span = int(ends.max()) if self.exact else int(-(-ends.max() // bucket) * bucket)
+        self.key_pos = np.arange(span)[None, :]
+        self.valid = self.key_pos < ends[:, None]
+        self.gather = mx.array(flat_positions(blocks, np.where(self.valid, self.key_pos, 0)))  # [B, S]
+        # queries padded to a power of two where the model's attention pads them (PagedPrefill);
+        # a padded query sees what the last real one sees
+        self.pad_queries = table.decode_kernel and new_tokens > 1
+
+    def attention_mask(self, window: int | None) -> PagedMask | mx.array | None:
+        """The mask of layers that see `window` positions back (None: all), built once a step;
+        None where the keys are exactly the row's positions and no window cuts them."""
+        if window not in self.masks:
+            self.masks[window] = self.make_mask(window)
+        return self.masks[window]
+
+    def make_mask(self, window: int | None) -> PagedMask | mx.array | None:
+        ends, new_tokens = self.ends, self.new_tokens
+        if self.decode_kernel:
+            longest = int(ends.max()) if window is None else min(int(ends.max()), window)
+            return PagedDecode(mx.array(self.blocks), mx.array(ends.astype(np.int32)), longest, window or 0)
+        if self.exact and (window is None or ends[0] <= window):
+            return None
+        key_pos, valid = self.key_pos, self.valid
+        if new_tokens == 1:
+            seen = valid if window is None else valid & (key_pos >= ends[:, None] - window)
+            return mx.array(seen)[:, None, None, :]  # [B, 1, 1, S]
+        queries = 1 << (new_tokens - 1).bit_length() if self.pad_queries else new_tokens
+        query_pos = self.starts[:, None, None] + np.minimum(np.arange(queries), new_tokens - 1)[None, :, None]  # [B, Lq, 1]
+        seen = (key_pos[:, None, :] <= query_pos) & valid[:, None, :]
+        if window is not None:
+            seen &= key_pos[:, None, :] > query_pos - window
+        mask = mx.array(seen)[:, None]  # [B, 1, Lq, S]
+        return PagedPrefill(mask) if self.pad_queries else mask
 
 
 class PagedMask:
@@ -157,14 +175,14 @@ class PagedDecode(PagedMask):
     attention gets the step's new keys and values back from update_and_fetch, which also names
     its layer's pool here (`layer`), gets this from attention_mask, and calls attend."""
 
-    def __init__(self, block_table: mx.array, lengths: mx.array, longest: int):
-        self.block_table, self.lengths, self.longest = block_table, lengths, longest
+    def __init__(self, block_table: mx.array, lengths: mx.array, longest: int, window: int = 0):
+        self.block_table, self.lengths, self.longest, self.window = block_table, lengths, longest, window
         self.layer = None  # the PoolLayer of the layer whose attention runs now
 
     def attend(self, q: mx.array, new_keys: mx.array, new_values: mx.array, scale: float) -> mx.array:
         from mlxcel.models.paged_attention import paged_decode_attention
 
-        return paged_decode_attention(q, new_keys, new_values, self.layer, self.block_table, self.lengths, self.longest, scale, BLOCK_SIZE)
+        return paged_decode_attention(q, new_keys, new_values, self.layer, self.block_table, self.lengths, self.longest, scale, BLOCK_SIZE, self.window)
 
 
 def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -176,8 +194,9 @@ def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
 class PagedKVCache:
     """One layer's pool, behind the KVCache interface the model families call."""
 
-    def __init__(self, table: PageTable):
+    def __init__(self, table: PageTable, window: int | None = None):
         self.table = table
+        self.window = window  # attends to this many positions back (a sliding-window layer); None: all
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.pool = None  # paged_attention.PoolLayer on the in-place path
@@ -185,10 +204,10 @@ class PagedKVCache:
     def rope_offset(self) -> int | mx.array:
         return self.table.step.rope_offset
 
-    def attention_mask(self, length: int) -> mx.array | str | None:
-        step = self.table.step
-        if step.mask is not None:
-            return step.mask
+    def attention_mask(self, length: int) -> PagedMask | mx.array | str | None:
+        mask = self.table.step.attention_mask(self.window)
+        if mask is not None:
+            return mask
         return None if length == 1 else "causal"
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -204,8 +223,6 @@ class PagedKVCache:
             self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
         self.keys[step.write] = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
         self.values[step.write] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
-        if step.paged is not None:
-            return self.keys, self.values  # the pool itself: PagedDecode.attend reads it in place
         if B == 1 and int(step.starts[0]) == 0:
             return keys, values  # a first piece attends to exactly what it brought
         return self.keys[step.gather].transpose(0, 2, 1, 3), self.values[step.gather].transpose(0, 2, 1, 3)
@@ -215,8 +232,8 @@ class PagedKVCache:
 
         if self.pool is None:
             self.pool = paged_attention.PoolLayer(self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[3], keys.dtype)
-        if step.paged is not None:
-            step.paged.layer = self.pool  # the decode kernel stores them and reads the pool
+        if step.decode_kernel:
+            step.attention_mask(self.window).layer = self.pool  # its kernel stores them and reads the pool
             return keys, values
         return paged_attention.write_and_gather(self.pool, keys, values, step.write, step.gather, step.device_starts)
 
@@ -228,5 +245,6 @@ class PagedKVCache:
         return [] if self.keys is None else [self.keys, self.values]
 
 
-def make_paged_caches(num_layers: int, table: PageTable) -> list[PagedKVCache]:
-    return [PagedKVCache(table) for _ in range(num_layers)]
+def make_paged_caches(num_layers: int, table: PageTable, windows: list[int | None] | None = None) -> list[PagedKVCache]:
+    """One cache per layer; `windows` gives each layer's sliding window (None: full attention)."""
+    return [PagedKVCache(table, window) for window in (windows or [None] * num_layers)]

@@ -152,7 +152,8 @@ def make_layer_masks(length: int, caches: list) -> list:
     for cache in caches:
         window = getattr(cache, "window", None)
         if window not in built:
-            built[window] = make_attention_mask(length, cache) if window is None else make_window_mask(length, cache)
+            paged = hasattr(cache, "attention_mask")  # a paged cache masks its own windows
+            built[window] = make_attention_mask(length, cache) if window is None or paged else make_window_mask(length, cache)
         masks.append(built[window])
     return masks
 

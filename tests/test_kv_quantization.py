@@ -38,9 +38,9 @@ def decode_logits(model, prompt: list[int], follow: list[int], kv_bits: int | No
     return np.array(mx.stack(out))
 
 
-def generate(model, prompts, kv_bits=None, group_size=32, n=24):
+def generate(model, prompts, kv_bits=None, group_size=32, n=24, chunk_size=2048):
     rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
-    request = GenerationRequest(rows, Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size)
+    request = GenerationRequest(rows, Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size, chunk_size=chunk_size)
     return [r.token_ids for r in DirectEngine(model, max_context=512).generate(request).results]
 
 
@@ -95,3 +95,56 @@ def test_every_decode_step_gives_the_eager_tokens_with_a_quantized_cache(model, 
     eager = generate(model, BATCH, kv_bits=4)
     monkeypatch.setenv("MLXCEL_DECODE_STEP", step)
     assert generate(model, BATCH, kv_bits=4) == eager  # the whole-step compile falls back to eager
+
+
+def schedule(model, prompts, kv_bits, max_rows, chunk_size=None, n=24, group_size=32):
+    from mlxcel.engine.scheduler import BatchScheduler
+
+    rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
+    request = GenerationRequest(rows, Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size)
+    with mx.stream(mx.cpu):  # exactness is promised in fp32 on the CPU
+        return [r.token_ids for r in BatchScheduler(model, 512, max_rows, chunk_size=chunk_size).generate(request).results]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_scheduler_with_a_quantized_cache_equals_each_row_alone(model, bits):
+    """The paged pool stores what QuantizedKVCache stores (per-position groups), so any schedule
+    gives the batch engine's tokens for the same pieces (a later piece attends to the earlier
+    ones' quantized keys, so the chunk size is part of the answer); 2 bits differ, so the setting
+    does reach the pool."""
+    for max_rows, chunk in [(1, None), (3, 7), (2, 16)]:
+        with mx.stream(mx.cpu):
+            alone = [generate(model, [prompt], kv_bits=bits, chunk_size=chunk or 2048)[0] for prompt in BATCH]
+        assert schedule(model, BATCH, bits, max_rows, chunk) == alone, (max_rows, chunk)
+    assert schedule(model, BATCH, 2, 3, 16) != alone
+
+
+def test_the_scheduler_budgets_the_quantized_pool(model):
+    from mlxcel.engine.scheduler import kv_bytes_per_position
+
+    assert kv_bytes_per_position(model, 4, 32) * 16 == kv_bytes_per_position(model) * 3  # 3/16 of fp32, as above
+
+
+def test_the_scheduler_with_windows_and_a_quantized_cache(tmp_path):
+    folder = make_family_checkpoint(tmp_path / "gemma3", "gemma3_text", seed=4, head_dim=32)
+    gemma3 = load_model(str(folder), dtype="float32").model
+    with mx.stream(mx.cpu):
+        alone = [generate(gemma3, [prompt], kv_bits=8, n=20, chunk_size=5)[0] for prompt in BATCH]
+    assert schedule(gemma3, BATCH, 8, 2, chunk_size=5, n=20) == alone
+
+
+def test_pieces_with_a_quantized_cache_are_the_rows_own(model, monkeypatch):
+    """While rows decode the scheduler prefills in smaller pieces, which would change a quantized
+    row's tokens; with kv_bits a row's pieces are its chunk size whatever else runs."""
+    from mlxcel.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "BUSY_CHUNK_SIZE", 4)
+    monkeypatch.setattr(scheduler, "DEFAULT_CHUNK_SIZE", 16)
+    lengths = [12, 3, 8, 5, 12, 2]  # rows end at different steps: new rows prefill beside decoding ones
+    rows = [RowRequest(p, row_id=i, max_tokens=n) for i, (p, n) in enumerate(zip(BATCH * 2, lengths))]
+    request = GenerationRequest(rows, Sampler("greedy"), max_tokens=12, kv_bits=2, kv_group_size=32, chunk_size=16)
+    with mx.stream(mx.cpu):
+        alone = [generate(model, [row.prompt_ids], kv_bits=2, n=row.max_tokens, chunk_size=16)[0] for row in rows]
+        state = scheduler.BatchScheduler(model, 512, 2).generate(request)
+    assert [r.token_ids for r in state.results] == alone
+    assert any(p["end"] - p["start"] == 16 and p["step"] > 0 for p in state.timings.prefill_pieces)  # pieces ran beside decoding rows

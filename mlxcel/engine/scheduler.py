@@ -95,8 +95,9 @@ class ScheduleState:
 
 
 def supports_scheduling(model, request: GenerationRequest) -> bool:
-    """The paged path covers text models with full-attention and sliding-window layers; the rest
-    (a quantized KV cache, images, per-row LoRA, longrope) still runs in the batch engine for now.
+    """The paged path covers text models with full-attention and sliding-window layers, their KV
+    cache quantized or not; the rest (images, per-row LoRA, longrope) still runs in the batch
+    engine for now.
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -104,7 +105,7 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         # One row on a GPU keeps the batch engine's segmented (compiled) decode step: the
         # scheduler's step is eager, and dispatch bounds a single row's decode there. To measure.
         return False
-    if request.kv_bits or any(r.images is not None for r in request.rows):
+    if any(r.images is not None for r in request.rows):
         return False
     if not getattr(model, "supports_compiled_decode", True) or hasattr(model, "make_prefill_extras"):
         return False
@@ -127,13 +128,18 @@ def uses_kernels(model) -> tuple[bool, bool]:
     return in_place, in_place and type(attention).attend is llama.Attention.attend
 
 
-def kv_bytes_per_position(model) -> int:
-    """Keys and values of one position in every layer, in the model's dtype."""
+def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+    """Keys and values of one position in every layer: in the model's dtype, or with `kv_bits`
+    packed with a scale and a bias per group in full-attention layers."""
     attention = model.model.layers[0].self_attn
     dtype_size = model.model.embed_tokens.weight.dtype.size
     if dtype_size == 1 or str(model.model.embed_tokens.weight.dtype).startswith("mlx.core.uint"):
         dtype_size = 2  # quantized weights: activations (and the cache) are in the compute dtype
-    return len(model.model.layers) * 2 * attention.n_kv_heads * attention.head_dim * dtype_size
+    dim = attention.head_dim
+    full = dim * dtype_size
+    quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
+    per_head = sum(full if window is not None else quantized for window in layer_windows(model))
+    return 2 * attention.n_kv_heads * per_head
 
 
 def default_kv_budget_bytes() -> int:
@@ -170,7 +176,7 @@ class BatchScheduler:
         timings = GenerationTimings(start=time.perf_counter())
         rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
-        per_block = kv_bytes_per_position(self.model) * BLOCK_SIZE
+        per_block = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size) * BLOCK_SIZE
         for row in rows:
             needed = count_blocks(self.reserved_positions(row, request)) * per_block
             if row.error is None and needed > self.kv_budget_bytes:
@@ -184,8 +190,9 @@ class BatchScheduler:
         # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
         sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
         num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
-        table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, *uses_kernels(self.model))
-        caches = make_paged_caches(len(self.model.model.layers), table, layer_windows(self.model))
+        kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
+        table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, *kernels)
+        caches = make_paged_caches(len(self.model.model.layers), table, layer_windows(self.model), request.kv_bits, request.kv_group_size)
         for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
             state.kv_peak_bytes = state.kv_peak_blocks * per_block
             yield state
@@ -230,8 +237,14 @@ class BatchScheduler:
                 state.decode_steps += 1
                 state.rows_decoding_sum += len(batch)
             piece = self.pinned_chunk or (BUSY_CHUNK_SIZE if len(batch) else DEFAULT_CHUNK_SIZE)
+            if request.kv_bits:
+                # a later piece attends to the earlier ones' quantized keys, so where pieces end
+                # changes a row's tokens: with kv_bits they are the row's own, as in the batch engine
+                piece = self.pinned_chunk or request.chunk_size
             budget = PIECES_PER_STEP * piece
             while prefilling and budget > 0:
+                if request.kv_bits and budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):
+                    break  # no piece cut short by the iteration's budget
                 logits, spent = self.prefill_piece(table, caches, prefilling[0], min(piece, budget), request, state)
                 if spent == 0:
                     break  # what is left of the budget is less than a tile

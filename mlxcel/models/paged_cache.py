@@ -245,6 +245,51 @@ class PagedKVCache:
         return [] if self.keys is None else [self.keys, self.values]
 
 
-def make_paged_caches(num_layers: int, table: PageTable, windows: list[int | None] | None = None) -> list[PagedKVCache]:
-    """One cache per layer; `windows` gives each layer's sliding window (None: full attention)."""
-    return [PagedKVCache(table, window) for window in (windows or [None] * num_layers)]
+class QuantizedPagedKVCache(PagedKVCache):
+    """A full-attention layer's pool stored quantized (`decode.kv_bits`), as QuantizedKVCache:
+    keys and values are quantized as they are written and dequantized as a step gathers them; a
+    row's first piece attends to its own full-precision keys. Plain MLX only (the CUDA kernels
+    read unquantized pools)."""
+
+    def __init__(self, table: PageTable, bits: int, group_size: int):
+        super().__init__(table)
+        self.bits, self.group_size = bits, group_size
+        self.parts: tuple | None = None  # keys' and values' (packed, scales, biases), [positions, kv_heads, *]
+        self.dtype = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        from mlxcel.models.quantized_cache import check_head_dim
+
+        step = self.table.step
+        B, heads, L, D = keys.shape
+        new = [mx.quantize(x.transpose(0, 2, 1, 3).reshape(B * L, heads, D), group_size=self.group_size, bits=self.bits) for x in (keys, values)]
+        if self.parts is None:
+            check_head_dim(D, self.group_size)
+            self.dtype = keys.dtype
+            size = self.table.num_blocks * BLOCK_SIZE
+            self.parts = tuple(tuple(mx.zeros((size, *p.shape[1:]), p.dtype) for p in parts) for parts in new)
+        for stored, written in zip(self.parts, new):
+            for part, new_part in zip(stored, written):
+                part[step.write] = new_part
+        if B == 1 and int(step.starts[0]) == 0:
+            return keys, values
+        return self.read(self.parts[0], step.gather), self.read(self.parts[1], step.gather)
+
+    def read(self, parts: tuple, gather: mx.array) -> mx.array:
+        """[B, kv_heads, S, D] in the model's dtype from the pool positions `gather` [B, S]."""
+        packed, scales, biases = (p[gather] for p in parts)
+        return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits).astype(self.dtype).transpose(0, 2, 1, 3)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.parts is None else [p for parts in self.parts for p in parts]
+
+
+def make_paged_caches(num_layers: int, table: PageTable, windows: list[int | None] | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> list[PagedKVCache]:
+    """One cache per layer; `windows` gives each layer's sliding window (None: full attention).
+    With `kv_bits`, full-attention layers store their pool quantized (windows stay as they are,
+    as in the batch engine: a window is already bounded)."""
+    return [
+        QuantizedPagedKVCache(table, kv_bits, kv_group_size) if kv_bits and window is None else PagedKVCache(table, window)
+        for window in (windows or [None] * num_layers)
+    ]

@@ -166,3 +166,4 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
 
     stats = json.loads((tmp_path / "batch" / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 72 + sum(counts) and stats["finish_reasons"] == {"error": 1, "length": 3}
+    assert stats["occupancy"] > 0 and stats["vision_encode_ms"] > 0  # image rows ran through the scheduler

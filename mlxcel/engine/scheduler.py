@@ -35,6 +35,7 @@ from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
 from mlxcel.sampling.rows import RowsSampler
+from mlxcel.vision.stage import merge_embeddings
 
 KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
 # Prefill pieces per iteration. One 512-token piece a step throttled a 512-row ragged job on the
@@ -53,6 +54,7 @@ class Row:
     slot: int = -1
     last_draw: int = 0  # sequence number of the last draw it took part in
     prefilled: int = 0  # prompt positions in the cache
+    embeddings: mx.array | None = None  # [1, L, hidden] with its images' features, while it prefills
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -95,9 +97,10 @@ class ScheduleState:
 
 
 def supports_scheduling(model, request: GenerationRequest) -> bool:
-    """The paged path covers text models with full-attention and sliding-window layers, their KV
-    cache quantized or not; the rest (images, per-row LoRA, longrope) still runs in the batch
-    engine for now.
+    """The paged path covers full-attention and sliding-window layers, their KV cache quantized or
+    not, and images in families that only merge their features into the embeddings (LLaVA,
+    Idefics3, Pixtral); the rest (per-token prefill inputs, per-row LoRA, longrope) still runs in
+    the batch engine for now.
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -105,11 +108,9 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         # One row on a GPU keeps the batch engine's segmented (compiled) decode step: the
         # scheduler's step is eager, and dispatch bounds a single row's decode there. To measure.
         return False
-    if any(r.images is not None for r in request.rows):
-        return False
     if not getattr(model, "supports_compiled_decode", True) or hasattr(model, "make_prefill_extras"):
-        return False
-    if getattr(model, "image_token_id", None) is not None or not hasattr(model, "forward_with_embeddings"):
+        return False  # longrope; per-token prefill inputs (Qwen2-VL's M-RoPE ids, Gemma 3's image blocks)
+    if not hasattr(model, "forward_with_embeddings"):
         return False
     return all(type(c) in (KVCache, RotatingKVCache) for c in model.make_cache(1))
 
@@ -305,6 +306,10 @@ class BatchScheduler:
         at the history boundary (never padded there) and are padded to whole tiles where a tile is
         set."""
         total, start, tile = len(row.prompt), row.prefilled, request.tile_size
+        if row.request.images is not None:
+            tile = None  # padding pieces would need pad embeddings
+            if row.embeddings is None:
+                row.embeddings = self.embed_images(row, state)
         boundary = row.request.history_tokens
         span_end = boundary if start < boundary < total else total
         size = min(span_end - start, budget)
@@ -315,10 +320,14 @@ class BatchScheduler:
         end = start + size
         pad = (-size) % tile if tile and end != boundary else 0
         began = time.perf_counter()
-        chunk = mx.array([row.prompt[start:end] + [request.pad_token_id] * pad])
         table.begin(np.array([row.slot]), size + pad)
         is_last = end == total
-        logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
+        if row.embeddings is not None:
+            logits = self.model.forward_with_embeddings(row.embeddings[:, start:end], caches, logits_at=size - 1 if is_last else None)
+            row.embeddings = None if is_last else row.embeddings
+        else:
+            chunk = mx.array([row.prompt[start:end] + [request.pad_token_id] * pad])
+            logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
         table.end(padding=pad)
         row.prefilled = end
         # Each piece is submitted on its own: one submission an iteration (pieces with the draw)
@@ -327,6 +336,15 @@ class BatchScheduler:
         piece = {"row": row.index, "step": state.decode_steps, "start": start, "end": end, "pad": pad}
         state.timings.prefill_pieces.append({**piece, "ms": round((time.perf_counter() - began) * 1000, 3)})
         return (logits[:, -1, :] if is_last else None), size + pad
+
+    def embed_images(self, row: Row, state: ScheduleState) -> mx.array:
+        """The row's input embeddings with its images' features at their placeholders."""
+        began = time.perf_counter()
+        embedded = self.model.embed_tokens(mx.array([row.prompt]))
+        merged = merge_embeddings(embedded, row.prompt, self.model.image_token_id, self.model.encode_images(row.request.images))
+        mx.eval(merged)
+        state.timings.vision_encode_ms += (time.perf_counter() - began) * 1000
+        return merged
 
     def read_draw(self, pending: PendingDraw, request: GenerationRequest, state: ScheduleState, on_token: OnToken, on_row_done) -> list[Row]:
         """Apply one step's tokens (the per-row work that overlaps the next step); returns the

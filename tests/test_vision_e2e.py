@@ -103,6 +103,7 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, vlm, photo_path, odd_
     assert two["token_ids"] == reference_generate(folder, reference, two["prompt_token_ids"], [str(odd_images["rgba"]), str(photo_path)])
     stats = json.loads((tmp_path / "batch" / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 56 + 56 + 15 and stats["finish_reasons"] == {"error": 1, "length": 3}
+    assert stats["occupancy"] > 0  # M-RoPE image rows ran through the scheduler
 
 
 def test_vision_weights_stay_unread_until_an_image_needs_them(vlm):

@@ -55,6 +55,7 @@ class Row:
     last_draw: int = 0  # sequence number of the last draw it took part in
     prefilled: int = 0  # prompt positions in the cache
     embeddings: mx.array | None = None  # [1, L, hidden] with its images' features, while it prefills
+    extras: dict | None = None  # the family's per-token prefill inputs (M-RoPE ids), sliced per piece
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -98,9 +99,9 @@ class ScheduleState:
 
 def supports_scheduling(model, request: GenerationRequest) -> bool:
     """The paged path covers full-attention and sliding-window layers, their KV cache quantized or
-    not, and images in families that only merge their features into the embeddings (LLaVA,
-    Idefics3, Pixtral); the rest (per-token prefill inputs, per-row LoRA, longrope) still runs in
-    the batch engine for now.
+    not, and images in families that merge their features into the embeddings (LLaVA, Idefics3,
+    Pixtral), with M-RoPE positions (Qwen2-VL); the rest (Gemma 3's image blocks, per-row LoRA,
+    longrope) still runs in the batch engine for now.
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -108,10 +109,11 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         # One row on a GPU keeps the batch engine's segmented (compiled) decode step: the
         # scheduler's step is eager, and dispatch bounds a single row's decode there. To measure.
         return False
-    if not getattr(model, "supports_compiled_decode", True) or hasattr(model, "make_prefill_extras"):
-        return False  # longrope; per-token prefill inputs (Qwen2-VL's M-RoPE ids, Gemma 3's image blocks)
-    if not hasattr(model, "forward_with_embeddings"):
-        return False
+    if not getattr(model, "supports_compiled_decode", True) or not hasattr(model, "forward_with_embeddings"):
+        return False  # longrope, Phi-4's per-row vision LoRA
+    images = any(r.images is not None for r in request.rows)
+    if images and hasattr(model, "make_prefill_extras") and not getattr(model, "prefill_extras_are_positions", False):
+        return False  # Gemma 3's image blocks attend both ways: a mask the paged cache does not build yet
     return all(type(c) in (KVCache, RotatingKVCache) for c in model.make_cache(1))
 
 
@@ -310,6 +312,9 @@ class BatchScheduler:
             tile = None  # padding pieces would need pad embeddings
             if row.embeddings is None:
                 row.embeddings = self.embed_images(row, state)
+                make_extras = getattr(self.model, "make_prefill_extras", None)
+                if make_extras is not None:
+                    row.extras, table.shifts[row.slot] = make_extras(row.prompt, row.request.images, 0)
         boundary = row.request.history_tokens
         span_end = boundary if start < boundary < total else total
         size = min(span_end - start, budget)
@@ -323,7 +328,8 @@ class BatchScheduler:
         table.begin(np.array([row.slot]), size + pad)
         is_last = end == total
         if row.embeddings is not None:
-            logits = self.model.forward_with_embeddings(row.embeddings[:, start:end], caches, logits_at=size - 1 if is_last else None)
+            extras = {name: value[..., start:end] for name, value in (row.extras or {}).items()}
+            logits = self.model.forward_with_embeddings(row.embeddings[:, start:end], caches, logits_at=size - 1 if is_last else None, **extras)
             row.embeddings = None if is_last else row.embeddings
         else:
             chunk = mx.array([row.prompt[start:end] + [request.pad_token_id] * pad])

@@ -48,6 +48,7 @@ class PageTable:
         self.table = np.zeros((max_rows, self.blocks_per_row), dtype=np.int32)
         self.owned = np.zeros(max_rows, dtype=np.int32)  # blocks each slot holds
         self.lengths = np.zeros(max_rows, dtype=np.int32)  # positions written
+        self.shifts = np.zeros(max_rows, dtype=np.int32)  # added to a row's RoPE position (M-RoPE rows after images)
         self.free = list(range(num_blocks))  # lowest first: allocation is a function of the schedule alone
         self.step: StepIndices | None = None
 
@@ -71,6 +72,7 @@ class PageTable:
         self.free = sorted(self.free + owned)
         self.owned[slot] = 0
         self.lengths[slot] = 0
+        self.shifts[slot] = 0
 
     def begin(self, slots: np.ndarray, new_tokens: int) -> StepIndices:
         """Indices for one forward call: `new_tokens` positions for each of `slots` (in batch order)."""
@@ -99,7 +101,8 @@ class StepIndices:
         blocks = table.table[slots, : int(count_blocks(ends.max()))]  # the columns any row reaches
         new_pos = starts[:, None] + np.arange(new_tokens)[None, :]  # [B, L]
         self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
-        self.rope_offset: int | mx.array = int(starts[0]) if len(slots) == 1 else mx.array(starts)
+        positions = starts + table.shifts[slots]
+        self.rope_offset: int | mx.array = int(positions[0]) if len(slots) == 1 else mx.array(positions)
         self.ends, self.blocks = ends, blocks
         self.masks: dict = {}  # window (None: full attention) -> that kind of layer's mask
         self.decode_kernel = new_tokens == 1 and table.decode_kernel

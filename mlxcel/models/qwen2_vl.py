@@ -138,6 +138,8 @@ class Model(llama.Model):
         positions, shift = make_mrope_positions(token_ids, grids, image_token, self.visual.args.spatial_merge_size)
         return mx.array(positions.astype(np.int32)), shift
 
+    prefill_extras_are_positions = True  # the scheduler slices them per piece and shifts decode by the row's shift
+
     def make_prefill_extras(self, token_ids: list[int], inputs: ImageInputs | None, pad: int) -> tuple[dict[str, mx.array], int]:
         """The engine's per-row prefill inputs: M-RoPE ids [3, 1, pad + L] (padding at 0, masked
         anyway) and the row's decode shift."""

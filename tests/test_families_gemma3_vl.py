@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine.scheduler import BatchScheduler
 from mlxcel.models import gemma3_vl
 from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
@@ -164,6 +165,11 @@ def test_image_prompt_matches_transformers(checkpoint, images, name, count):
     assert [p["end"] - p["start"] for p in state.timings.prefill_pieces] == [len(ids)]  # one piece, not chunks of 8
     assert state.results[0].token_ids == reference_generate(reference, ids, theirs["pixel_values"], tokenizer.image_token_id)
     assert len(set(state.results[0].token_ids)) >= 2
+    # the scheduler (paged cache: the blocks in its own masks), beside a text row, gives the same tokens
+    text = RowRequest(PROMPT[:20], row_id="text")
+    scheduled = BatchScheduler(model, 512, 2, chunk_size=8).generate(GenerationRequest([text, RowRequest(ids, row_id=0, images=inputs)], Sampler("greedy"), max_tokens=GREEDY))
+    assert scheduled.results[1].token_ids == state.results[0].token_ids
+    assert [p["end"] - p["start"] for p in scheduled.timings.prefill_pieces if p["row"] == 1] == [len(ids)]
 
 
 def test_image_row_in_a_batch_equals_its_run_alone(checkpoint, images):

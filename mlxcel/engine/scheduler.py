@@ -100,8 +100,8 @@ class ScheduleState:
 def supports_scheduling(model, request: GenerationRequest) -> bool:
     """The paged path covers full-attention and sliding-window layers, their KV cache quantized or
     not, and images in families that merge their features into the embeddings (LLaVA, Idefics3,
-    Pixtral), with M-RoPE positions (Qwen2-VL); the rest (Gemma 3's image blocks, per-row LoRA,
-    longrope) still runs in the batch engine for now.
+    Pixtral), with M-RoPE positions (Qwen2-VL) or image blocks that attend both ways (Gemma 3);
+    the rest (per-row LoRA, longrope) still runs in the batch engine for now.
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -112,8 +112,8 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     if not getattr(model, "supports_compiled_decode", True) or not hasattr(model, "forward_with_embeddings"):
         return False  # longrope, Phi-4's per-row vision LoRA
     images = any(r.images is not None for r in request.rows)
-    if images and hasattr(model, "make_prefill_extras") and not getattr(model, "prefill_extras_are_positions", False):
-        return False  # Gemma 3's image blocks attend both ways: a mask the paged cache does not build yet
+    if images and hasattr(model, "make_prefill_extras") and not (getattr(model, "prefill_extras_are_positions", False) or hasattr(model, "image_blocks")):
+        return False  # per-token prefill inputs the scheduler does not know
     return all(type(c) in (KVCache, RotatingKVCache) for c in model.make_cache(1))
 
 
@@ -312,12 +312,14 @@ class BatchScheduler:
             tile = None  # padding pieces would need pad embeddings
             if row.embeddings is None:
                 row.embeddings = self.embed_images(row, state)
-                make_extras = getattr(self.model, "make_prefill_extras", None)
-                if make_extras is not None:
-                    row.extras, table.shifts[row.slot] = make_extras(row.prompt, row.request.images, 0)
+                if getattr(self.model, "prefill_extras_are_positions", False):
+                    row.extras, table.shifts[row.slot] = self.model.make_prefill_extras(row.prompt, row.request.images, 0)
         boundary = row.request.history_tokens
         span_end = boundary if start < boundary < total else total
         size = min(span_end - start, budget)
+        one_piece = row.request.images is not None and getattr(self.model, "prefill_in_one_piece", False)
+        if one_piece:  # an image block must not be cut between pieces: the whole prompt at once
+            size = total - start
         if tile and size < span_end - start:
             size = size // tile * tile
         if size <= 0:
@@ -326,6 +328,8 @@ class BatchScheduler:
         pad = (-size) % tile if tile and end != boundary else 0
         began = time.perf_counter()
         table.begin(np.array([row.slot]), size + pad)
+        if one_piece:
+            table.step.image_blocks = np.array(self.model.image_blocks(row.prompt)[start:end])
         is_last = end == total
         if row.embeddings is not None:
             extras = {name: value[..., start:end] for name, value in (row.extras or {}).items()}

@@ -122,6 +122,9 @@ class StepIndices:
         # queries padded to a power of two where the model's attention pads them (PagedPrefill);
         # a padded query sees what the last real one sees
         self.pad_queries = table.decode_kernel and new_tokens > 1
+        # a one-row piece's image block per new token (-1 outside images): tokens of one block
+        # see each other both ways (Gemma 3); set by the scheduler before the forward call
+        self.image_blocks: np.ndarray | None = None
 
     def attention_mask(self, window: int | None) -> PagedMask | mx.array | None:
         """The mask of layers that see `window` positions back (None: all), built once a step;
@@ -135,7 +138,7 @@ class StepIndices:
         if self.decode_kernel:
             longest = int(ends.max()) if window is None else min(int(ends.max()), window)
             return PagedDecode(mx.array(self.blocks), mx.array(ends.astype(np.int32)), longest, window or 0)
-        if self.exact and (window is None or ends[0] <= window):
+        if self.exact and (window is None or ends[0] <= window) and self.image_blocks is None:
             return None
         key_pos, valid = self.key_pos, self.valid
         if new_tokens == 1:
@@ -143,7 +146,14 @@ class StepIndices:
             return mx.array(seen)[:, None, None, :]  # [B, 1, 1, S]
         queries = 1 << (new_tokens - 1).bit_length() if self.pad_queries else new_tokens
         query_pos = self.starts[:, None, None] + np.minimum(np.arange(queries), new_tokens - 1)[None, :, None]  # [B, Lq, 1]
-        seen = (key_pos[:, None, :] <= query_pos) & valid[:, None, :]
+        seen = key_pos[:, None, :] <= query_pos
+        if self.image_blocks is not None:  # one row: its new tokens' blocks, -1 elsewhere
+            query_blocks = np.full(queries, -1)
+            query_blocks[:new_tokens] = self.image_blocks
+            key_blocks = np.full(key_pos.shape[1], -1)
+            key_blocks[self.starts[0] : ends[0]] = self.image_blocks
+            seen = seen | ((query_blocks[:, None] == key_blocks[None, :]) & (query_blocks[:, None] >= 0))[None]
+        seen &= valid[:, None, :]
         if window is not None:
             seen &= key_pos[:, None, :] > query_pos - window
         mask = mx.array(seen)[:, None]  # [B, 1, Lq, S]

@@ -1,7 +1,8 @@
 """One generation by each engine, timed the same way on the same clock.
 
 Both sides get token ids (no tokenizer, no detokenizer, no stop ids) and decode greedily for
-exactly `gen` tokens per row. The marks are the host clock when the first token of every row is
+exactly `gen` tokens per row. mlxcel runs as the runner runs it: the scheduler where it covers the
+model, else the batch engine. The marks are the host clock when the first token of every row is
 on the host (TTFT) and when the last one is; definitions follow mlxcel.stats:
 prefill tok/s = prompt tokens / TTFT, decode tok/s = tokens after each row's first / (end - first).
 
@@ -21,6 +22,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine.scheduler import BatchScheduler, supports_scheduling
 from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 
@@ -88,13 +90,35 @@ def load_peer(name: str, folder, dtype: mx.Dtype) -> Peer:
 
 
 def generate_mlxcel(model, prompts: list[list[int]], gen: int) -> Run:
-    # The tightest context; the engine allocates no more than a run of this length needs.
-    engine = DirectEngine(model, max_context=max(map(len, prompts)) + gen + 1, pipeline=True)
+    """As the runner generates: through the scheduler where it runs the model (Pipeline.can_schedule),
+    else the batch engine. The tightest context: neither allocates more than a run this long needs."""
     rows = [RowRequest(prompt, row_id=i) for i, prompt in enumerate(prompts)]
-    state = engine.generate(GenerationRequest(rows=rows, sampler=Sampler("greedy"), max_tokens=gen))
+    request = GenerationRequest(rows=rows, sampler=Sampler("greedy"), max_tokens=gen)
+    max_context = max(map(len, prompts)) + gen + 1
+    if supports_scheduling(model, request):
+        return schedule_mlxcel(model, request, max_context)
+    state = DirectEngine(model, max_context=max_context, pipeline=True).generate(request)
     t = state.timings
     tokens = [list(r.token_ids) for r in state.results]
     return Run(sum(map(len, prompts)), sum(len(ids) - 1 for ids in tokens), t.first_token - t.start, t.end - t.first_token, 0, tokens)
+
+
+def schedule_mlxcel(model, request: GenerationRequest, max_context: int) -> Run:
+    """The scheduler prefills rows a piece at a time and starts each decoding when its prompt is
+    done, so rows' first tokens arrive apart. TTFT is when every row has its first token (as for
+    mlx-lm's one prefill batch); decode tok/s counts the tokens after that over the time after it."""
+    arrivals: list[list[float]] = [[] for _ in request.rows]
+
+    def on_token(row: int, token: int) -> bool:
+        arrivals[row].append(time.perf_counter())
+        return True
+
+    state = BatchScheduler(model, max_context, len(request.rows)).generate(request, on_token)
+    all_started = max(times[0] for times in arrivals)
+    after = sum(1 for times in arrivals for t in times if t > all_started)
+    end = max(times[-1] for times in arrivals)
+    tokens = [list(r.token_ids) for r in state.results]
+    return Run(sum(len(r.prompt_ids) for r in request.rows), after, all_started - state.timings.start, end - all_started, 0, tokens)
 
 
 def generate_mlx_lm(model, prompts: list[list[int]], gen: int) -> Run:

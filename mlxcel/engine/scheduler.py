@@ -107,7 +107,8 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         return False
     if len(request.rows) == 1 and mx.default_device() == mx.gpu:
         # One row on a GPU keeps the batch engine's segmented (compiled) decode step: the
-        # scheduler's step is eager, and dispatch bounds a single row's decode there. To measure.
+        # scheduler's step is eager, and dispatch bounds a single row's decode there (measured:
+        # the scheduler decodes one row at ~0.6x the batch engine's speed, docs/benchmarks.md).
         return False
     if not getattr(model, "supports_compiled_decode", True) or not hasattr(model, "forward_with_embeddings"):
         return False  # longrope, Phi-4's per-row vision LoRA

@@ -108,17 +108,23 @@ class StepIndices:
         self.decode_kernel = new_tokens == 1 and table.decode_kernel
         if self.decode_kernel:
             return
-        # Keys to attend over: each row's positions up to its end. One row gathers exactly those,
-        # so it needs no array mask (MLX's fused attention takes none: "causal" aligns the new
-        # queries to the last keys). Several rows are padded to the longest in whole blocks (fewer
-        # distinct shapes for the kernels' caches); padding reads a valid slot and is masked out.
+        # Keys to attend over: each row's positions up to its end. Rows that all end together
+        # gather exactly those, so they need no array mask (MLX's fused attention takes none:
+        # "causal" aligns the new queries to the last keys). Otherwise rows are padded to the
+        # longest in whole blocks (fewer distinct shapes for the kernels' caches); padding reads a
+        # valid slot and is masked out.
         # On the in-place path pieces use bucketed spans (KEY_BUCKET) and always an array mask.
-        self.exact = len(slots) == 1 and not table.in_place
+        # rows that all end together (one row, or a uniform batch) need no array mask either
+        self.exact = not table.in_place and bool((ends == ends[0]).all())
         bucket = KEY_BUCKET if table.in_place and new_tokens > 1 else BLOCK_SIZE
         span = int(ends.max()) if self.exact else int(-(-ends.max() // bucket) * bucket)
         self.key_pos = np.arange(span)[None, :]
         self.valid = self.key_pos < ends[:, None]
-        self.gather = mx.array(flat_positions(blocks, np.where(self.valid, self.key_pos, 0)))  # [B, S]
+        self.span = span
+        if table.in_place:  # the kernels gather positions
+            self.gather = mx.array(flat_positions(blocks, np.where(self.valid, self.key_pos, 0)))  # [B, S]
+        else:  # plain MLX gathers whole blocks: a few large copies, not one per position
+            self.gather_blocks = mx.array(blocks[:, : int(count_blocks(span))])  # [B, blocks]
         # queries padded to a power of two where the model's attention pads them (PagedPrefill);
         # a padded query sees what the last real one sees
         self.pad_queries = table.decode_kernel and new_tokens > 1
@@ -238,7 +244,7 @@ class PagedKVCache:
         self.values[step.write] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
         if B == 1 and int(step.starts[0]) == 0:
             return keys, values  # a first piece attends to exactly what it brought
-        return self.keys[step.gather].transpose(0, 2, 1, 3), self.values[step.gather].transpose(0, 2, 1, 3)
+        return gather_blocks(self.keys, step), gather_blocks(self.values, step)
 
     def write_in_place(self, step: StepIndices, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         from mlxcel.models import paged_attention
@@ -256,6 +262,17 @@ class PagedKVCache:
         if self.pool is not None:
             return [self.pool.done]
         return [] if self.keys is None else [self.keys, self.values]
+
+
+def gather_blocks(pool: mx.array, step: StepIndices, contiguous: bool = True) -> mx.array:
+    """The step's rows' keys or values as [B, kv_heads, S, D] from a pool [positions, kv_heads, D]
+    (whole blocks gathered, then made contiguous: MLX's CPU attention runs ~5x slower on the
+    transposed view)."""
+    _, heads, dim = pool.shape
+    B, blocks = step.gather_blocks.shape
+    rows = pool.reshape(-1, BLOCK_SIZE, heads, dim)[step.gather_blocks]  # [B, blocks, BLOCK_SIZE, heads, D]
+    rows = rows.reshape(B, blocks * BLOCK_SIZE, heads, dim)[:, : step.span].transpose(0, 2, 1, 3)
+    return mx.contiguous(rows) if contiguous else rows
 
 
 class QuantizedPagedKVCache(PagedKVCache):
@@ -286,12 +303,12 @@ class QuantizedPagedKVCache(PagedKVCache):
                 part[step.write] = new_part
         if B == 1 and int(step.starts[0]) == 0:
             return keys, values
-        return self.read(self.parts[0], step.gather), self.read(self.parts[1], step.gather)
+        return self.read(self.parts[0], step), self.read(self.parts[1], step)
 
-    def read(self, parts: tuple, gather: mx.array) -> mx.array:
-        """[B, kv_heads, S, D] in the model's dtype from the pool positions `gather` [B, S]."""
-        packed, scales, biases = (p[gather] for p in parts)
-        return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits).astype(self.dtype).transpose(0, 2, 1, 3)
+    def read(self, parts: tuple, step: StepIndices) -> mx.array:
+        """[B, kv_heads, S, D] in the model's dtype: the step's rows' blocks, dequantized."""
+        packed, scales, biases = (gather_blocks(p, step, contiguous=False) for p in parts)
+        return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits).astype(self.dtype)
 
     @property
     def state(self) -> list[mx.array]:

@@ -64,6 +64,7 @@ def test_randomized_schedules_equal_each_row_alone(model, sampler):
     prompts = make_prompts(0, 9)
     lengths = [random.Random(i).randint(1, 24) for i in range(9)]
     expected = [alone(model, sampler, p, i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
+    grouped = 0  # pieces that prefilled several rows in one call
     for seed in range(6):
         rng = random.Random(seed)
         order = rng.sample(range(9), 9)
@@ -72,6 +73,8 @@ def test_randomized_schedules_equal_each_row_alone(model, sampler):
         got = {order[k]: r.token_ids for k, r in enumerate(state.results)}
         assert got == dict(enumerate(expected)), (seed, max_rows, chunk, pipeline)
         assert all(r.finish_reason == "length" for r in state.results)
+        grouped += sum(p["rows"] > 1 for p in state.timings.prefill_pieces)
+    assert grouped > 0
 
 
 def test_cancellations_and_stop_ids_mid_row(model):

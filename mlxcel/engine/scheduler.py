@@ -249,13 +249,14 @@ class BatchScheduler:
             while prefilling and budget > 0:
                 if request.kv_bits and budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):
                     break  # no piece cut short by the iteration's budget
-                logits, spent = self.prefill_piece(table, caches, prefilling[0], min(piece, budget), request, state)
+                rows, plan = self.group_pieces(prefilling, piece, budget, request)
+                logits, spent = self.prefill_piece(table, caches, rows, plan, request, state)
                 if spent == 0:
                     break  # what is left of the budget is less than a tile
                 budget -= spent
                 if logits is not None:
                     logits_parts.append(logits)
-                    joined.append(prefilling.popleft())
+                    joined += [prefilling.popleft() for _ in rows]
             # 3. one draw for the decoding rows and the rows whose prefill ended
             if logits_parts:
                 for row in joined:
@@ -303,50 +304,74 @@ class BatchScheduler:
         table.end()
         return logits
 
-    def prefill_piece(self, table: PageTable, caches: list, row: Row, budget: int, request: GenerationRequest, state: ScheduleState):
-        """The row's next piece of at most `budget` tokens: (logits of its last position if the
-        prompt is done else None, tokens spent; 0 when the budget holds no whole tile). Pieces end
-        at the history boundary (never padded there) and are padded to whole tiles where a tile is
-        set."""
+    def plan_piece(self, row: Row, budget: int, request: GenerationRequest) -> tuple[int, int, int]:
+        """(start, end, pad) of the row's next piece of at most `budget` tokens; end == start when
+        the budget holds no whole tile. Pieces end at the history boundary (never padded there)
+        and are padded to whole tiles where a tile is set; an image row is never padded."""
         total, start, tile = len(row.prompt), row.prefilled, request.tile_size
-        if row.request.images is not None:
-            tile = None  # padding pieces would need pad embeddings
-            if row.embeddings is None:
-                row.embeddings = self.embed_images(row, state)
-                if getattr(self.model, "prefill_extras_are_positions", False):
-                    row.extras, table.shifts[row.slot] = self.model.make_prefill_extras(row.prompt, row.request.images, 0)
+        tile = None if row.request.images is not None else tile  # padding would need pad embeddings
         boundary = row.request.history_tokens
         span_end = boundary if start < boundary < total else total
         size = min(span_end - start, budget)
-        one_piece = row.request.images is not None and getattr(self.model, "prefill_in_one_piece", False)
-        if one_piece:  # an image block must not be cut between pieces: the whole prompt at once
-            size = total - start
+        if row.request.images is not None and getattr(self.model, "prefill_in_one_piece", False):
+            size = total - start  # an image block must not be cut between pieces: the whole prompt at once
         if tile and size < span_end - start:
             size = size // tile * tile
         if size <= 0:
-            return None, 0
+            return start, start, 0
         end = start + size
-        pad = (-size) % tile if tile and end != boundary else 0
+        return start, end, (-size) % tile if tile and end != boundary else 0
+
+    def group_pieces(self, prefilling: deque, piece: int, budget: int, request: GenerationRequest) -> tuple[list[Row], tuple[int, int, int]]:
+        """The first waiting row's next piece (at most `piece` tokens), and the rows after it whose
+        next piece is the same span of their own prompt (text rows, all within the iteration's
+        `budget`): one forward call prefills them all, as many rows at once cost less than one
+        at a time (a uniform batch's prompts)."""
+        head = prefilling[0]
+        plan = self.plan_piece(head, min(piece, budget), request)
+        start, end, pad = plan
+        group = [head]
+        if head.request.images is None and end > start:
+            for row in list(prefilling)[1:]:
+                if row.request.images is not None or (len(group) + 1) * (end - start + pad) > budget:
+                    break
+                if self.plan_piece(row, min(piece, budget), request) != plan or (len(row.prompt) == end) != (len(head.prompt) == end):
+                    break
+                group.append(row)
+        return group, plan
+
+    def prefill_piece(self, table: PageTable, caches: list, rows: list[Row], plan: tuple[int, int, int], request: GenerationRequest, state: ScheduleState):
+        """One piece (`plan`: start, end, pad) of each of `rows` in one forward call: (logits of
+        their last positions if their prompts are done else None, tokens spent)."""
+        start, end, pad = plan
+        if end == start:
+            return None, 0
+        row, size = rows[0], end - start
+        if row.request.images is not None and row.embeddings is None:
+            row.embeddings = self.embed_images(row, state)
+            if getattr(self.model, "prefill_extras_are_positions", False):
+                row.extras, table.shifts[row.slot] = self.model.make_prefill_extras(row.prompt, row.request.images, 0)
         began = time.perf_counter()
-        table.begin(np.array([row.slot]), size + pad)
-        if one_piece:
+        table.begin(np.array([r.slot for r in rows]), size + pad)
+        if row.request.images is not None and getattr(self.model, "prefill_in_one_piece", False):
             table.step.image_blocks = np.array(self.model.image_blocks(row.prompt)[start:end])
-        is_last = end == total
+        is_last = end == len(row.prompt)
         if row.embeddings is not None:
             extras = {name: value[..., start:end] for name, value in (row.extras or {}).items()}
             logits = self.model.forward_with_embeddings(row.embeddings[:, start:end], caches, logits_at=size - 1 if is_last else None, **extras)
             row.embeddings = None if is_last else row.embeddings
         else:
-            chunk = mx.array([row.prompt[start:end] + [request.pad_token_id] * pad])
+            chunk = mx.array([r.prompt[start:end] + [request.pad_token_id] * pad for r in rows])
             logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
         table.end(padding=pad)
-        row.prefilled = end
         # Each piece is submitted on its own: one submission an iteration (pieces with the draw)
         # was a quarter slower on CUDA, as larger, ever-different graphs (docs/benchmarks.md).
         submit([a for c in caches for a in c.state], state)
-        piece = {"row": row.index, "step": state.decode_steps, "start": start, "end": end, "pad": pad}
-        state.timings.prefill_pieces.append({**piece, "ms": round((time.perf_counter() - began) * 1000, 3)})
-        return (logits[:, -1, :] if is_last else None), size + pad
+        ms = round((time.perf_counter() - began) * 1000, 3)
+        for r in rows:
+            r.prefilled = end
+            state.timings.prefill_pieces.append({"row": r.index, "step": state.decode_steps, "start": start, "end": end, "pad": pad, "rows": len(rows), "ms": ms})
+        return (logits[:, -1, :] if is_last else None), (size + pad) * len(rows)
 
     def embed_images(self, row: Row, state: ScheduleState) -> mx.array:
         """The row's input embeddings with its images' features at their placeholders."""

@@ -242,7 +242,7 @@ class PagedKVCache:
             self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
         self.keys[step.write] = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
         self.values[step.write] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
-        if B == 1 and int(step.starts[0]) == 0:
+        if not step.starts.any() and step.exact:  # first pieces, all of one length
             return keys, values  # a first piece attends to exactly what it brought
         return gather_blocks(self.keys, step), gather_blocks(self.values, step)
 
@@ -301,7 +301,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         for stored, written in zip(self.parts, new):
             for part, new_part in zip(stored, written):
                 part[step.write] = new_part
-        if B == 1 and int(step.starts[0]) == 0:
+        if not step.starts.any() and step.exact:  # first pieces, all of one length
             return keys, values
         return self.read(self.parts[0], step), self.read(self.parts[1], step)
 

@@ -49,6 +49,7 @@ def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llam
     assert stats["finish_reasons"] == {"error": 1, "length": 6} and stats["rows"] == 7
     assert [b["rows"] for b in stats["batches"]] == [6]  # one schedule: rows join as others finish
     assert 1 < stats["occupancy"] <= 2 and 0 < stats["kv_peak_gb"] <= stats["kv_budget_gb"]
+    assert stats["host_ms_per_step"] > 0
     ran = [r for r in rows.values() if r["finish_reason"] != "error"]
     assert all(0 <= r["queue_ms"] <= r["ttft_ms"] <= r["latency_ms"] and r["decode_tok_per_sec"] > 0 for r in ran)
     ttfts = sorted(r["ttft_ms"] for r in ran)

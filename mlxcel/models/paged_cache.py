@@ -109,12 +109,11 @@ class StepIndices:
         if self.decode_kernel:
             return
         # Keys to attend over: each row's positions up to its end. Rows that all end together
-        # gather exactly those, so they need no array mask (MLX's fused attention takes none:
-        # "causal" aligns the new queries to the last keys). Otherwise rows are padded to the
-        # longest in whole blocks (fewer distinct shapes for the kernels' caches); padding reads a
-        # valid slot and is masked out.
-        # On the in-place path pieces use bucketed spans (KEY_BUCKET) and always an array mask.
-        # rows that all end together (one row, or a uniform batch) need no array mask either
+        # (one row, a uniform batch) gather exactly those, so they need no array mask (MLX's fused
+        # attention takes none: "causal" aligns the new queries to the last keys). Otherwise rows
+        # are padded to the longest in whole blocks (fewer distinct shapes for the kernels'
+        # caches); padding reads a valid slot and is masked out. On the in-place path pieces use
+        # bucketed spans (KEY_BUCKET) and always an array mask.
         self.exact = not table.in_place and bool((ends == ends[0]).all())
         bucket = KEY_BUCKET if table.in_place and new_tokens > 1 else BLOCK_SIZE
         span = int(ends.max()) if self.exact else int(-(-ends.max() // bucket) * bucket)

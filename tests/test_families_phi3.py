@@ -96,3 +96,28 @@ def test_phi3_longrope_without_factors_is_a_clear_error():
               "vocab_size": 300, "rope_scaling": {"type": "su", "short_factor": [1.0] * 8}}
     with pytest.raises(MlxcelError, match="long_factor"):
         phi3.ModelArgs.from_config(config)
+
+
+def test_longrope_rows_within_the_original_context_run_through_the_scheduler(tmp_path):
+    """The paged cache gives each row its own positions, from which longrope picks its factors;
+    rows that never pass the switch schedule and equal their runs alone, and a row that would
+    (whose cache the switch recomputes) goes to the batch engine."""
+    import mlx.core as mx
+
+    from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+    from mlxcel.engine.scheduler import BatchScheduler, supports_scheduling
+    from mlxcel.models.loader import load_model
+    from mlxcel.sampling import Sampler
+
+    folder = make_family_checkpoint(tmp_path / "p", "phi3", seed=14, partial_rotary_factor=0.5, tie_word_embeddings=True, **longrope(4, 64))
+    model = load_model(str(folder), dtype="float32").model
+    rows = [RowRequest(PROMPT[:n], row_id=i, max_tokens=m) for i, (n, m) in enumerate([(40, 25), (9, 50), (25, 33)])]  # 40 + 25 - 1 = 64 positions
+    greedy = Sampler("greedy")
+    assert supports_scheduling(model, GenerationRequest(rows, greedy))
+    with mx.stream(mx.cpu):
+        alone = [DirectEngine(model, 256).generate(GenerationRequest([row], greedy)).results[0].token_ids for row in rows]
+        scheduled = BatchScheduler(model, 256, 2, chunk_size=16).generate(GenerationRequest(rows, greedy))
+    assert [r.token_ids for r in scheduled.results] == alone
+    assert [len(ids) for ids in alone] == [25, 50, 33]
+    over = RowRequest(PROMPT[:40], row_id=9, max_tokens=26)  # its 65th position would switch
+    assert not supports_scheduling(model, GenerationRequest([over, rows[1]], greedy))

@@ -100,8 +100,9 @@ class ScheduleState:
 def supports_scheduling(model, request: GenerationRequest) -> bool:
     """The paged path covers full-attention and sliding-window layers, their KV cache quantized or
     not, and images in families that merge their features into the embeddings (LLaVA, Idefics3,
-    Pixtral), with M-RoPE positions (Qwen2-VL) or image blocks that attend both ways (Gemma 3);
-    the rest (per-row LoRA, longrope) still runs in the batch engine for now.
+    Pixtral), with M-RoPE positions (Qwen2-VL) or image blocks that attend both ways (Gemma 3),
+    and longrope rows that stay within the original context; the rest (per-row LoRA, rows that
+    pass longrope's switch) still runs in the batch engine for now.
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -110,8 +111,16 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         # scheduler's step is eager, and dispatch bounds a single row's decode there (measured:
         # the scheduler decodes one row at ~0.6x the batch engine's speed, docs/benchmarks.md).
         return False
-    if not getattr(model, "supports_compiled_decode", True) or not hasattr(model, "forward_with_embeddings"):
-        return False  # longrope, Phi-4's per-row vision LoRA
+    if hasattr(model, "lora_control") or not hasattr(model, "forward_with_embeddings"):
+        return False  # Phi-4-multimodal's vision LoRA: which rows take it is decided per call
+    limit = getattr(model, "longrope_limit", None)
+    if limit is not None:
+        # Longrope picks each row's factors from its own positions (rope_offset), which the
+        # paged cache gives; a row that passes the switch recomputes its cache (the batch engine).
+        if any(len(r.prompt_ids) + (r.max_tokens or request.max_tokens) - 1 + (request.tile_size or 0) > limit for r in request.rows):
+            return False
+    elif not getattr(model, "supports_compiled_decode", True):
+        return False
     images = any(r.images is not None for r in request.rows)
     if images and hasattr(model, "make_prefill_extras") and not (getattr(model, "prefill_extras_are_positions", False) or hasattr(model, "image_blocks")):
         return False  # per-token prefill inputs the scheduler does not know

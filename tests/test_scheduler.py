@@ -158,3 +158,14 @@ def test_finished_rows_free_their_blocks_for_waiting_rows(model):
     assert state.kv_peak_bytes <= sum(two_largest) * per_block
     assert all(len(r.token_ids) == 6 for r in state.results)
     assert state.rows_decoding_sum / state.decode_steps <= 2
+
+
+def test_the_segmented_decode_step_gives_the_eager_tokens(model, monkeypatch):
+    """Small decode batches run the batch engine's segmented step where it is the default (GPUs);
+    forced here on the CPU, every row's tokens stay those of the eager step."""
+    prompts = make_prompts(4, 6)
+    lengths = [random.Random(i).randint(1, 20) for i in range(6)]
+    eager = [r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results]
+    monkeypatch.setenv("MLXCEL_DECODE_STEP", "segmented")
+    assert [r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results] == eager
+    assert "segmented" in model.__dict__["_mlxcel_decoders"]  # the step did run

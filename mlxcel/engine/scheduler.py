@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.engine.engine import OnRowDone, OnToken, apply_token, check_prompt
+from mlxcel.engine.engine import OnRowDone, OnToken, apply_token, check_prompt, choose_decode_step, get_decoder
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
@@ -42,6 +42,7 @@ KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by d
 # H200 (1B shape, 256 rows decoding: 1577 generated tok/s; 2048 tokens a step: 2570); each piece
 # of a 1B model delays the decoding rows by ~7 ms there.
 PIECES_PER_STEP = 4
+SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
 
 @dataclass
@@ -309,7 +310,12 @@ class BatchScheduler:
 
     def decode_step(self, table: PageTable, caches: list, batch: DecodeBatch) -> mx.array:
         table.begin(batch.slots, 1)
-        logits = self.model(batch.next_input[:, None], caches)[:, -1, :]
+        if len(batch) <= SEGMENTED_ROWS and choose_decode_step(self.model) == "segmented":
+            # few rows: the host's per-op cost bounds a step, as in the batch engine; each batch
+            # size is traced once, so only small batches (where the ragged tail lives) use it
+            logits = get_decoder(self.model, "segmented")(batch.next_input, caches)
+        else:
+            logits = self.model(batch.next_input[:, None], caches)[:, -1, :]
         table.end()
         return logits
 

@@ -44,6 +44,8 @@ def test_mlxcel_rows_generate_their_drawn_lengths(tiny_llama, tmp_path, capsys):
     assert model["rows"]["mlxcel"]["generated_tokens"] == report["job"]["output_lengths"]  # no EOS stop, per-row max_tokens
     assert len(report["job"]["prompt_lengths"]) == 5 and all(t > 0 for t in model["rows"]["mlxcel"]["ttft_s"])
     assert model["ratio"] is None
+    scheduler = model["scheduler"]  # the scheduler's own figures: rows decoding, host work, KV
+    assert 0 < scheduler["occupancy"] <= 5 and scheduler["host_ms_per_step"] > 0 and "kv_peak_gb" in scheduler
     top = next(i for i, line in enumerate(lines) if line.startswith("model "))
     bottom = next(i for i, line in enumerate(lines) if line.startswith("ratio = "))
     assert lines[top].split() == ["model", "metric", "mlxcel", "mlx-lm", "ratio"]

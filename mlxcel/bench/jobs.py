@@ -86,6 +86,7 @@ class JobRun:
     ttft_s: list[float]  # per row, in job order
     token_ids: list[list[int]]  # per row, in job order
     peak_bytes: int = 0
+    scheduler: dict | None = None  # mlxcel's own figures: occupancy, host ms per step, KV peak
 
     def metrics(self) -> dict[str, float]:
         generated = sum(map(len, self.token_ids))
@@ -140,6 +141,7 @@ class ModelResult:
             "rows_agree": self.count_agreeing_rows() if self.has_both else None,
             "token_ids_agree": self.find_first_difference() if self.has_both else None,
             "rows": {name: {"ttft_s": run.ttft_s, "generated_tokens": list(map(len, run.token_ids))} for name, run in self.runs.items()},
+            "scheduler": self.runs["mlxcel"].scheduler if "mlxcel" in self.runs else None,
         }
 
 
@@ -282,7 +284,9 @@ def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
     if len(pipeline.first_token_at) != len(samples):
         raise RuntimeError("TokenIdPipeline.generate saw no tokens of some rows: the runner no longer calls it; move its stamp")
     tokens = {row["id"]: row["token_ids"] for row in result.generations}
-    return JobRun(wall, [pipeline.first_token_at[i] - start for i in range(len(samples))], [tokens[i] for i in range(len(samples))])
+    stats = result.stats
+    scheduler = None if stats is None else {"occupancy": stats.occupancy, "host_ms_per_step": stats.host_ms_per_step, "kv_peak_gb": stats.kv_peak_gb}
+    return JobRun(wall, [pipeline.first_token_at[i] - start for i in range(len(samples))], [tokens[i] for i in range(len(samples))], scheduler=scheduler)
 
 
 def run_mlx_lm(model, job: Job, max_rows: int) -> JobRun:
@@ -346,10 +350,14 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
 
 def format_run(run: JobRun) -> str:
     m = run.metrics()
-    return (
+    line = (
         f"{m['generated_tokens']} tokens in {m['wall_s']:.1f} s ({m['gen_tok_s']:.1f} tok/s), "
         f"TTFT p50 {m['ttft_p50_s']:.2f} s p95 {m['ttft_p95_s']:.2f} s, peak {m['peak_gb']:.3f} GB"
     )
+    if run.scheduler:
+        s = run.scheduler
+        line += f"; occupancy {s['occupancy']:.1f}, host {s['host_ms_per_step']:.2f} ms per step, KV peak {s['kv_peak_gb']:.3f} GB"
+    return line
 
 
 def describe_job(args: argparse.Namespace, job: Job) -> dict:

@@ -108,9 +108,9 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
     if len(request.rows) == 1 and mx.default_device() == mx.gpu:
-        # One row on a GPU keeps the batch engine's segmented (compiled) decode step: the
-        # scheduler's step is eager, and dispatch bounds a single row's decode there (measured:
-        # the scheduler decodes one row at ~0.6x the batch engine's speed, docs/benchmarks.md).
+        # One row on a GPU keeps the batch engine: dispatch bounds a single row's decode there,
+        # and the scheduler's eager step ran at ~0.6x its segmented one (docs/benchmarks.md). The
+        # scheduler now runs the segmented step for small batches too: to measure, then drop this.
         return False
     if hasattr(model, "lora_control") or not hasattr(model, "forward_with_embeddings"):
         return False  # Phi-4-multimodal's vision LoRA: which rows take it is decided per call

@@ -19,9 +19,9 @@ requires_mlx_lm = pytest.mark.skipif(
 TINY_JOB = ["--rows", "5", "--prompt-tokens", "3,12", "--output-tokens", "1,6", "--max-rows", "2", "--dtype", "float32"]
 
 
-def run_tiny_job(tiny_llama, tmp_path, capsys, engines: str) -> tuple[dict, list[str]]:
+def run_tiny_job(tiny_llama, tmp_path, capsys, engines: str, *extra: str) -> tuple[dict, list[str]]:
     out = tmp_path / "out.json"
-    argv = ["--models", str(tiny_llama), *TINY_JOB, "--engines", engines, "--work-dir", str(tmp_path), "--json", str(out)]
+    argv = ["--models", str(tiny_llama), *TINY_JOB, "--engines", engines, "--work-dir", str(tmp_path), "--json", str(out), *extra]
     assert jobs.main(argv) == 0
     return json.loads(out.read_text()), capsys.readouterr().out.splitlines()
 
@@ -70,3 +70,16 @@ def test_bad_ranges_and_engines_are_refused():
     for argv in (["--prompt-tokens", "9,3"], ["--output-tokens", "4"], ["--engines", "mlxcel,vllm"]):
         with pytest.raises(SystemExit):
             jobs.parse_args(argv)
+
+
+def test_the_uniform_job_has_the_mean_lengths_and_the_peak_ratio_is_printed(tiny_llama, tmp_path, capsys):
+    job = draw_job(6, (3, 20), (1, 9), vocab_size=1000, special_ids=[], seed=5)
+    uniform = jobs.make_uniform(job)
+    prompt, output = round(sum(map(len, job.prompts)) / 6), round(sum(job.output_lengths) / 6)
+    assert [len(p) for p in uniform.prompts] == [prompt] * 6 and uniform.output_lengths == [output] * 6
+    assert all(set(u) <= set(p) for u, p in zip(uniform.prompts, job.prompts))  # each row keeps its own ids
+
+    report, lines = run_tiny_job(tiny_llama, tmp_path, capsys, "mlxcel", "--uniform")
+    (model,) = report["models"]
+    ratio = model["metrics"]["mlxcel"]["peak_gb"] / model["uniform"]["peak_gb"]
+    assert any(line.startswith(f"{tiny_llama.name} mlxcel peak memory, ragged / uniform") and line.endswith(f"= {ratio:.2f}") for line in lines), lines

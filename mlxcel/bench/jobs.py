@@ -108,6 +108,7 @@ class ModelResult:
     model: str
     job: Job
     runs: dict[str, JobRun]
+    uniform: JobRun | None = None  # mlxcel on the rows at their mean lengths (--uniform)
 
     @property
     def has_both(self) -> bool:
@@ -127,6 +128,9 @@ class ModelResult:
 
     def describe_checks(self) -> list[str]:
         lines = [f"{self.model} {name}: {run.count_wrong_lengths(self.job)} rows off their output length" for name, run in self.runs.items()]
+        if self.uniform is not None:
+            ragged, uniform = self.runs["mlxcel"].peak_bytes, self.uniform.peak_bytes
+            lines.append(f"{self.model} mlxcel peak memory, ragged / uniform at the mean lengths: {ragged / 1e9:.3f} / {uniform / 1e9:.3f} GB = {ragged / uniform:.2f}")
         if self.has_both:
             first = self.find_first_difference()
             detail = "" if first == "agree" else f"; first: {first}"
@@ -142,6 +146,7 @@ class ModelResult:
             "token_ids_agree": self.find_first_difference() if self.has_both else None,
             "rows": {name: {"ttft_s": run.ttft_s, "generated_tokens": list(map(len, run.token_ids))} for name, run in self.runs.items()},
             "scheduler": self.runs["mlxcel"].scheduler if "mlxcel" in self.runs else None,
+            "uniform": None if self.uniform is None else {**self.uniform.metrics(), "scheduler": self.uniform.scheduler},
         }
 
 
@@ -169,6 +174,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="draws the rows' lengths and token ids")
     parser.add_argument("--engines", type=parse_engines, default=list(ENGINES), help="comma-separated, run in this order")
     parser.add_argument("--json", type=Path, help="also write the job, every engine's metrics and per-row TTFTs here")
+    parser.add_argument(
+        "--uniform", action="store_true",
+        help="also run mlxcel on the same rows at their mean lengths (same ids, max rows) and print the ragged job's peak memory against it",
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument(
         "--work-dir",
@@ -345,7 +354,20 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
     for name, (run, weight_bytes) in engines.items():
         runs[name] = measure(run, job, weight_bytes)
         log(f"{label} {name}: {format_run(runs[name])}")
-    return ModelResult(label, job, runs)
+    result = ModelResult(label, job, runs)
+    if args.uniform and "mlxcel" in engines:
+        run, weight_bytes = engines["mlxcel"]
+        result.uniform = measure(run, make_uniform(job), weight_bytes)
+        log(f"{label} mlxcel, uniform: {format_run(result.uniform)}")
+    return result
+
+
+def make_uniform(job: Job) -> Job:
+    """The job's rows cut or extended (with their own ids, cycled) to the mean prompt and output
+    lengths: the uniform job a ragged one's memory is judged against."""
+    prompt = round(float(np.mean([len(p) for p in job.prompts])))
+    output = round(float(np.mean(job.output_lengths)))
+    return Job([(p * -(-prompt // len(p)))[:prompt] for p in job.prompts], [output] * len(job.prompts))
 
 
 def format_run(run: JobRun) -> str:

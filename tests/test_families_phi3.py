@@ -98,10 +98,10 @@ def test_phi3_longrope_without_factors_is_a_clear_error():
         phi3.ModelArgs.from_config(config)
 
 
-def test_longrope_rows_within_the_original_context_run_through_the_scheduler(tmp_path):
-    """The paged cache gives each row its own positions, from which longrope picks its factors;
-    rows that never pass the switch schedule and equal their runs alone, and a row that would
-    (whose cache the switch recomputes) goes to the batch engine."""
+def test_longrope_rows_run_through_the_scheduler_across_the_switch(tmp_path):
+    """The paged cache gives each row its own positions, from which longrope picks its factors; a
+    row that passes the switch (mid-decode, or in a prefill piece) runs its sequence again in one
+    piece, as the batch engine does, so every row equals its run alone, beside rows that stay short."""
     import mlx.core as mx
 
     from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
@@ -111,13 +111,15 @@ def test_longrope_rows_within_the_original_context_run_through_the_scheduler(tmp
 
     folder = make_family_checkpoint(tmp_path / "p", "phi3", seed=14, partial_rotary_factor=0.5, tie_word_embeddings=True, **longrope(4, 64))
     model = load_model(str(folder), dtype="float32").model
-    rows = [RowRequest(PROMPT[:n], row_id=i, max_tokens=m) for i, (n, m) in enumerate([(40, 25), (9, 50), (25, 33)])]  # 40 + 25 - 1 = 64 positions
+    long_prompt = (PROMPT * 3)[:100]
+    # (prompt, max_tokens): crosses mid-decode; stays short; crosses in its prefill pieces; starts long
+    shapes = [(PROMPT[:40], 40), (PROMPT[:9], 30), (long_prompt[:70], 12), (long_prompt, 10), (PROMPT[:30], 36)]
+    rows = [RowRequest(p, row_id=i, max_tokens=m) for i, (p, m) in enumerate(shapes)]
     greedy = Sampler("greedy")
     assert supports_scheduling(model, GenerationRequest(rows, greedy))
     with mx.stream(mx.cpu):
         alone = [DirectEngine(model, 256).generate(GenerationRequest([row], greedy)).results[0].token_ids for row in rows]
-        scheduled = BatchScheduler(model, 256, 2, chunk_size=16).generate(GenerationRequest(rows, greedy))
-    assert [r.token_ids for r in scheduled.results] == alone
-    assert [len(ids) for ids in alone] == [25, 50, 33]
-    over = RowRequest(PROMPT[:40], row_id=9, max_tokens=26)  # its 65th position would switch
-    assert not supports_scheduling(model, GenerationRequest([over, rows[1]], greedy))
+        for max_rows, chunk in [(2, 16), (5, None), (3, 7)]:
+            scheduled = BatchScheduler(model, 256, max_rows, chunk_size=chunk).generate(GenerationRequest(rows, greedy))
+            assert [r.token_ids for r in scheduled.results] == alone, (max_rows, chunk)
+    assert [len(ids) for ids in alone] == [m for _, m in shapes]

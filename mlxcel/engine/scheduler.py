@@ -102,8 +102,7 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     """The paged path covers full-attention and sliding-window layers, their KV cache quantized or
     not, and images in families that merge their features into the embeddings (LLaVA, Idefics3,
     Pixtral), with M-RoPE positions (Qwen2-VL) or image blocks that attend both ways (Gemma 3),
-    and longrope rows that stay within the original context; the rest (per-row LoRA, rows that
-    pass longrope's switch) still runs in the batch engine for now.
+    and longrope; Phi-4-multimodal's per-row LoRA still runs in the batch engine for now.
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -114,13 +113,9 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         return False
     if hasattr(model, "lora_control") or not hasattr(model, "forward_with_embeddings"):
         return False  # Phi-4-multimodal's vision LoRA: which rows take it is decided per call
-    limit = getattr(model, "longrope_limit", None)
-    if limit is not None:
-        # Longrope picks each row's factors from its own positions (rope_offset), which the
-        # paged cache gives; a row that passes the switch recomputes its cache (the batch engine).
-        if any(len(r.prompt_ids) + (r.max_tokens or request.max_tokens) - 1 + (request.tile_size or 0) > limit for r in request.rows):
-            return False
-    elif not getattr(model, "supports_compiled_decode", True):
+    # Longrope picks each row's factors from its own positions (rope_offset), which the paged
+    # cache gives; a row that passes the switch runs its sequence again (BatchScheduler.decode_step).
+    if getattr(model, "longrope_limit", None) is None and not getattr(model, "supports_compiled_decode", True):
         return False
     images = any(r.images is not None for r in request.rows)
     if images and hasattr(model, "make_prefill_extras") and not (getattr(model, "prefill_extras_are_positions", False) or hasattr(model, "image_blocks")):
@@ -309,13 +304,45 @@ class BatchScheduler:
         return dropped
 
     def decode_step(self, table: PageTable, caches: list, batch: DecodeBatch) -> mx.array:
-        table.begin(batch.slots, 1)
-        if len(batch) <= SEGMENTED_ROWS and choose_decode_step(self.model) == "segmented":
+        """Logits [B, V] of every decoding row's next position, in batch order."""
+        crossing = self.find_longrope_crossings(batch)
+        if not crossing.any():
+            return self.step_rows(table, caches, batch.slots, batch.next_input)
+        # A row whose sequence passes longrope's switch now gets the long factors for every
+        # position, so its whole sequence runs again in one piece (as the batch engine does).
+        parts, order = [], []
+        rest = np.nonzero(~crossing)[0]
+        if len(rest):
+            parts.append(self.step_rows(table, caches, batch.slots[rest], batch.next_input[mx.array(rest.astype(np.int32))]))
+            order += rest.tolist()
+        for i in np.nonzero(crossing)[0].tolist():
+            row = batch.rows[i]
+            fed = mx.array(row.prompt + row.result.token_ids[: batch.drawn[i] - 1], dtype=batch.next_input.dtype)
+            ids = mx.concatenate([fed, batch.next_input[i : i + 1]])[None]
+            table.lengths[row.slot] = 0
+            table.begin(np.array([row.slot]), ids.shape[1])
+            parts.append(self.model(ids, caches, logits_at=ids.shape[1] - 1)[:, -1, :])
+            table.end()
+            order.append(i)
+        logits = mx.concatenate(parts)
+        return logits[mx.array(np.argsort(order).astype(np.int32))]
+
+    def find_longrope_crossings(self, batch: DecodeBatch) -> np.ndarray:
+        """Which decoding rows pass longrope's switch with this step (their positions go from
+        the limit to one past it)."""
+        limit = getattr(self.model, "longrope_limit", None)
+        if limit is None:
+            return np.zeros(len(batch), dtype=bool)
+        return batch.prompt_lengths + batch.drawn == limit + 1
+
+    def step_rows(self, table: PageTable, caches: list, slots: np.ndarray, tokens: mx.array) -> mx.array:
+        table.begin(slots, 1)
+        if len(slots) <= SEGMENTED_ROWS and choose_decode_step(self.model) == "segmented":
             # few rows: the host's per-op cost bounds a step, as in the batch engine; each batch
             # size is traced once, so only small batches (where the ragged tail lives) use it
-            logits = get_decoder(self.model, "segmented")(batch.next_input, caches)
+            logits = get_decoder(self.model, "segmented")(tokens, caches)
         else:
-            logits = self.model(batch.next_input[:, None], caches)[:, -1, :]
+            logits = self.model(tokens[:, None], caches)[:, -1, :]
         table.end()
         return logits
 
@@ -324,7 +351,8 @@ class BatchScheduler:
         the budget holds no whole tile. Pieces end at the history boundary (never padded there)
         and are padded to whole tiles where a tile is set; an image row is never padded."""
         total, start, tile = len(row.prompt), row.prefilled, request.tile_size
-        tile = None if row.request.images is not None else tile  # padding would need pad embeddings
+        if row.request.images is not None or getattr(self.model, "longrope_limit", None) is not None:
+            tile = None  # padding would need pad embeddings; it would count toward longrope's switch
         boundary = row.request.history_tokens
         span_end = boundary if start < boundary < total else total
         size = min(span_end - start, budget)
@@ -335,7 +363,10 @@ class BatchScheduler:
         if size <= 0:
             return start, start, 0
         end = start + size
-        return start, end, (-size) % tile if tile and end != boundary else 0
+        limit = getattr(self.model, "longrope_limit", None)
+        if limit is not None and 0 < start <= limit < end:
+            start = 0  # the piece passes longrope's switch: the prompt so far runs again with it, in one piece
+        return start, end, (-(end - start)) % tile if tile and end != boundary else 0
 
     def group_pieces(self, prefilling: deque, piece: int, budget: int, request: GenerationRequest) -> tuple[list[Row], tuple[int, int, int]]:
         """The first waiting row's next piece (at most `piece` tokens), and the rows after it whose
@@ -362,6 +393,8 @@ class BatchScheduler:
         if end == start:
             return None, 0
         row, size = rows[0], end - start
+        for r in rows:
+            table.lengths[r.slot] = start  # below what it holds only when longrope's switch recomputes the row
         if row.request.images is not None and row.embeddings is None:
             row.embeddings = self.embed_images(row, state)
             if getattr(self.model, "prefill_extras_are_positions", False):
@@ -457,6 +490,7 @@ class DecodeBatch:
         self.indices = np.zeros(0, dtype=np.int64)
         self.drawn = np.zeros(0, dtype=np.int64)
         self.limits = np.zeros(0, dtype=np.int64)
+        self.prompt_lengths = np.zeros(0, dtype=np.int64)
         self.next_input: mx.array | None = None  # the last draw's tokens, aligned with rows
 
     def __len__(self) -> int:
@@ -469,6 +503,7 @@ class DecodeBatch:
             self.indices = np.append(self.indices, [r.index for r in rows])
             self.drawn = np.append(self.drawn, [0] * len(rows))
             self.limits = np.append(self.limits, [r.limit for r in rows])
+            self.prompt_lengths = np.append(self.prompt_lengths, [len(r.prompt) for r in rows])
 
     def keep(self, keep: np.ndarray) -> list[Row]:
         """Keep the rows at these positions; returns the rows dropped."""
@@ -476,6 +511,6 @@ class DecodeBatch:
         dropped = [row for i, row in enumerate(self.rows) if i not in kept]
         self.rows = [self.rows[i] for i in keep]
         self.slots, self.indices = self.slots[keep], self.indices[keep]
-        self.drawn, self.limits = self.drawn[keep], self.limits[keep]
+        self.drawn, self.limits, self.prompt_lengths = self.drawn[keep], self.limits[keep], self.prompt_lengths[keep]
         self.next_input = self.next_input[mx.array(keep.astype(np.int32))] if len(keep) else None
         return dropped

@@ -321,6 +321,8 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
     ]
     args = ("model=phi4_multimodal", f"model.path={folder}", "model.max_context=4096", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true")
     assert_batch_rows_equal_their_runs_alone(tmp_path, args, rows, {"missing": "nope.png: no such file"})
+    stats = json.loads((tmp_path / "batch" / "run" / "stats.json").read_text())
+    assert stats["occupancy"] > 0  # the scheduler ran them, the adapter set per call
 
 
 def test_quantized_model_keeps_the_vision_adapter(checkpoint, loaded, images):

@@ -102,7 +102,7 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     """The paged path covers full-attention and sliding-window layers, their KV cache quantized or
     not, and images in families that merge their features into the embeddings (LLaVA, Idefics3,
     Pixtral), with M-RoPE positions (Qwen2-VL) or image blocks that attend both ways (Gemma 3),
-    and longrope; Phi-4-multimodal's per-row LoRA still runs in the batch engine for now.
+    longrope, and Phi-4-multimodal's vision LoRA on its image rows (set per forward call).
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
@@ -111,14 +111,14 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         # and the scheduler's eager step ran at ~0.6x its segmented one (docs/benchmarks.md). The
         # scheduler now runs the segmented step for small batches too: to measure, then drop this.
         return False
-    if hasattr(model, "lora_control") or not hasattr(model, "forward_with_embeddings"):
-        return False  # Phi-4-multimodal's vision LoRA: which rows take it is decided per call
-    # Longrope picks each row's factors from its own positions (rope_offset), which the paged
-    # cache gives; a row that passes the switch runs its sequence again (BatchScheduler.decode_step).
-    if getattr(model, "longrope_limit", None) is None and not getattr(model, "supports_compiled_decode", True):
+    if not hasattr(model, "forward_with_embeddings"):
         return False
+    # (Longrope picks each row's factors from its own positions, which the paged cache gives; a
+    # row that passes the switch runs its sequence again: BatchScheduler.decode_step. A family
+    # whose step cannot be compiled runs the scheduler's eager step: choose_decode_step.)
     images = any(r.images is not None for r in request.rows)
-    if images and hasattr(model, "make_prefill_extras") and not (getattr(model, "prefill_extras_are_positions", False) or hasattr(model, "image_blocks")):
+    known = getattr(model, "prefill_extras_are_positions", False) or hasattr(model, "image_blocks") or hasattr(model, "lora_control")
+    if images and hasattr(model, "make_prefill_extras") and not known:
         return False  # per-token prefill inputs the scheduler does not know
     return all(type(c) in (KVCache, RotatingKVCache) for c in model.make_cache(1))
 
@@ -320,6 +320,7 @@ class BatchScheduler:
             fed = mx.array(row.prompt + row.result.token_ids[: batch.drawn[i] - 1], dtype=batch.next_input.dtype)
             ids = mx.concatenate([fed, batch.next_input[i : i + 1]])[None]
             table.lengths[row.slot] = 0
+            self.set_adapter_rows(table, np.array([row.slot]), prefill=True)
             table.begin(np.array([row.slot]), ids.shape[1])
             parts.append(self.model(ids, caches, logits_at=ids.shape[1] - 1)[:, -1, :])
             table.end()
@@ -335,7 +336,20 @@ class BatchScheduler:
             return np.zeros(len(batch), dtype=bool)
         return batch.prompt_lengths + batch.drawn == limit + 1
 
+    def set_adapter_rows(self, table: PageTable, slots: np.ndarray, prefill: bool) -> None:
+        """Phi-4-multimodal's vision LoRA applies to its image rows only: which of this call's rows
+        take it, and whether it may be merged into the weights (a prefill of adapted rows only,
+        as the batch engine merges it; decode adds it per row)."""
+        control = getattr(self.model, "lora_control", None)
+        if control is None:
+            return
+        flags = table.adapted[slots]
+        dtype = self.model.model.norm.weight.dtype
+        control.rows = mx.array(flags.astype(np.float32), dtype=dtype).reshape(-1, 1, 1) if flags.any() else None
+        control.fused = prefill and bool(flags.all())
+
     def step_rows(self, table: PageTable, caches: list, slots: np.ndarray, tokens: mx.array) -> mx.array:
+        self.set_adapter_rows(table, slots, prefill=False)
         table.begin(slots, 1)
         if len(slots) <= SEGMENTED_ROWS and choose_decode_step(self.model) == "segmented":
             # few rows: the host's per-op cost bounds a step, as in the batch engine; each batch
@@ -397,10 +411,13 @@ class BatchScheduler:
             table.lengths[r.slot] = start  # below what it holds only when longrope's switch recomputes the row
         if row.request.images is not None and row.embeddings is None:
             row.embeddings = self.embed_images(row, state)
+            table.adapted[row.slot] = hasattr(self.model, "lora_control")  # the vision LoRA: image rows only
             if getattr(self.model, "prefill_extras_are_positions", False):
                 row.extras, table.shifts[row.slot] = self.model.make_prefill_extras(row.prompt, row.request.images, 0)
         began = time.perf_counter()
-        table.begin(np.array([r.slot for r in rows]), size + pad)
+        slots = np.array([r.slot for r in rows])
+        self.set_adapter_rows(table, slots, prefill=True)
+        table.begin(slots, size + pad)
         if row.request.images is not None and getattr(self.model, "prefill_in_one_piece", False):
             table.step.image_blocks = np.array(self.model.image_blocks(row.prompt)[start:end])
         is_last = end == len(row.prompt)

@@ -49,6 +49,7 @@ class PageTable:
         self.owned = np.zeros(max_rows, dtype=np.int32)  # blocks each slot holds
         self.lengths = np.zeros(max_rows, dtype=np.int32)  # positions written
         self.shifts = np.zeros(max_rows, dtype=np.int32)  # added to a row's RoPE position (M-RoPE rows after images)
+        self.adapted = np.zeros(max_rows, dtype=bool)  # rows that take the model's per-row adapter (Phi-4-multimodal's vision LoRA)
         self.free = list(range(num_blocks))  # lowest first: allocation is a function of the schedule alone
         self.step: StepIndices | None = None
 
@@ -73,6 +74,7 @@ class PageTable:
         self.owned[slot] = 0
         self.lengths[slot] = 0
         self.shifts[slot] = 0
+        self.adapted[slot] = False
 
     def begin(self, slots: np.ndarray, new_tokens: int) -> StepIndices:
         """Indices for one forward call: `new_tokens` positions for each of `slots` (in batch order)."""

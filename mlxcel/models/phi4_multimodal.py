@@ -242,6 +242,8 @@ class Model(phi3.Model):
         self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None, vision_rows: mx.array | None = None
     ) -> mx.array:
         first = cache[0]
+        if hasattr(first, "table"):  # a paged cache: the scheduler sets lora_control per call
+            return super().forward_with_embeddings(embeddings, cache, mask, logits_at)
         if vision_rows is not None and not hasattr(first, "vision_lora_rows"):  # the first prefill piece of an image batch
             flags = vision_rows[:, 0].tolist()  # built on the host: a tiny read
             dtype = self.model.norm.weight.dtype  # the compute dtype: no cast in every adapted layer's decode step

@@ -363,3 +363,34 @@ def test_image_prompt_in_pieces_equals_one_piece(checkpoint, loaded, images):
         results[chunk] = state.results[0].token_ids
         assert len(state.timings.prefill_pieces) == (-(-len(expanded) // chunk))
     assert results[256] == results[4096] and len(set(results[256])) >= 2
+
+
+def test_image_row_across_the_longrope_switch_in_the_scheduler(checkpoint, loaded, images, monkeypatch):
+    """With the switch moved to just past an image prompt, the image row passes it mid-decode: the
+    scheduler runs its sequence again from the kept embeddings (image features included) and,
+    beside a text row, gives the batch engine's tokens."""
+    from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+    from mlxcel.engine.scheduler import BatchScheduler
+    from mlxcel.sampling import Sampler
+
+    folder, _ = checkpoint
+    ids = tokenize(folder, "<|user|><|image|>Describe it.<|end|><|assistant|>")
+    inputs = loaded.preprocess_images(images[:1], ["photo"])
+    expanded = expand_placeholders(ids, IMAGE, inputs.token_counts)
+    rows = [RowRequest(expanded, row_id=0, images=inputs, max_tokens=12), RowRequest(tokenize(folder, "<|user|>Hello there<|end|><|assistant|>"), row_id=1, max_tokens=12)]
+    greedy = Sampler("greedy")
+
+    def alone() -> list[list[int]]:
+        return [DirectEngine(loaded, 4096).generate(GenerationRequest([row], greedy)).results[0].token_ids for row in rows]
+
+    limit = len(expanded) + 4  # the image row's 6th generated token passes it
+    monkeypatch.setattr(loaded, "longrope_limit", limit)
+    for layer in loaded.model.layers:
+        monkeypatch.setattr(layer.self_attn.rope, "original_max", limit)
+    expected = alone()
+    crossed = []
+    find = BatchScheduler.find_longrope_crossings
+    monkeypatch.setattr(BatchScheduler, "find_longrope_crossings", lambda self, batch: crossed.append(find(self, batch)) or crossed[-1])
+    scheduled = BatchScheduler(loaded, 4096, 2).generate(GenerationRequest(rows, greedy))
+    assert [r.token_ids for r in scheduled.results] == expected
+    assert sum(int(c.sum()) for c in crossed) == 1  # the image row passed the switch once, mid-decode

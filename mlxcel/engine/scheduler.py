@@ -317,16 +317,29 @@ class BatchScheduler:
             order += rest.tolist()
         for i in np.nonzero(crossing)[0].tolist():
             row = batch.rows[i]
-            fed = mx.array(row.prompt + row.result.token_ids[: batch.drawn[i] - 1], dtype=batch.next_input.dtype)
-            ids = mx.concatenate([fed, batch.next_input[i : i + 1]])[None]
+            generated = mx.array(row.result.token_ids[: batch.drawn[i] - 1], dtype=batch.next_input.dtype)
+            generated = mx.concatenate([generated, batch.next_input[i : i + 1]])
             table.lengths[row.slot] = 0
-            self.set_adapter_rows(table, np.array([row.slot]), prefill=True)
-            table.begin(np.array([row.slot]), ids.shape[1])
-            parts.append(self.model(ids, caches, logits_at=ids.shape[1] - 1)[:, -1, :])
+            self.set_adapter_rows(table, np.array([row.slot]), prefill=False)  # decoding: added per row, as in the batch engine
+            if row.embeddings is not None:  # an image row: its prompt's embeddings, kept for this
+                embeddings = mx.concatenate([row.embeddings, self.model.embed_tokens(generated[None])], axis=1)
+                table.begin(np.array([row.slot]), embeddings.shape[1])
+                logits = self.model.forward_with_embeddings(embeddings, caches, logits_at=embeddings.shape[1] - 1)
+                row.embeddings = None
+            else:
+                ids = mx.concatenate([mx.array(row.prompt, dtype=generated.dtype), generated])[None]
+                table.begin(np.array([row.slot]), ids.shape[1])
+                logits = self.model(ids, caches, logits_at=ids.shape[1] - 1)
+            parts.append(logits[:, -1, :])
             table.end()
             order.append(i)
         logits = mx.concatenate(parts)
         return logits[mx.array(np.argsort(order).astype(np.int32))]
+
+    def may_cross_longrope(self, row: Row) -> bool:
+        """Whether the row's decode can pass longrope's switch (its prompt ends at or before it)."""
+        limit = getattr(self.model, "longrope_limit", None)
+        return limit is not None and len(row.prompt) <= limit < len(row.prompt) + row.limit - 1
 
     def find_longrope_crossings(self, batch: DecodeBatch) -> np.ndarray:
         """Which decoding rows pass longrope's switch with this step (their positions go from
@@ -424,7 +437,8 @@ class BatchScheduler:
         if row.embeddings is not None:
             extras = {name: value[..., start:end] for name, value in (row.extras or {}).items()}
             logits = self.model.forward_with_embeddings(row.embeddings[:, start:end], caches, logits_at=size - 1 if is_last else None, **extras)
-            row.embeddings = None if is_last else row.embeddings
+            # kept past the prompt only where longrope's switch may run the row's sequence again
+            row.embeddings = None if is_last and not self.may_cross_longrope(row) else row.embeddings
         else:
             chunk = mx.array([r.prompt[start:end] + [request.pad_token_id] * pad for r in rows])
             logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)

@@ -44,6 +44,22 @@ def parse_ints(text: str) -> list[int]:
     return values
 
 
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --work-dir, as every bench takes them."""
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(os.environ.get("MLXCEL_BENCH_DIR", "~/.cache/mlxcel-bench")),
+        help="where the built checkpoints are kept between runs (default $MLXCEL_BENCH_DIR or ~/.cache/mlxcel-bench)",
+    )
+
+
+def split_models(text: str | None, defaults: list[str]) -> list[str]:
+    """--models: comma-separated checkpoint names or folders, else the device's defaults."""
+    return [m.strip() for m in text.split(",") if m.strip()] if text else defaults
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mlxcel.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated: {', '.join(CHECKPOINT_NAMES)}, or HF model folders")
@@ -53,17 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, help="measured repetitions per engine and case")
     parser.add_argument("--json", type=Path, help="also write every run and the medians here")
     parser.add_argument("--quick", action="store_true", help="a smoke run: smollm2, 64-token prompt, batch 1, 8 tokens, 1 rep")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("MLXCEL_BENCH_DIR", "~/.cache/mlxcel-bench")),
-        help="where the built checkpoints are kept between runs (default $MLXCEL_BENCH_DIR or ~/.cache/mlxcel-bench)",
-    )
+    add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else GPU_DEFAULTS if mx.default_device() == mx.gpu else CPU_DEFAULTS
     models, prompt_lengths, batch_sizes, gen, reps = defaults
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else models
+    args.models = split_models(args.models, models)
     args.prompt_lengths = args.prompt_lengths or prompt_lengths
     args.batch_sizes = args.batch_sizes or batch_sizes
     args.gen = args.gen or gen

@@ -32,7 +32,6 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -45,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.api import load_config
-from mlxcel.bench.__main__ import describe_environment, parse_ints, reexec_with_openblas
+from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment, parse_ints, reexec_with_openblas, split_models
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import compare_token_ids, format_value, log
 from mlxcel.bench.peers import ENGINES, count_weight_bytes, load_peer, synchronize_streams
@@ -178,16 +177,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--uniform", action="store_true",
         help="also run mlxcel on the same rows at their mean lengths (same ids, max rows) and print the ragged job's peak memory against it",
     )
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(os.environ.get("MLXCEL_BENCH_DIR", "~/.cache/mlxcel-bench")),
-        help="where the built checkpoints are kept between runs (default $MLXCEL_BENCH_DIR or ~/.cache/mlxcel-bench)",
-    )
+    add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
     models, rows, prompt_tokens, output_tokens, max_rows = GPU_DEFAULTS if mx.default_device() == mx.gpu else CPU_DEFAULTS
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else models
+    args.models = split_models(args.models, models)
     args.rows = args.rows or rows
     args.prompt_tokens = args.prompt_tokens or prompt_tokens
     args.output_tokens = args.output_tokens or output_tokens

@@ -18,13 +18,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.bench.__main__ import reexec_with_openblas
-from mlxcel.bench.checkpoints import prepare_checkpoint
+from mlxcel.bench.__main__ import add_checkpoint_arguments, reexec_with_openblas
+from mlxcel.bench.checkpoints import dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import log
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, uses_kernels
@@ -41,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=None, help="rows decoding at once (default: 256 on a GPU, 8 on the CPU)")
     parser.add_argument("--context", type=int, default=600, help="mean cached positions per row")
     parser.add_argument("--steps", type=int, default=64, help="tokens each row decodes in the scheduler run")
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "mlxcel-bench")
+    add_checkpoint_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -112,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = mx.default_device() == mx.gpu
     name = args.model or ("llama-3.2-1b" if on_gpu else "smollm2")
     rows = args.rows or (256 if on_gpu else 8)
-    dtype = pick_dtype("auto")
-    model = load_model(str(prepare_checkpoint(name, args.work_dir, dtype)), dtype=str(dtype).replace("mlx.core.", "")).model
+    dtype = pick_dtype(args.dtype)
+    model = load_model(str(prepare_checkpoint(name, args.work_dir.expanduser(), dtype)), dtype=dtype_name(dtype)).model
     in_place, decode_kernel = uses_kernels(model)
     print(f"model {name} ({dtype}), {mx.default_device()}, pool writes in place: {in_place}, decode kernel: {decode_kernel}")
     lengths = np.random.default_rng(0).integers(args.context // 2, args.context * 3 // 2 + 1, size=rows)

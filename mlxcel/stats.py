@@ -94,7 +94,7 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         kv_budget_bytes=getattr(state, "kv_budget_bytes", 0),
         kv_peak_bytes=getattr(state, "kv_peak_bytes", 0),
         iterations=getattr(state, "iterations", 0),
-        host_ms=state.host_ms_per_iteration * state.iterations if hasattr(state, "iterations") else 0.0,
+        host_ms=1000 * getattr(state, "host_seconds", 0.0),
         row_ttft_ms=[r.timing["ttft_ms"] for r in results if r.timing],
         row_latency_ms=[r.timing["latency_ms"] for r in results if r.timing],
     )

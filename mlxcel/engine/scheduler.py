@@ -91,11 +91,14 @@ class ScheduleState:
     wait_seconds: float = 0.0  # the host blocked on the device (reading draws, queueing work); the rest is host work
 
     @property
+    def host_seconds(self) -> float:
+        """Host work (building steps, scheduling, per-row text work): the run less its waits."""
+        return (self.timings.end or time.perf_counter()) - self.timings.start - self.wait_seconds
+
+    @property
     def host_ms_per_iteration(self) -> float:
-        """Host work per iteration (building steps, scheduling, per-row text work): when this
-        is below the device's time per step, the device bounds the job."""
-        busy = (self.timings.end or time.perf_counter()) - self.timings.start - self.wait_seconds
-        return 1000 * busy / max(self.iterations, 1)
+        """Below the device's time per step, the device bounds the job."""
+        return 1000 * self.host_seconds / max(self.iterations, 1)
 
 
 def supports_scheduling(model, request: GenerationRequest) -> bool:
@@ -169,6 +172,7 @@ class BatchScheduler:
         self.kv_budget_bytes = kv_budget_bytes or default_kv_budget_bytes()
         self.pipeline = pipeline
         self.pinned_chunk = chunk_size  # None: 2048 idle, 512 while rows decode
+        self.segmented = choose_decode_step(model) == "segmented"  # the batch engine's step for small decode batches
 
     def generate(self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None) -> ScheduleState:
         """Generate every row; `on_token(row, token)` streams each token as it reaches the host
@@ -364,7 +368,7 @@ class BatchScheduler:
     def step_rows(self, table: PageTable, caches: list, slots: np.ndarray, tokens: mx.array) -> mx.array:
         self.set_adapter_rows(table, slots, prefill=False)
         table.begin(slots, 1)
-        if len(slots) <= SEGMENTED_ROWS and choose_decode_step(self.model) == "segmented":
+        if len(slots) <= SEGMENTED_ROWS and self.segmented:
             # few rows: the host's per-op cost bounds a step, as in the batch engine; each batch
             # size is traced once, so only small batches (where the ragged tail lives) use it
             logits = get_decoder(self.model, "segmented")(tokens, caches)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 BLOCK_SIZE = 32  # positions per block: small enough to waste < 1 block per row, large enough to index cheaply
-# On CUDA, MLX runs prefill attention in cuDNN, which builds a graph (~45 ms on an H200) for every
+# On CUDA, MLX runs prefill attention in cuDNN, which builds a graph (tens of ms on an H200) for every
 # new query and key length; a ragged job's pieces would build one each. There, pieces attend over
 # key spans rounded up to KEY_BUCKET and queries padded to a power of two (PagedPrefill), so a job
 # meets a few dozen shapes; the padding costs attention only, not the model's matmuls.
@@ -101,15 +101,15 @@ class StepIndices:
         if (count_blocks(ends) > table.owned[slots]).any():
             raise RuntimeError("a row would write past its reserved blocks")
         blocks = table.table[slots, : int(count_blocks(ends.max()))]  # the columns any row reaches
-        new_pos = starts[:, None] + np.arange(new_tokens)[None, :]  # [B, L]
-        self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
         positions = starts + table.shifts[slots]
         self.rope_offset: int | mx.array = int(positions[0]) if len(slots) == 1 else mx.array(positions)
         self.ends, self.blocks = ends, blocks
         self.masks: dict = {}  # window (None: full attention) -> that kind of layer's mask
         self.decode_kernel = new_tokens == 1 and table.decode_kernel
         if self.decode_kernel:
-            return
+            return  # the kernel finds each row's new position itself
+        new_pos = starts[:, None] + np.arange(new_tokens)[None, :]  # [B, L]
+        self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
         # Keys to attend over: each row's positions up to its end. Rows that all end together
         # (one row, a uniform batch) gather exactly those, so they need no array mask (MLX's fused
         # attention takes none: "causal" aligns the new queries to the last keys). Otherwise rows

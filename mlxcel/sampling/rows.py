@@ -80,9 +80,9 @@ class RowsSampler:
         return Draw(tokens, sel.take_token(lp, tokens), top_ids, mx.take_along_axis(lp, top_ids, axis=-1))
 
     def is_compiled(self, batch: int) -> bool:
-        """Only when the chain was built with compile=True: the batch changes size as rows join and leave,
-        and mx.compile traces again for every new size (on the H200, 256 rows of 400 tokens, 1B
-        shape: 27.6 ms a step compiled, 17.2 eager)."""
+        """Only when the chain was built with compile=True: the batch changes size as rows join and
+        leave, and mx.compile traces again for every new size (slower than eager on the H200:
+        docs/benchmarks.md)."""
         fixed_shapes = self.chain.history_width is not None or not self.chain.uses_history
         return fixed_shapes and self.chain.compile is True and should_compile(True, batch, self.chain.vocab_size)
 

@@ -166,6 +166,11 @@ def test_the_segmented_decode_step_gives_the_eager_tokens(model, monkeypatch):
     prompts = make_prompts(4, 6)
     lengths = [random.Random(i).randint(1, 20) for i in range(6)]
     eager = [r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results]
+    from mlxcel.engine import scheduler
+
+    used = []
+    get_decoder = scheduler.get_decoder
+    monkeypatch.setattr(scheduler, "get_decoder", lambda m, kind: used.append(kind) or get_decoder(m, kind))
     monkeypatch.setenv("MLXCEL_DECODE_STEP", "segmented")
     assert [r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results] == eager
-    assert "segmented" in model.__dict__["_mlxcel_decoders"]  # the step did run
+    assert used and set(used) == {"segmented"}  # the segmented step ran the decode steps

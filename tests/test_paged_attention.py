@@ -33,7 +33,7 @@ def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
     pool = paged_attention.PoolLayer(positions, kv_heads, head_dim, keys.dtype)
     k_out, v_out = paged_attention.write_and_gather(
         pool, keys.transpose(1, 0, 2)[None], values.transpose(1, 0, 2)[None],
-        mx.arange(positions, dtype=mx.int32), mx.zeros((1, positions), mx.int32), mx.array([0], mx.int32))
+        mx.arange(positions, dtype=mx.int32), mx.zeros((1, positions), mx.int32), mx.array([0], mx.int32), mx.array([0], mx.int32))
     assert mx.array_equal(k_out[0], keys.transpose(1, 0, 2)) and mx.array_equal(v_out[0], values.transpose(1, 0, 2))
     return pool
 
@@ -72,11 +72,13 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
     assert mx.array_equal(pool.keys, keys) and mx.array_equal(pool.values, values)
 
 
-def test_write_and_gather_equals_numpy():
+@pytest.mark.parametrize("leads", [(0, 0, 0), (2, 0, 4)])
+def test_write_and_gather_equals_numpy(leads):
     rng = np.random.default_rng(7)
-    kv_heads, head_dim, rows, new = 2, 64, 3, 5
+    kv_heads, head_dim, rows, new = 2, 64, 3, 5  # new: the tokens each row sends, its lead's padding first
+    leads = np.array(leads, dtype=np.int32)
     starts = np.array([0, 40, 3], dtype=np.int32)
-    ends = starts + new
+    ends = starts + new - leads
     width = int(count_blocks(ends.max()))
     blocks = rng.permutation(rows * width).reshape(rows, width).astype(np.int32)
     positions = rows * width * BLOCK_SIZE
@@ -88,10 +90,12 @@ def test_write_and_gather_equals_numpy():
     span = int(ends.max()) + 3
     key_pos = np.arange(span)[None, :]
     gather = flat_positions(blocks, np.where(key_pos < ends[:, None], key_pos, 0))
-    write = flat_positions(blocks, starts[:, None] + np.arange(new)[None, :])
-    k_out, v_out = paged_attention.write_and_gather(pool, mx.array(new_keys), mx.array(new_values), mx.array(write.reshape(-1)), mx.array(gather), mx.array(starts))
-    keys[write.reshape(-1)] = new_keys.transpose(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
-    values[write.reshape(-1)] = new_values.transpose(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
+    write = flat_positions(blocks, np.maximum(starts[:, None] - leads[:, None] + np.arange(new)[None, :], 0))
+    k_out, v_out = paged_attention.write_and_gather(
+        pool, mx.array(new_keys), mx.array(new_values), mx.array(write.reshape(-1)), mx.array(gather), mx.array(starts), mx.array(leads))
+    own = np.arange(new)[None, :] >= leads[:, None]  # [B, new]: the rows' own tokens, stored; leads are not
+    keys[write[own]] = new_keys.transpose(0, 2, 1, 3)[own]
+    values[write[own]] = new_values.transpose(0, 2, 1, 3)[own]
     want_k = np.where((key_pos < ends[:, None])[:, None, :, None], keys[gather].transpose(0, 2, 1, 3), 0)
     want_v = np.where((key_pos < ends[:, None])[:, None, :, None], values[gather].transpose(0, 2, 1, 3), 0)
     np.testing.assert_array_equal(np.array(k_out), want_k)

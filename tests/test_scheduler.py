@@ -46,10 +46,11 @@ def alone(model, sampler, prompt, row_id, max_tokens, **kwargs):
     return DirectEngine(model, 512).generate(request).results[0]
 
 
-def schedule(model, sampler, prompts, row_ids, max_tokens, max_rows=4, chunk_size=None, pipeline=True, on_token=None, **kwargs):
+def schedule(model, sampler, prompts, row_ids, max_tokens, max_rows=4, chunk_size=None, pipeline=True, on_token=None, ragged=None, **kwargs):
     rows = [RowRequest(p, row_id=i, max_tokens=m) for p, i, m in zip(prompts, row_ids, max_tokens)]
     request = GenerationRequest(rows, sampler, max_tokens=64, **kwargs)
     scheduler = BatchScheduler(model, 512, max_rows, chunk_size=chunk_size, pipeline=pipeline)
+    scheduler.ragged_prefill = ragged  # None: where the CUDA kernels run, so off here unless asked
     return scheduler.generate(request, on_token or (lambda row, token: True))
 
 
@@ -59,22 +60,25 @@ def test_the_tiny_llama_runs_through_the_scheduler(model):
     assert supports_scheduling(model, GenerationRequest(rows, GREEDY, kv_bits=4))
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["equal-pieces", "ragged-pieces"])
 @pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
-def test_randomized_schedules_equal_each_row_alone(model, sampler):
+def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
+    """ragged: rows' pieces of different lengths and starts share a padded call (the GPU default)."""
     prompts = make_prompts(0, 9)
     lengths = [random.Random(i).randint(1, 24) for i in range(9)]
     expected = [alone(model, sampler, p, i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
-    grouped = 0  # pieces that prefilled several rows in one call
+    grouped = padded = 0  # pieces that prefilled several rows in one call; of those, rows with leading padding
     for seed in range(6):
         rng = random.Random(seed)
         order = rng.sample(range(9), 9)
         max_rows, chunk, pipeline = rng.choice([1, 2, 3, 9]), rng.choice([None, 1, 7, 32]), rng.random() < 0.7
-        state = schedule(model, sampler, [prompts[i] for i in order], order, [lengths[i] for i in order], max_rows, chunk, pipeline)
+        state = schedule(model, sampler, [prompts[i] for i in order], order, [lengths[i] for i in order], max_rows, chunk, pipeline, ragged=ragged)
         got = {order[k]: r.token_ids for k, r in enumerate(state.results)}
         assert got == dict(enumerate(expected)), (seed, max_rows, chunk, pipeline)
         assert all(r.finish_reason == "length" for r in state.results)
         grouped += sum(p["rows"] > 1 for p in state.timings.prefill_pieces)
-    assert grouped > 0
+        padded += sum(p["rows"] > 1 and p["pad"] > 0 for p in state.timings.prefill_pieces)
+    assert grouped > 0 and (padded > 0) == ragged
 
 
 def test_cancellations_and_stop_ids_mid_row(model):
@@ -114,9 +118,10 @@ def test_logprobs_equal_each_row_alone(model):
     assert [r.logprobs for r in state.results] == expected
 
 
-def test_reruns_form_the_same_batches(model):
+@pytest.mark.parametrize("ragged", [False, True], ids=["equal-pieces", "ragged-pieces"])
+def test_reruns_form_the_same_batches(model, ragged):
     prompts = make_prompts(4, 8)
-    runs = [schedule(model, CATEGORICAL, prompts, range(8), [5, 9, 2, 14, 7, 1, 11, 3], max_rows=3, chunk_size=16) for _ in range(3)]
+    runs = [schedule(model, CATEGORICAL, prompts, range(8), [5, 9, 2, 14, 7, 1, 11, 3], max_rows=3, chunk_size=16, ragged=ragged) for _ in range(3)]
     pieces = [[(p["row"], p["start"], p["end"]) for p in run.timings.prefill_pieces] for run in runs]
     assert pieces[0] == pieces[1] == pieces[2]
     assert len({(run.decode_steps, run.rows_decoding_sum) for run in runs}) == 1

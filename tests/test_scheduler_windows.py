@@ -45,8 +45,9 @@ def test_windowed_families_run_through_the_scheduler(model):
     assert supports_scheduling(model, GenerationRequest([RowRequest([5, 6]), RowRequest([7])], GREEDY))
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["equal-pieces", "ragged-pieces"])
 @pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
-def test_rows_equal_each_row_alone_under_random_schedules(model, sampler):
+def test_rows_equal_each_row_alone_under_random_schedules(model, sampler, ragged):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 60))] for _ in range(7)]
     lengths = [rng.randint(1, 30) for _ in range(7)]
@@ -56,6 +57,8 @@ def test_rows_equal_each_row_alone_under_random_schedules(model, sampler):
         order = pick.sample(range(7), 7)
         max_rows, chunk = pick.choice([1, 3, 7]), pick.choice([None, 5, 16, 40])
         rows = [RowRequest(prompts[i], row_id=i, max_tokens=lengths[i]) for i in order]
-        state = BatchScheduler(model, 512, max_rows, chunk_size=chunk).generate(GenerationRequest(rows, sampler, max_tokens=64))
+        scheduler = BatchScheduler(model, 512, max_rows, chunk_size=chunk)
+        scheduler.ragged_prefill = ragged  # rows' pieces of any lengths in one padded call (the GPU default)
+        state = scheduler.generate(GenerationRequest(rows, sampler, max_tokens=64))
         got = {order[k]: r.token_ids for k, r in enumerate(state.results)}
         assert got == dict(enumerate(expected)), (seed, max_rows, chunk)

@@ -5,7 +5,9 @@
 Three measurements on one model (a bench checkpoint name, as in mlxcel.bench.jobs, or an HF folder):
 - decode step: --rows rows whose cached lengths are uniform in [context/2, 3*context/2] (ragged),
   one token each through the paged cache, synchronized: device + host ms per step;
-- prefill piece: one row's piece of 512 and of 2048 tokens on top of --context cached positions;
+- prefill piece: one row's piece of 512 and of 2048 tokens on top of --context cached positions
+  (and on top of --context rounded down to a multiple of paged_cache.ALIGNED_START, as the
+  scheduler's pieces start);
 - the scheduler: --rows rows of --context prompt tokens decoding --steps tokens each, all at once
   (runner.max_rows = --rows): ms per iteration, and the host's share of it (building steps,
   scheduling, reading draws; the rest is the host waiting on the device).
@@ -28,7 +30,7 @@ from mlxcel.bench.harness import log
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, uses_kernels
 from mlxcel.models.loader import load_model, pick_dtype
-from mlxcel.models.paged_cache import PageTable, count_blocks, make_paged_caches
+from mlxcel.models.paged_cache import ALIGNED_START, PageTable, count_blocks, make_paged_caches
 from mlxcel.sampling import Sampler
 
 PIECES = (512, 2048)
@@ -121,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     step_ms, build_ms = time_decode_step(model, table, caches, 16)
     print(f"decode step, {rows} rows of {args.context} positions on average: {step_ms:.2f} ms ({build_ms:.2f} ms of it building the graph)")
     del table, caches
-    for size in PIECES:
-        print(f"prefill piece of {size} tokens after {args.context}: {time_prefill_piece(model, args.context, size):.2f} ms")
+    # a piece after a multiple of ALIGNED_START (the scheduler's pieces) runs mask-free; others do not
+    for context in sorted({args.context // ALIGNED_START * ALIGNED_START, args.context}):
+        for size in PIECES:
+            print(f"prefill piece of {size} tokens after {context}: {time_prefill_piece(model, context, size):.2f} ms")
     log(f"scheduler: {rows} rows x {args.steps} tokens")
     run = run_scheduler(model, rows, args.context, args.steps)
     print(f"scheduler, {rows} rows of {args.context} prompt tokens x {args.steps} tokens: {run['ms_per_iteration']:.2f} ms per iteration "

@@ -42,6 +42,7 @@ KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by d
 # H200 (1B shape, 256 rows decoding: 1577 generated tok/s; 2048 tokens a step: 2570); each piece
 # of a 1B model delays the decoding rows by ~7 ms there.
 PIECES_PER_STEP = 4
+MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer distinct shapes below it cost little)
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
 
@@ -173,6 +174,7 @@ class BatchScheduler:
         self.pipeline = pipeline
         self.pinned_chunk = chunk_size  # None: 2048 idle, 512 while rows decode
         self.segmented = choose_decode_step(model) == "segmented"  # the batch engine's step for small decode batches
+        self.ragged_prefill: bool | None = None  # pieces of several rows in one padded call (group_ragged); None: where the kernels run
 
     def generate(self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None) -> ScheduleState:
         """Generate every row; `on_token(row, token)` streams each token as it reaches the host
@@ -256,16 +258,27 @@ class BatchScheduler:
                 piece = self.pinned_chunk or request.chunk_size
             budget = PIECES_PER_STEP * piece
             while prefilling and budget > 0:
-                if request.kv_bits and budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):
-                    break  # no piece cut short by the iteration's budget
-                rows, plan = self.group_pieces(prefilling, piece, budget, request)
-                logits, spent = self.prefill_piece(table, caches, rows, plan, request, state)
+                if budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):
+                    # No piece is cut short by the iteration's budget: pieces start on multiples of
+                    # the piece size, which the paged kernels' fast path needs (paged_cache.ALIGNED_START),
+                    # and with kv_bits a row's pieces must be its own chunk size.
+                    break
+                ragged = table.decode_kernel if self.ragged_prefill is None else self.ragged_prefill
+                group = self.group_ragged(prefilling, piece, budget, request) if ragged else None
+                if group:
+                    logits, spent, done = self.prefill_ragged(table, caches, *group, request, state)
+                else:
+                    rows, plan = self.group_pieces(prefilling, piece, budget, request)
+                    logits, spent = self.prefill_piece(table, caches, rows, plan, request, state)
+                    done = rows if logits is not None else []
                 if spent == 0:
                     break  # what is left of the budget is less than a tile
                 budget -= spent
-                if logits is not None:
+                if done:
                     logits_parts.append(logits)
-                    joined += [prefilling.popleft() for _ in rows]
+                    joined += done
+                    for row in done:
+                        prefilling.remove(row)
             # 3. one draw for the decoding rows and the rows whose prefill ended
             if logits_parts:
                 for row in joined:
@@ -416,6 +429,60 @@ class BatchScheduler:
                     break
                 group.append(row)
         return group, plan
+
+    def group_ragged(self, prefilling: deque, piece: int, budget: int, request: GenerationRequest) -> tuple[list[Row], list[tuple[int, int]], int] | None:
+        """Where the paged kernels run: the first waiting rows' next pieces, whatever their
+        lengths and starts, as one [rows, width] forward call (each row's tokens at the end of
+        its line, after padding), or None where the head row's piece cannot be one (images, tiles,
+        longrope, quantized pools). A forward call on a GPU costs ~5 ms whatever its size up to a
+        few thousand tokens (docs/benchmarks.md), and a ragged job's rows each bring a piece of
+        their own length: one call each would bound the job. Widths are powers of two and row
+        counts too, so the attention meets few shapes (cuDNN builds a graph for each)."""
+        if request.kv_bits or request.tile_size or getattr(self.model, "longrope_limit", None) is not None:
+            return None
+        rows, spans, width = [], [], 0
+        for row in prefilling:
+            if row.request.images is not None or min(piece, len(row.prompt) - row.prefilled) > budget:
+                break  # (no piece cut short by the budget, as in run_rows)
+            start, end, pad = self.plan_piece(row, min(piece, budget), request)
+            if end == start or pad:
+                break
+            wider = max(width, 1 << (end - start - 1).bit_length(), MIN_RAGGED_WIDTH)
+            if rows and (len(rows) + 1) * wider > budget:
+                break
+            rows.append(row)
+            spans.append((start, end))
+            width = wider
+        if len(rows) < 2:
+            return None  # one row's piece runs as it is, unpadded (prefill_piece)
+        count = 1 << (len(rows).bit_length() - 1)
+        return rows[:count], spans[:count], width
+
+    def prefill_ragged(self, table: PageTable, caches: list, rows: list[Row], spans: list[tuple[int, int]], width: int, request: GenerationRequest, state: ScheduleState):
+        """The pieces `spans` of `rows` in one call of `width` tokens a row, each row's tokens
+        last (after `width - size` padding tokens, which are neither cached nor attended to), so
+        their last positions line up: (logits of the rows whose prompts are done, tokens spent,
+        those rows)."""
+        began = time.perf_counter()
+        leads = np.array([width - (end - start) for start, end in spans], dtype=np.int32)
+        chunk = mx.array([[request.pad_token_id] * lead + r.prompt[start:end] for r, lead, (start, end) in zip(rows, leads, spans)])
+        slots = np.array([r.slot for r in rows])
+        self.set_adapter_rows(table, slots, prefill=True)
+        table.begin(slots, width, leads)
+        logits = self.model(chunk, caches, logits_at=width - 1)[:, -1, :]
+        table.end()
+        submit([a for c in caches for a in c.state], state)
+        ms = round((time.perf_counter() - began) * 1000, 3)
+        done = []
+        for i, (r, (start, end)) in enumerate(zip(rows, spans)):
+            r.prefilled = end
+            state.timings.prefill_pieces.append({"row": r.index, "step": state.decode_steps, "start": start, "end": end, "pad": int(leads[i]), "rows": len(rows), "ms": ms})
+            if end == len(r.prompt):
+                done.append(i)
+        if not done:
+            return None, width * len(rows), []
+        picked = logits if len(done) == len(rows) else logits[mx.array(np.array(done, dtype=np.int32))]
+        return picked, width * len(rows), [rows[i] for i in done]
 
     def prefill_piece(self, table: PageTable, caches: list, rows: list[Row], plan: tuple[int, int, int], request: GenerationRequest, state: ScheduleState):
         """One piece (`plan`: start, end, pad) of each of `rows` in one forward call: (logits of

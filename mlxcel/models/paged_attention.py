@@ -252,6 +252,8 @@ def _zeros_kernel():
 
 # One thread per (row, key position, KV head): new positions come from the step's keys and values
 # (and are stored in the pool), earlier ones from the pool, positions past the row's end are zero.
+# A row's new tokens may sit after `leads[b]` padding tokens (rows of a ragged piece, aligned to
+# end together), which are neither stored nor gathered.
 _WRITE_GATHER_SOURCE = """
   struct alignas(16) Vec8 { T v[8]; };
   const int B = dims[0], S = dims[1], L = dims[2];
@@ -259,15 +261,16 @@ _WRITE_GATHER_SOURCE = """
   if (i == 0) done[0] = 0;
   if (i >= (size_t)B * S * KVH) return;
   const int h = i % KVH, s = (i / KVH) % S, b = i / ((size_t)KVH * S);
-  const int start = starts[b];
+  const int start = starts[b], lead = leads[b];
   const size_t out_at = (((size_t)b * KVH + h) * S + s) * D;
   const Vec8* ksrc;
   const Vec8* vsrc;
-  if (s >= start && s < start + L) {
-    const size_t new_at = (((size_t)b * KVH + h) * L + (s - start)) * D;
+  if (s >= start && s < start + L - lead) {
+    const int n = s - start + lead;  // its index among the step's tokens
+    const size_t new_at = (((size_t)b * KVH + h) * L + n) * D;
     ksrc = reinterpret_cast<const Vec8*>(k_new + new_at);
     vsrc = reinterpret_cast<const Vec8*>(v_new + new_at);
-    const size_t pool_at = ((size_t)write[b * L + (s - start)] * KVH + h) * D;
+    const size_t pool_at = ((size_t)write[b * L + n] * KVH + h) * D;
     Vec8* kp = reinterpret_cast<Vec8*>(const_cast<T*>(k) + pool_at);
     Vec8* vp = reinterpret_cast<Vec8*>(const_cast<T*>(v) + pool_at);
     for (int d = 0; d < D / 8; d++) { kp[d] = ksrc[d]; vp[d] = vsrc[d]; }
@@ -295,23 +298,24 @@ _WRITE_GATHER_SOURCE = """
 def _write_gather_kernel():
     return mx.fast.cuda_kernel(
         name="mlxcel_paged_write_gather",
-        input_names=["k", "v", "k_new", "v_new", "write", "gather", "starts", "dims", "after"],
+        input_names=["k", "v", "k_new", "v_new", "write", "gather", "starts", "leads", "dims", "after"],
         output_names=["k_out", "v_out", "done"],
         source=_WRITE_GATHER_SOURCE,
     )
 
 
-def write_and_gather(pool: PoolLayer, new_keys: mx.array, new_values: mx.array, write: mx.array, gather: mx.array, starts: mx.array) -> tuple[mx.array, mx.array]:
+def write_and_gather(pool: PoolLayer, new_keys: mx.array, new_values: mx.array, write: mx.array, gather: mx.array, starts: mx.array, leads: mx.array) -> tuple[mx.array, mx.array]:
     """Store [B, KVH, L, D] new keys and values at flat pool positions `write` [B * L], and
     return each row's positions as dense [B, KVH, S, D] keys and values: `gather` [B, S] names
     the pool position of each earlier one (those before the row's `starts`), the new ones come
-    from the step, positions past a row's end are zero (masked by the caller)."""
+    from the step, positions past a row's end are zero (masked by the caller). A row's first
+    `leads` [B] new tokens are padding: not stored, not returned."""
     B, kv_heads, L, D = new_keys.shape
     S = gather.shape[1]
     threads = 256
     total = B * S * kv_heads
     k_out, v_out, pool.done = _write_gather_kernel()(
-        inputs=[pool.keys, pool.values, new_keys, new_values, write, gather, starts, mx.array([B, S, L], mx.int32), pool.done],
+        inputs=[pool.keys, pool.values, new_keys, new_values, write, gather, starts, leads, mx.array([B, S, L], mx.int32), pool.done],
         template=[("T", pool.keys.dtype), ("D", D), ("KVH", kv_heads)],
         grid=(-(-total // threads) * threads, 1, 1),
         threadgroup=(threads, 1, 1),

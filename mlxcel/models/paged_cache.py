@@ -24,10 +24,15 @@ import numpy as np
 
 BLOCK_SIZE = 32  # positions per block: small enough to waste < 1 block per row, large enough to index cheaply
 # On CUDA, MLX runs prefill attention in cuDNN, which builds a graph (tens of ms on an H200) for every
-# new query and key length; a ragged job's pieces would build one each. There, pieces attend over
-# key spans rounded up to KEY_BUCKET and queries padded to a power of two (PagedPrefill), so a job
-# meets a few dozen shapes; the padding costs attention only, not the model's matmuls.
+# new query and key length; a ragged job's pieces would build one each. There a piece's queries are
+# padded to a power of two inside attention (PagedPrefill: the padding costs attention only, not the
+# model's matmuls). A piece that starts on a multiple of ALIGNED_START (the scheduler's pieces do)
+# attends over exactly its row's positions and then the queries' padding, in cuDNN's causal mode:
+# no array mask, which cuDNN takes as an additive bias at several times the cost. Other pieces
+# attend over key spans rounded up to KEY_BUCKET, with an array mask. Either way a job meets a few
+# dozen shapes.
 KEY_BUCKET = 512
+ALIGNED_START = 128
 
 
 def count_blocks(positions):
@@ -76,49 +81,64 @@ class PageTable:
         self.shifts[slot] = 0
         self.adapted[slot] = False
 
-    def begin(self, slots: np.ndarray, new_tokens: int) -> StepIndices:
-        """Indices for one forward call: `new_tokens` positions for each of `slots` (in batch order)."""
-        self.step = StepIndices(self, np.asarray(slots, dtype=np.int32), new_tokens)
+    def begin(self, slots: np.ndarray, new_tokens: int, leads: np.ndarray | None = None) -> StepIndices:
+        """Indices for one forward call: `new_tokens` positions for each of `slots` (in batch order).
+        `leads`: padding tokens before each row's own (neither cached nor attended to), so rows
+        of different lengths end together (a ragged prefill piece). Not for quantized pools."""
+        self.step = StepIndices(self, np.asarray(slots, dtype=np.int32), new_tokens, leads)
         return self.step
 
     def end(self, padding: int = 0) -> None:
         """The call's positions are written: the rows grow by its tokens, less the `padding` at
-        their end (a tile-padded prefill piece), which later writes overwrite."""
+        their end (a tile-padded prefill piece), which later writes overwrite, and their leads."""
         step = self.step
-        self.lengths[step.slots] += step.new_tokens - padding
+        self.lengths[step.slots] += step.new_tokens - padding - step.leads
         self.step = None
 
 
 class StepIndices:
     """One forward call's device indices, shared by every layer."""
 
-    def __init__(self, table: PageTable, slots: np.ndarray, new_tokens: int):
+    def __init__(self, table: PageTable, slots: np.ndarray, new_tokens: int, leads: np.ndarray | None = None):
         self.slots, self.new_tokens = slots, new_tokens
+        self.leads = np.zeros(len(slots), dtype=np.int32) if leads is None else np.asarray(leads, dtype=np.int32)
         starts = table.lengths[slots]  # [B] positions already cached
         self.starts = starts
         self.device_starts = mx.array(starts) if table.in_place else None
-        ends = starts + new_tokens
+        ends = starts + new_tokens - self.leads
         if (count_blocks(ends) > table.owned[slots]).any():
             raise RuntimeError("a row would write past its reserved blocks")
         blocks = table.table[slots, : int(count_blocks(ends.max()))]  # the columns any row reaches
-        positions = starts + table.shifts[slots]
+        positions = starts - self.leads + table.shifts[slots]  # a lead's padding sits just before the row's tokens
         self.rope_offset: int | mx.array = int(positions[0]) if len(slots) == 1 else mx.array(positions)
         self.ends, self.blocks = ends, blocks
         self.masks: dict = {}  # window (None: full attention) -> that kind of layer's mask
         self.decode_kernel = new_tokens == 1 and table.decode_kernel
         if self.decode_kernel:
             return  # the kernel finds each row's new position itself
-        new_pos = starts[:, None] + np.arange(new_tokens)[None, :]  # [B, L]
+        new_pos = np.maximum(starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0)  # [B, L]; leads are never written
         self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
+        self.device_leads = mx.array(self.leads) if table.in_place else None
+        own = (np.arange(new_tokens)[None, :] >= self.leads[:, None]).reshape(-1)
+        # the plain path stores only the rows' own tokens (the kernel skips leads itself)
+        self.own = None if own.all() or table.in_place else mx.array(np.nonzero(own)[0].astype(np.int32))
         # Keys to attend over: each row's positions up to its end. Rows that all end together
         # (one row, a uniform batch) gather exactly those, so they need no array mask (MLX's fused
         # attention takes none: "causal" aligns the new queries to the last keys). Otherwise rows
         # are padded to the longest in whole blocks (fewer distinct shapes for the kernels'
         # caches); padding reads a valid slot and is masked out. On the in-place path pieces use
-        # bucketed spans (KEY_BUCKET) and always an array mask.
-        self.exact = not table.in_place and bool((ends == ends[0]).all())
+        # padded query spans (ALIGNED_START) or bucketed spans (KEY_BUCKET), as said at the top.
+        self.exact = not table.in_place and bool((ends == ends[0]).all()) and not self.leads.any()
+        # queries padded to a power of two where the model's attention pads them (PagedPrefill);
+        # a padded query sees what the last real one sees
+        self.pad_queries = table.decode_kernel and new_tokens > 1
+        self.queries = 1 << (new_tokens - 1).bit_length() if self.pad_queries else new_tokens
+        self.aligned = self.pad_queries and bool((starts == starts[0]).all()) and starts[0] % ALIGNED_START == 0 and not self.leads.any()
         bucket = KEY_BUCKET if table.in_place and new_tokens > 1 else BLOCK_SIZE
-        span = int(ends.max()) if self.exact else int(-(-ends.max() // bucket) * bucket)
+        if self.aligned:
+            span = int(starts[0]) + self.queries  # the rows' positions, then the queries' padding
+        else:
+            span = int(ends.max()) if self.exact else int(-(-ends.max() // bucket) * bucket)
         self.key_pos = np.arange(span)[None, :]
         self.valid = self.key_pos < ends[:, None]
         self.span = span
@@ -126,9 +146,6 @@ class StepIndices:
             self.gather = mx.array(flat_positions(blocks, np.where(self.valid, self.key_pos, 0)))  # [B, S]
         else:  # plain MLX gathers whole blocks: a few large copies, not one per position
             self.gather_blocks = mx.array(blocks[:, : int(count_blocks(span))])  # [B, blocks]
-        # queries padded to a power of two where the model's attention pads them (PagedPrefill);
-        # a padded query sees what the last real one sees
-        self.pad_queries = table.decode_kernel and new_tokens > 1
         # a one-row piece's image block per new token (-1 outside images): tokens of one block
         # see each other both ways (Gemma 3); set by the scheduler before the forward call
         self.image_blocks: np.ndarray | None = None
@@ -147,12 +164,16 @@ class StepIndices:
             return PagedDecode(mx.array(self.blocks), mx.array(ends.astype(np.int32)), longest, window or 0)
         if self.exact and (window is None or ends[0] <= window) and self.image_blocks is None:
             return None
+        if self.aligned and (window is None or ends.max() <= window) and self.image_blocks is None:
+            return PagedPrefill(None, self.queries)  # causal: the last query (a padded one) meets the last key
         key_pos, valid = self.key_pos, self.valid
         if new_tokens == 1:
             seen = valid if window is None else valid & (key_pos >= ends[:, None] - window)
             return mx.array(seen)[:, None, None, :]  # [B, 1, 1, S]
-        queries = 1 << (new_tokens - 1).bit_length() if self.pad_queries else new_tokens
-        query_pos = self.starts[:, None, None] + np.minimum(np.arange(queries), new_tokens - 1)[None, :, None]  # [B, Lq, 1]
+        queries = self.queries
+        # a lead's padding sees what the row's first token sees, a padded query what its last one sees
+        own = np.clip(np.arange(queries)[None, :] - self.leads[:, None], 0, (ends - self.starts - 1)[:, None])
+        query_pos = (self.starts[:, None] + own)[:, :, None]  # [B, Lq, 1]
         seen = key_pos[:, None, :] <= query_pos
         if self.image_blocks is not None:  # one row: its new tokens' blocks, -1 elsewhere
             query_blocks = np.full(queries, -1)
@@ -164,7 +185,7 @@ class StepIndices:
         if window is not None:
             seen &= key_pos[:, None, :] > query_pos - window
         mask = mx.array(seen)[:, None]  # [B, 1, Lq, S]
-        return PagedPrefill(mask) if self.pad_queries else mask
+        return PagedPrefill(mask, queries) if self.pad_queries else mask
 
 
 class PagedMask:
@@ -176,17 +197,22 @@ class PagedMask:
 
 
 class PagedPrefill(PagedMask):
-    """A piece's mask at bucketed shapes: its queries are padded to the mask's length (zeros,
-    whose outputs are dropped) so cuDNN meets few distinct shapes."""
+    """A piece's attention at few distinct shapes: its queries are padded to `queries` (zeros,
+    whose outputs are dropped) so cuDNN meets few shapes; `mask` None is causal (the keys are the
+    rows' positions then one per padded query)."""
 
-    def __init__(self, mask: mx.array):
-        self.mask = mask
+    def __init__(self, mask: mx.array | None, queries: int):
+        self.mask, self.queries = mask, queries
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        length, padded = q.shape[2], self.mask.shape[2]
+        length, padded = q.shape[2], self.queries
         if padded > length:
             q = mx.pad(q, [(0, 0), (0, 0), (0, padded - length), (0, 0)])
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=self.mask)
+        if self.mask is not None and self.mask.dtype == mx.bool_:
+            # additive, once for every layer: cuDNN took a boolean mask at 2-4x the cost (docs/benchmarks.md)
+            self.mask = mx.where(self.mask, mx.array(0, q.dtype), mx.array(-float("inf"), q.dtype))
+        mask = "causal" if self.mask is None else self.mask
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return out[:, :, :length] if padded > length else out
 
 
@@ -243,8 +269,13 @@ class PagedKVCache:
             size = self.table.num_blocks * BLOCK_SIZE
             self.keys = mx.zeros((size, heads, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
-        self.keys[step.write] = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
-        self.values[step.write] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
+        new_keys = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
+        new_values = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
+        write = step.write
+        if step.own is not None:  # rows with leading padding
+            new_keys, new_values, write = new_keys[step.own], new_values[step.own], write[step.own]
+        self.keys[write] = new_keys
+        self.values[write] = new_values
         if not step.starts.any() and step.exact:  # first pieces, all of one length
             return keys, values  # a first piece attends to exactly what it brought
         return gather_blocks(self.keys, step), gather_blocks(self.values, step)
@@ -257,7 +288,7 @@ class PagedKVCache:
         if step.decode_kernel:
             step.attention_mask(self.window).layer = self.pool  # its kernel stores them and reads the pool
             return keys, values
-        return paged_attention.write_and_gather(self.pool, keys, values, step.write, step.gather, step.device_starts)
+        return paged_attention.write_and_gather(self.pool, keys, values, step.write, step.gather, step.device_starts, step.device_leads)
 
     @property
     def state(self) -> list[mx.array]:

@@ -436,8 +436,11 @@ class BatchScheduler:
         its line, after padding), or None where the head row's piece cannot be one (images, tiles,
         longrope, quantized pools). A forward call on a GPU costs ~5 ms whatever its size up to a
         few thousand tokens (docs/benchmarks.md), and a ragged job's rows each bring a piece of
-        their own length: one call each would bound the job. Widths are powers of two and row
-        counts too, so the attention meets few shapes (cuDNN builds a graph for each)."""
+        their own length: one call each would bound the job. Widths are powers of two, so the
+        attention meets few shapes (cuDNN builds a graph for each). $MLXCEL_RAGGED_PREFILL=0
+        turns this off (each row's piece in a call of its own), to compare."""
+        if os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0":
+            return None
         if request.kv_bits or request.tile_size or getattr(self.model, "longrope_limit", None) is not None:
             return None
         rows, spans, width = [], [], 0
@@ -455,8 +458,7 @@ class BatchScheduler:
             width = wider
         if len(rows) < 2:
             return None  # one row's piece runs as it is, unpadded (prefill_piece)
-        count = 1 << (len(rows).bit_length() - 1)
-        return rows[:count], spans[:count], width
+        return rows, spans, width
 
     def prefill_ragged(self, table: PageTable, caches: list, rows: list[Row], spans: list[tuple[int, int]], width: int, request: GenerationRequest, state: ScheduleState):
         """The pieces `spans` of `rows` in one call of `width` tokens a row, each row's tokens

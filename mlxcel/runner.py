@@ -179,7 +179,7 @@ def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress:
         if stream is not None:
             stream.write(tail + "\n")
             stream.flush()
-        record(make_generation_row(batch[row], result, detokenizers[row].text + tail))
+        record(make_generation_row(batch[row], result, detokenizers[row].text))  # (its text includes the tail)
         progress.update(rows=1, tokens=len(result.token_ids))
 
     return pipeline.generate(batch, on_token, on_row_done)

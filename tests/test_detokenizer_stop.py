@@ -96,6 +96,21 @@ def test_generation_stops_at_a_stop_string(tiny_generator, tiny_llama, tmp_path)
     assert (row["text"], row["finish_reason"]) == (expected, "stop")
 
 
+def test_text_held_back_for_a_stop_string_is_kept_once(tiny_generator, tiny_llama, tmp_path):
+    """A row that ends (at max_tokens) on the start of a stop string: the held-back text is the
+    row's tail, written once (the run folder once wrote it twice)."""
+    prompt = "Hello, world: how are you?"
+    free = tiny_generator.generate(prompt)
+    stop = free.text[-2:] + "\u2603never"  # begins with the text's last two characters, never completes
+    result = run_cli(
+        tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", "decode.ignore_eos=true", f"prompt.text={prompt}",
+        f"decode.stop_strings=[{stop!r}]",
+    )
+    assert result.returncode == 0, result.stderr
+    row = read_run(tmp_path)[1][0]
+    assert (row["text"], row["finish_reason"]) == (free.text, "length")
+
+
 def test_empty_stop_string_is_a_config_error():
     with pytest.raises(ConfigError, match=r"decode.stop_strings: stop strings must not be empty"):
         validate_config({"model": {"path": "embedded:smollm2"}, "decode": {"stop_strings": ["ok", ""]}, "prompt": {"text": "x"}})

@@ -283,6 +283,10 @@ def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
     start = time.perf_counter()
     result = run_job(pipeline, samples, set(), DiscardedOutputs(), {}, stream=None, log=None)
     wall = time.perf_counter() - start
+    errors = [row for row in result.generations if row.get("finish_reason") == "error"]
+    if errors:  # e.g. prompts longer than the model's context: the bench needs every row
+        raise SystemExit(f"bench: {len(errors)} of {len(samples)} rows ended with an error, the first: {errors[0].get('error')}; "
+                         "pick --prompt-tokens/--output-tokens that fit the model's context")
     if len(pipeline.first_token_at) != len(samples):
         raise RuntimeError("TokenIdPipeline.generate saw no tokens of some rows: the runner no longer calls it; move its stamp")
     tokens = {row["id"]: row["token_ids"] for row in result.generations}

@@ -112,8 +112,8 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
         return False
     if len(request.rows) == 1 and mx.default_device() == mx.gpu:
         # One row on a GPU keeps the batch engine: dispatch bounds a single row's decode there,
-        # and the scheduler's eager step ran at ~0.6x its segmented one (docs/benchmarks.md). The
-        # scheduler now runs the segmented step for small batches too: to measure, then drop this.
+        # and the scheduler's step, segmented for small batches too, still ran a single row at
+        # ~0.65x the batch engine's (docs/benchmarks.md).
         return False
     if not hasattr(model, "forward_with_embeddings"):
         return False

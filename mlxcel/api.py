@@ -65,7 +65,7 @@ class Generator:
         measured = []
         runnable = [(i, p) for i, p in enumerate(prepared) if not p.error]
         for chunk in self.pipeline.group_rows(runnable):
-            streams = [self.pipeline.make_text_stream() for _ in chunk]
+            streams = [self.pipeline.make_text_stream(streaming=False) for _ in chunk]
             state = self.pipeline.generate([p for _, p in chunk], make_on_token(streams))
             measured.append(measure_batch(state))
             for (index, p), result, stream in zip(chunk, state.results, streams):

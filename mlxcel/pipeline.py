@@ -19,7 +19,7 @@ from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.sampling.history import make_piece_encoder
 from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
-from mlxcel.tokenizer import TextStream, load_tokenizer
+from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
 from mlxcel.vision.stage import ImageInputs, check_images_allowed, collect_image_paths, flatten_text_parts, is_vision_model, prepare_images
 
@@ -122,8 +122,11 @@ class Pipeline:
         self.check_length(prompt)
         return PreparedSample(sample, prompt, images=images)
 
-    def make_text_stream(self) -> TextStream:
-        """Per-row detokenizer that also applies decode.stop_strings."""
+    def make_text_stream(self, streaming: bool = True) -> TextStream | DeferredTextStream:
+        """Per-row detokenizer that also applies decode.stop_strings; decoded once at the row's
+        end where nothing reads its text as it grows (`streaming` False) and no stop string is set."""
+        if not streaming and not self.cfg.decode.stop_strings:
+            return DeferredTextStream(self.tokenizer)
         return TextStream(self.tokenizer, self.cfg.decode.stop_strings)
 
     def check_length(self, prompt: PromptTokens) -> None:

@@ -163,7 +163,7 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
 
 
 def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress: Progress, stream: TextIO | None):
-    detokenizers = [pipeline.make_text_stream() for _ in batch]
+    detokenizers = [pipeline.make_text_stream(streaming=stream is not None) for _ in batch]
 
     def on_token(row: int, token: int) -> bool:
         text = detokenizers[row].add_token(token)

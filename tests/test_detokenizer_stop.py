@@ -9,7 +9,7 @@ import pytest
 from mlxcel import load_generator
 from mlxcel.config import validate_config
 from mlxcel.errors import ConfigError
-from mlxcel.tokenizer import StopStringFilter, TextStream
+from mlxcel.tokenizer import DeferredTextStream, StopStringFilter, TextStream
 from tests.test_cli_run import read_run, run_cli
 from tests.test_tokenizer import CORPUS, load_smollm2, requires_smollm2
 
@@ -60,6 +60,30 @@ def test_text_stream_cuts_across_token_boundaries():
     assert "".join(chunks) == stream.text == "The capital of France is "
     free = TextStream(tok, ["not in it"])
     assert "".join([free.add_token(i) for i in ids] + [free.finalize()]) == tok.decode(ids) == text
+
+
+@requires_smollm2
+def test_deferred_text_equals_the_streamed_text():
+    """Rows nobody watches and no stop string can end decode once at the end: the same text."""
+    tok = load_smollm2()
+    for text in CORPUS[:10]:
+        ids = tok.encode(text, add_special_tokens=False)
+        streamed, deferred = TextStream(tok), DeferredTextStream(tok)
+        assert [deferred.add_token(i) for i in ids] == [""] * len(ids) and not deferred.stopped
+        streamed_text = "".join([streamed.add_token(i) for i in ids] + [streamed.finalize()])
+        assert deferred.finalize() == deferred.text == streamed_text == tok.decode(ids)
+
+
+def test_rows_decode_once_only_where_nothing_reads_them(tiny_generator):
+    pipeline = tiny_generator.pipeline
+    assert isinstance(pipeline.make_text_stream(streaming=False), DeferredTextStream)
+    assert isinstance(pipeline.make_text_stream(), TextStream)
+    before = pipeline.cfg.decode.stop_strings
+    pipeline.cfg.decode.stop_strings = ["x"]
+    try:
+        assert isinstance(pipeline.make_text_stream(streaming=False), TextStream)  # a stop string needs the text as it grows
+    finally:
+        pipeline.cfg.decode.stop_strings = before
 
 
 @pytest.fixture(scope="module")

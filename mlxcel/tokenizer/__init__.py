@@ -2,6 +2,7 @@
 
 from mlxcel.tokenizer.base import TOKENIZER_KINDS, MlxcelTokenizer
 from mlxcel.tokenizer.detokenizer import (
+    DeferredTextStream,
     StopStringFilter,
     StreamingDetokenizer,
     TextStream,
@@ -10,6 +11,7 @@ from mlxcel.tokenizer.loader import detect_tokenizer_kind, load_tokenizer
 
 __all__ = [
     "TOKENIZER_KINDS",
+    "DeferredTextStream",
     "MlxcelTokenizer",
     "StopStringFilter",
     "StreamingDetokenizer",

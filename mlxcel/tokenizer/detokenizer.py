@@ -125,3 +125,27 @@ class TextStream:
         if text:
             self._chunks.append(text)
         return text
+
+
+class DeferredTextStream:
+    """A TextStream for a row whose text nobody reads as it grows and no stop string can end:
+    it keeps the ids and decodes them once, at the end. That text equals the streamed one (the
+    streaming decode equals the one-shot decode), and a step of a large batch skips the per-token
+    decodes (~12 us a token on the host, 3 ms a step at 256 rows, which bound small models' steps
+    on a GPU)."""
+
+    stopped = False
+
+    def __init__(self, tokenizer: MlxcelTokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def add_token(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        return ""
+
+    def finalize(self) -> str:
+        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens)
+        return self.text

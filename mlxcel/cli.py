@@ -1,6 +1,7 @@
 """`mlxcel-run` / `python -m mlxcel`: Hydra composes conf/, pydantic validates, the runner runs.
 
-This is the only module (with hydra_callbacks.py) that imports Hydra.
+This is the only module (with hydra_callbacks.py and hydra_guard.py, which refuses `hydra.*`
+settings that would run code) that imports Hydra.
 
 Passing text exactly
 --------------------
@@ -31,6 +32,7 @@ from typing import Any
 
 FREE_TEXT_KEYS = ("prompt.text", "prompt.system", "template.text")
 _FREE_TEXT = re.compile(r"^(\+{0,2})(" + "|".join(re.escape(k) for k in FREE_TEXT_KEYS) + r")=(.*)$", re.DOTALL)
+_STOP_STRINGS = re.compile(r"^\+{0,2}decode\.stop_strings=", re.DOTALL)
 # One complete Hydra quoted string (a backslash escapes the next character).
 _QUOTED = re.compile(r"""^(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")$""", re.DOTALL)
 
@@ -68,6 +70,8 @@ def find_recipe(value: str) -> Path:
 
     if "/" in value or os.sep in value or value.endswith((".yaml", ".yml")):
         path = Path(value).expanduser().resolve()
+        if path.suffix not in (".yaml", ".yml"):  # recipe=/etc/passwd would print its lines as keys
+            raise ConfigError(ConfigIssue("recipe", "a job file is a .yaml or .yml file", value))
         if not path.is_file():
             raise ConfigError(ConfigIssue("recipe", f"no such file: {path}", value))
         return path
@@ -99,9 +103,14 @@ def use_recipe(args: list[str]) -> list[str]:
         raise ConfigError(ConfigIssue("recipe", "recipe= picks the primary config; drop --config-name", has_value=False))
     path = find_recipe(picks[0].partition("=")[2])
     try:
+        import yaml
+
+        is_mapping = isinstance(yaml.safe_load(path.read_text(encoding="utf-8")), dict)
         node = OmegaConf.load(path)
     except Exception as ex:  # YAML syntax: one line naming the file
         raise ConfigError(ConfigIssue("recipe", f"cannot read {path}: {first_line(str(ex))}", has_value=False)) from ex
+    if not is_mapping:
+        raise ConfigError(ConfigIssue("recipe", f"{path} is not a job file: it must be a YAML mapping of config keys", has_value=False))
     name = "recipe_" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)  # its name in the ConfigStore
     ConfigStore.instance().store(name=name, node=node)
     return ["--config-name", name, *(arg for arg in args if arg != picks[0])]
@@ -124,14 +133,44 @@ def quote_override_value(text: str) -> str:
 
 
 def quote_free_text(args: list[str]) -> list[str]:
-    """Quote the values of the free-text keys, unless already one quoted string or null."""
+    """Quote the values of the free-text keys so they stay literal: a value that is one quoted
+    string is unquoted once (as Hydra would) and quoted again our way, so `${...}` in it stays
+    text too; null stays null. Stop strings keep their list, each string quoted."""
     quoted = []
     for arg in args:
         match = _FREE_TEXT.match(arg)
-        if match and match.group(3) != "null" and not _QUOTED.match(match.group(3)):
-            arg = f"{match.group(1)}{match.group(2)}={quote_override_value(match.group(3))}"
+        if match and match.group(3) != "null":
+            value = match.group(3)
+            text = parse_override_value(match.group(2), value) if _QUOTED.match(value) else value
+            arg = f"{match.group(1)}{match.group(2)}={quote_override_value(text)}"
+        elif match is None and _STOP_STRINGS.match(arg):
+            arg = quote_stop_strings(arg)
         quoted.append(arg)
     return quoted
+
+
+def parse_override_value(key: str, value: str):
+    """A value as Hydra's override parser reads it (a quoted string: unquoted once)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(f"{key}={value}").value()
+
+
+def quote_stop_strings(arg: str) -> str:
+    """`decode.stop_strings=[...]` (or one string) with every string quoted literally; other
+    shapes (a sweep) are left to Hydra, and their `${...}` to validation."""
+    from hydra.errors import HydraException
+
+    prefix, _, value = arg.partition("=")
+    try:
+        parsed = parse_override_value(prefix.lstrip("+~"), value)
+    except HydraException:
+        return arg  # Hydra reports the syntax
+    if isinstance(parsed, str):
+        return f"{prefix}=[{quote_override_value(parsed)}]"
+    if isinstance(parsed, list) and all(isinstance(item, str) for item in parsed):
+        return f"{prefix}=[{', '.join(quote_override_value(item) for item in parsed)}]"
+    return arg
 
 
 def run_job(cfg: Any) -> Any:
@@ -146,7 +185,7 @@ def run_job(cfg: Any) -> Any:
     try:
         data = read_job_config(cfg)
         run_cfg = validate_config(data)
-    except ConfigError as ex:  # Hydra already made the run folder: say in it why nothing ran
+    except ConfigError as ex:  # a sweep's job (one run is validated before Hydra makes its folder): say in it why nothing ran
         write_failure_stats(out_dir, ex)
         raise
     from mlxcel import runner  # lazy: loads MLX and the model code only for a valid config
@@ -162,11 +201,42 @@ def read_job_config(cfg: Any) -> dict:
 
     from mlxcel.errors import ConfigError, ConfigIssue
 
+    refuse_environment_reads(cfg)
     try:
         return {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
                 for key in cfg if key != "hydra"}
     except MissingMandatoryValue as ex:
         raise ConfigError(ConfigIssue(ex.full_key, f"required: this preset has no default; set {ex.full_key}=...", has_value=False)) from ex
+
+
+# Keys whose values are text a model reads and the run folder keeps: an interpolation there that
+# reads the environment would put a secret into the prompt and the outputs.
+TEXT_KEYS = ("prompt.text", "prompt.system", "prompt.messages", "template.text", "decode.stop_strings")
+_ENVIRONMENT_READ = re.compile(r"(?<!\\)\$\{\s*oc\.env\s*:")
+
+
+def refuse_environment_reads(cfg: Any) -> None:
+    """`${oc.env:...}` inside a text key (from a YAML file: the command line's are literal)."""
+    from omegaconf import OmegaConf
+
+    from mlxcel.errors import ConfigError, ConfigIssue
+
+    for key in TEXT_KEYS:
+        section, _, name = key.partition(".")
+        raw = OmegaConf.to_container(cfg[section], resolve=False).get(name) if OmegaConf.is_dict(cfg.get(section)) else None
+        if any(isinstance(text, str) and _ENVIRONMENT_READ.search(text) for text in iter_strings(raw)):
+            raise ConfigError(ConfigIssue(key, "reads an environment variable (${oc.env:...}); text keys take text, write it out", has_value=False))
+
+
+def iter_strings(value: Any):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from iter_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from iter_strings(item)
 
 
 def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
@@ -308,6 +378,8 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from mlxcel.hydra_guard import check_hydra_settings
+
     debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0") or os.environ.get("HYDRA_FULL_ERROR") == "1"
     failures: list[BaseException] = []
     sweep = SweepFailures()
@@ -334,6 +406,11 @@ def main() -> None:
     try:
         register_resolvers()
         sys.argv = [sys.argv[0], *use_recipe(quote_free_text(sys.argv[1:]))]
+        composed = check_hydra_settings(sys.argv[1:], find_conf_dir())  # before Hydra instantiates or creates anything
+        if composed is not None:  # one job: a config error makes no run folder
+            from mlxcel.config import validate_config
+
+            validate_config(read_job_config(composed))
         hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name="config")(task)()
         if failures:
             raise failures[0]

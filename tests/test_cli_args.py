@@ -79,7 +79,9 @@ def test_free_text_survives_hydra_exactly(text):
         ("++template.text=it's", "++template.text='it\\'s'"),
         ("prompt.text=a\\", "prompt.text='a\\\\'"),
         ("prompt.text='already, quoted'", "prompt.text='already, quoted'"),
-        ('prompt.text="already, quoted"', 'prompt.text="already, quoted"'),
+        ('prompt.text="already, quoted"', "prompt.text='already, quoted'"),  # unquoted once, quoted our way
+        ("prompt.text='${oc.env:HOME}'", "prompt.text='\\${oc.env:HOME}'"),  # literal in every quoting form
+        ("decode.stop_strings=['${oc.env:HOME}', x]", "decode.stop_strings=['\\${oc.env:HOME}', 'x']"),
         ("prompt.system=null", "prompt.system=null"),
         ("prompt.text=", "prompt.text=''"),
         ("~prompt.system", "~prompt.system"),

@@ -1,0 +1,123 @@
+"""Configs as a hostile or careless user writes them: each reproduction from the hardening issue
+stays here so none comes back. A config may not run code, read the environment into text, or
+write outside its run folder; a refused start leaves no folder behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxcel.cli import find_conf_dir, quote_free_text, use_recipe
+from mlxcel.errors import ConfigError
+from mlxcel.hydra_guard import check_hydra_settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def check(*args: str):
+    return check_hydra_settings(use_recipe(quote_free_text(list(args))), find_conf_dir())
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("+hydra.callbacks.x._target_=pathlib.Path.write_text", "hydra.callbacks.x._target_"),
+        ("+hydra.callbacks.x._target_=builtins.open", "hydra.callbacks.x._target_"),
+        ("+hydra.callbacks.sweep_summary.extra._target_=os.system", "hydra.callbacks.sweep_summary.extra._target_"),  # nested: instantiate recurses
+        ("hydra.launcher._target_=shutil.copy", "hydra.launcher._target_"),
+        ("hydra.sweeper._target_=os.symlink", "hydra.sweeper._target_"),
+        ("+hydra.job_logging.handlers.x.class=os.system", "hydra.job_logging.handlers.x.class"),
+        ("+hydra.hydra_logging.handlers.x.class=pathlib.Path.unlink", "hydra.hydra_logging.handlers.x.class"),
+        ("+hydra.job_logging.handlers.x.stream=ext://antigravity", "hydra.job_logging.handlers.x.stream"),
+        ("+hydra.job.env_set.LD_PRELOAD=/tmp/evil.so", "hydra.job.env_set.LD_PRELOAD"),
+        ("+hydra.job.env_set.PYTHONSTARTUP=/tmp/evil.py", "hydra.job.env_set.PYTHONSTARTUP"),
+        ("hydra.run.dir=", "hydra.run.dir"),
+        ("hydra.run.dir=.", "hydra.run.dir"),
+        ("hydra.run.dir=/dev/null", "hydra.run.dir"),
+        ("hydra.sweep.subdir=../../x", "hydra.sweep.subdir"),
+        ("hydra.sweep.subdir=/tmp/x", "hydra.sweep.subdir"),
+    ],
+)
+def test_hydra_settings_that_run_code_or_escape_are_config_errors(override, key):
+    with pytest.raises(ConfigError) as raised:
+        check(override, "prompt.text=hi")
+    assert raised.value.issues[0].path == key
+
+
+def test_factories_in_logging_configs_are_refused(tmp_path):
+    """logging.config's `()` key calls any factory; it cannot be written as an override, so a
+    --config-dir logging config brings it."""
+    folder = tmp_path / "hydra" / "job_logging"
+    folder.mkdir(parents=True)
+    (folder / "evil.yaml").write_text("version: 1\nformatters:\n  f:\n    (): os.system\n")
+    with pytest.raises(ConfigError, match=r"hydra.job_logging.formatters.f.\(\)"):
+        check("--config-dir", str(tmp_path), "hydra/job_logging=evil")
+
+
+def test_what_mlxcel_ships_passes():
+    assert check("prompt.text=hi") is not None  # one job: returned for validation
+    assert check("hydra/job_logging=default", "prompt.text=hi") is not None  # Hydra's own: a file handler in the run folder
+    assert check("-m", "decode.max_tokens=2,3") is None  # a sweep: each job is validated in its folder
+
+
+def test_hydra_keys_cannot_be_swept():
+    with pytest.raises(ConfigError, match="cannot be swept"):
+        check("-m", "hydra.job_logging.root.level=INFO,DEBUG")
+
+
+def test_recipes_are_data(tmp_path):
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(
+        "defaults:\n  - config\n  - _self_\nhydra:\n  callbacks:\n    evil:\n      _target_: pathlib.Path.write_text\n"
+        f"      self: {tmp_path / 'pwned'}\n      data: x\n"
+    )
+    with pytest.raises(ConfigError, match="hydra.callbacks.evil._target_"):
+        check(f"recipe={recipe}")
+    params = tmp_path / "params.yaml"
+    params.write_text("defaults:\n  - config\n  - _self_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      hydra.job_logging.root.level: INFO\n")
+    with pytest.raises(ConfigError, match="hydra.sweeper.params"):
+        check(f"recipe={params}")
+
+
+@pytest.mark.parametrize("value", ["/etc/passwd", "/etc/hostname"])
+def test_a_recipe_path_must_be_a_yaml_job_file(value, tmp_path):
+    with pytest.raises(ConfigError, match=r"recipe: a job file is a \.yaml or \.yml file"):
+        use_recipe([f"recipe={value}"])
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("a\nb\n")
+    with pytest.raises(ConfigError, match="not a job file"):
+        use_recipe([f"recipe={scalar}"])
+
+
+def run_mlxcel(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MYSECRET": "s3cret-value"}
+    env.pop("MLXCEL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_refused_callback_runs_nothing_and_makes_no_folder(tmp_path):
+    target = tmp_path / "written.pth"
+    result = run_mlxcel(
+        tmp_path, "+hydra.callbacks.x._target_=pathlib.Path.write_text", f"+hydra.callbacks.x.self={target}",
+        "+hydra.callbacks.x.data=import os", "prompt.text=hi", "runner.dry_run=true",
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "mlxcel: config error: hydra.callbacks.x._target_" in result.stderr
+    assert not target.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_environment_variables_stay_out_of_text(tmp_path):
+    """The command line's text is literal in every quoting form; a YAML file's is refused."""
+    result = run_mlxcel(tmp_path, "prompt.text='${oc.env:MYSECRET}'", "runner.dry_run=true", "hydra.run.dir=run")
+    assert result.returncode == 0, result.stderr
+    written = (tmp_path / "run" / "prompts.jsonl").read_text()
+    assert "${oc.env:MYSECRET}" in written and "s3cret-value" not in written
+    recipe = tmp_path / "secret.yaml"
+    recipe.write_text("defaults:\n  - config\n  - _self_\nprompt:\n  system: ${oc.env:MYSECRET}\n")
+    result = run_mlxcel(tmp_path, f"recipe={recipe}", "runner.dry_run=true", "hydra.run.dir=run2")
+    assert result.returncode == 2 and "prompt.system: reads an environment variable" in result.stderr
+    assert not (tmp_path / "run2").exists()

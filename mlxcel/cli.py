@@ -118,10 +118,12 @@ def use_recipe(args: list[str]) -> list[str]:
 
 def register_resolvers() -> None:
     """${mlxcel.recipes_dir:}: the folder of the shipped recipes, so a recipe can name its data
-    files (recipes/data/...) wherever mlxcel is installed and wherever it is run from."""
+    files (recipes/data/...) wherever mlxcel is installed and wherever it is run from;
+    ${mlxcel.pid:}: this process's id, in default run folder names."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("mlxcel.recipes_dir", lambda: str(find_recipes_dir()), replace=True)
+    OmegaConf.register_new_resolver("mlxcel.pid", lambda: str(os.getpid()), replace=True)  # default folder names
 
 
 def quote_override_value(text: str) -> str:
@@ -258,6 +260,23 @@ def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
     except (HydraException, OmegaConfBaseException) as ex:
         raise ConfigError(ConfigIssue("overrides", describe_hydra_error(ex), has_value=False)) from ex
     return read_job_config(cfg)
+
+
+def claim_run_folder_early(composed: Any) -> str:
+    """One job's checks before hydra.main: its config (a config error makes no folder), then its
+    run folder (locked; a refused start leaves an existing folder untouched: Hydra would write
+    .hydra/ into it first). Returns the override that pins the folder for Hydra, so a folder
+    named by the clock is the one locked here."""
+    from omegaconf import OmegaConf
+
+    from mlxcel.config import validate_config
+    from mlxcel.outputs import claim_run_folder
+    from mlxcel.runner import input_files
+
+    run_cfg = validate_config(read_job_config(composed))
+    run_dir = Path(str(OmegaConf.select(composed, "hydra.run.dir"))).expanduser().absolute()
+    claim_run_folder(run_dir, run_cfg.resolved_dict(), run_cfg.runner.resume, input_files(run_cfg))
+    return f"hydra.run.dir={quote_override_value(str(run_dir))}"
 
 
 def describe_hydra_error(ex: BaseException) -> str:
@@ -407,10 +426,8 @@ def main() -> None:
         register_resolvers()
         sys.argv = [sys.argv[0], *use_recipe(quote_free_text(sys.argv[1:]))]
         composed = check_hydra_settings(sys.argv[1:], find_conf_dir())  # before Hydra instantiates or creates anything
-        if composed is not None:  # one job: a config error makes no run folder
-            from mlxcel.config import validate_config
-
-            validate_config(read_job_config(composed))
+        if composed is not None:  # one job: refuse what can be refused before Hydra writes into a folder
+            sys.argv.append(claim_run_folder_early(composed))
         hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name="config")(task)()
         if failures:
             raise failures[0]

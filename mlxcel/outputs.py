@@ -1,5 +1,7 @@
 """The run folder: config.resolved.json, generations.jsonl (one line per finished row,
-flushed as it lands), stats.json (written atomically, also when a run fails)."""
+flushed as it lands), stats.json (written atomically, also when a run fails), and `.lock`, which
+the run holds (an OS file lock) from before Hydra writes into the folder to the run's end, so two
+runs never write one folder."""
 
 from __future__ import annotations
 
@@ -17,9 +19,50 @@ CONFIG_FILE = "config.resolved.json"
 GENERATIONS_FILE = "generations.jsonl"
 STATS_FILE = "stats.json"
 PROMPTS_FILE = "prompts.jsonl"
+LOCK_FILE = ".lock"
 # Keys that may change between a run and its resumption: they do not change what a row contains.
 # runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed.
 RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.max_rows", "runner.batch_size", "runner.dry_run")
+
+
+_HELD_LOCKS: dict[Path, int] = {}  # run folder -> the open file this process locks it through
+
+
+def lock_run_folder(folder: Path) -> None:
+    """Lock `folder` for this process until release_run_folder (creating the folder); a folder
+    another process holds is a config error. Locking a folder this process holds is a no-op."""
+    folder = Path(folder).absolute()
+    if folder in _HELD_LOCKS:
+        return
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: MLX runs on macOS and Linux
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(ConfigIssue("hydra.run.dir", "another mlxcel run is writing to this folder; wait for it to end or pick another folder", str(folder)))
+    _HELD_LOCKS[folder] = fd
+
+
+def release_run_folder(folder: Path) -> None:
+    """The run is over: other runs may take the folder (its .lock file stays: removing it would
+    let two runs lock two different files)."""
+    fd = _HELD_LOCKS.pop(Path(folder).absolute(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def check_not_input(folder: Path, inputs: list[Path]) -> None:
+    """No file a run writes may be one it reads (a dry run into the input's folder once wrote
+    prompts.jsonl over its own prompts.jsonl)."""
+    written = {(Path(folder) / name).absolute() for name in (CONFIG_FILE, GENERATIONS_FILE, STATS_FILE, PROMPTS_FILE)}
+    for path in inputs:
+        if Path(path).expanduser().absolute() in written:
+            raise ConfigError(ConfigIssue("prompt.file", f"is a file this run writes ({Path(path).name} in its run folder); move the input or pick another hydra.run.dir", str(path)))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -50,13 +93,6 @@ class RunOutputs:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
-    def check_fresh(self) -> None:
-        """A new run never appends to another run's generations."""
-        if (self.dir / GENERATIONS_FILE).exists() and (self.dir / GENERATIONS_FILE).stat().st_size:
-            raise ConfigError(
-                ConfigIssue("hydra.run.dir", "already holds a run's generations.jsonl; set runner.resume=true to continue it, or pick a new folder", str(self.dir))
-            )
-
     def read_done_keys(self) -> set[tuple[str, int]]:
         """(id, sample) of every row already written. A torn last line (a crash mid-write) is cut
         off the file, so appended rows start on a line of their own and that row runs again."""
@@ -76,6 +112,29 @@ class RunOutputs:
                 raise ConfigError(ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60]))
             keys.add((str(row["id"]), int(row.get("sample", 0))))
         return keys
+
+
+def claim_run_folder(out_dir: Path, resolved: dict, resume: bool, inputs: list[Path]) -> set[tuple[str, int]]:
+    """Everything that may refuse a start, before the run writes a byte: the folder's lock, the
+    input files, and a fresh folder (or, resuming, one holding a run of the same config).
+    Returns the rows already written (resuming)."""
+    check_not_input(out_dir, inputs)
+    if not resume:
+        check_fresh(out_dir)  # before the lock file: a refused folder stays as it was
+    lock_run_folder(out_dir)
+    if resume:
+        return check_resume(RunOutputs(out_dir), resolved)
+    check_fresh(out_dir)  # again, now that no other run can start writing it
+    return set()
+
+
+def check_fresh(folder: Path) -> None:
+    """A new run never appends to another run's generations."""
+    path = Path(folder) / GENERATIONS_FILE
+    if path.exists() and path.stat().st_size:
+        raise ConfigError(
+            ConfigIssue("hydra.run.dir", "already holds a run's generations.jsonl; set runner.resume=true to continue it, or pick a new folder", str(folder))
+        )
 
 
 def check_resume(outputs: RunOutputs, resolved: dict) -> set[tuple[str, int]]:

@@ -21,7 +21,7 @@ from mlxcel.config import RunConfig
 from mlxcel.engine import RowResult
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import expand_samples, load_job_rows
-from mlxcel.outputs import RunOutputs, check_resume, defer_interrupt, write_failure_stats
+from mlxcel.outputs import RunOutputs, claim_run_folder, defer_interrupt, release_run_folder, write_failure_stats
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
 from mlxcel.stats import GenerationStats, format_stats_table, make_generation_stats, measure_batch, read_environment
@@ -44,15 +44,15 @@ def run(
     log: TextIO | None = sys.stderr,
     overrides: list[str] | None = None,
 ) -> RunResult:
+    # A refused start (another run's folder, a resume with another config, an input the run would
+    # write over) leaves the folder as it was: no failure stats over another run's.
+    done = claim_run_folder(out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg))  # 2
     outputs = RunOutputs(out_dir)
     report: dict = {"status": "running", "overrides": list(overrides or [])}
     try:
         select_device(cfg.runner.device)
         report["environment"] = read_environment()
         samples = expand_samples(load_job_rows(cfg.prompt))  # 1
-        done = check_resume(outputs, cfg.resolved_dict()) if cfg.runner.resume else set()  # 2
-        if not cfg.runner.resume:
-            outputs.check_fresh()
         outputs.write_config(cfg.resolved_dict())
         pipeline = Pipeline.load(cfg, load_weights=not cfg.runner.dry_run, log=log)  # 3
         report["model"] = describe_model(pipeline)
@@ -63,6 +63,12 @@ def run(
     except BaseException as exc:
         write_failure_stats(outputs.dir, exc, order_report(report))
         raise
+    finally:
+        release_run_folder(out_dir)
+
+
+def input_files(cfg: RunConfig) -> list[Path]:
+    return [Path(cfg.prompt.file)] if cfg.prompt.file else []
 
 
 def select_device(device: str) -> None:

@@ -96,7 +96,7 @@ def test_a_recipe_path_must_be_a_yaml_job_file(value, tmp_path):
 def run_mlxcel(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "MYSECRET": "s3cret-value"}
     env.pop("MLXCEL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "mlxcel", *args], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_refused_callback_runs_nothing_and_makes_no_folder(tmp_path):
@@ -121,3 +121,51 @@ def test_environment_variables_stay_out_of_text(tmp_path):
     result = run_mlxcel(tmp_path, f"recipe={recipe}", "runner.dry_run=true", "hydra.run.dir=run2")
     assert result.returncode == 2 and "prompt.system: reads an environment variable" in result.stderr
     assert not (tmp_path / "run2").exists()
+
+
+# ---- run folders: one run per folder, refused starts touch nothing, inputs are never written ----
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_two_runs_never_share_a_folder(tmp_path):
+    from mlxcel.outputs import lock_run_folder, release_run_folder
+
+    folder = tmp_path / "busy"
+    lock_run_folder(folder)  # as a running job holds it
+    try:
+        result = run_mlxcel(tmp_path, "prompt.text=hi", "runner.dry_run=true", f"hydra.run.dir={folder}")
+    finally:
+        release_run_folder(folder)
+    assert result.returncode == 2 and "another mlxcel run is writing to this folder" in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # Hydra never wrote into it
+
+
+def test_runs_started_together_get_folders_of_their_own(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "mlxcel", "prompt.text=hi", "runner.dry_run=true"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    folders = sorted((tmp_path / "outputs" / "default" / "runs").iterdir())
+    assert len(folders) == 2 and all((f / "prompts.jsonl").is_file() for f in folders)
+
+
+def test_a_refused_start_leaves_the_folder_as_it_was(tmp_path, tiny_llama):
+    model = f"model.path={tiny_llama}"
+    first = run_mlxcel(tmp_path, model, "prompt.text=hi", "decode.max_tokens=2", "hydra.run.dir=run")
+    assert first.returncode == 0, first.stderr
+    before = snapshot(tmp_path / "run")
+    again = run_mlxcel(tmp_path, model, "prompt.text=hi", "decode.max_tokens=2", "hydra.run.dir=run")  # not a resume
+    assert again.returncode == 2 and "already holds a run's generations.jsonl" in again.stderr
+    changed = run_mlxcel(tmp_path, model, "prompt.text=hi", "decode.max_tokens=3", "runner.resume=true", "hydra.run.dir=run")
+    assert changed.returncode == 2 and "decode.max_tokens: differs from the run being resumed" in changed.stderr
+    assert snapshot(tmp_path / "run") == before  # stats.json and .hydra/overrides.yaml included
+
+
+def test_a_run_never_writes_over_its_input(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    result = run_mlxcel(tmp_path, "prompt=jsonl", "prompt.file=data/prompts.jsonl", "runner.dry_run=true", "hydra.run.dir=data")
+    assert result.returncode == 2 and "prompt.file: is a file this run writes" in result.stderr
+    assert sorted(p.name for p in data.iterdir()) == ["prompts.jsonl"] and (data / "prompts.jsonl").read_text() == '{"prompt": "hi"}\n'

@@ -263,19 +263,21 @@ def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
 
 
 def claim_run_folder_early(composed: Any) -> str:
-    """One job's checks before hydra.main: its config (a config error makes no folder), then its
-    run folder (locked; a refused start leaves an existing folder untouched: Hydra would write
+    """One job's checks before hydra.main: its config and input rows (a config error makes no
+    folder), then its run folder (locked; a refused start leaves an existing folder untouched: Hydra would write
     .hydra/ into it first). Returns the override that pins the folder for Hydra, so a folder
     named by the clock is the one locked here."""
     from omegaconf import OmegaConf
 
     from mlxcel.config import validate_config
+    from mlxcel.jobs import expand_samples, load_job_rows
     from mlxcel.outputs import claim_run_folder
-    from mlxcel.runner import input_files
+    from mlxcel.runner import hash_samples, input_files
 
     run_cfg = validate_config(read_job_config(composed))
+    samples = expand_samples(load_job_rows(run_cfg.prompt))  # a bad input file is a config error too
     run_dir = Path(str(OmegaConf.select(composed, "hydra.run.dir"))).expanduser().absolute()
-    claim_run_folder(run_dir, run_cfg.resolved_dict(), run_cfg.runner.resume, input_files(run_cfg))
+    claim_run_folder(run_dir, run_cfg.resolved_dict(), run_cfg.runner.resume, input_files(run_cfg), hash_samples(samples))
     return f"hydra.run.dir={quote_override_value(str(run_dir))}"
 
 

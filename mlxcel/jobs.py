@@ -26,6 +26,15 @@ class JobRow:
     tools: list[dict] | None = None  # the row's own tool definitions, if any
 
 
+def hash_row(row: JobRow) -> str:
+    """What a row asks for (its messages and its own settings), as a hash kept with its
+    generation: a resume checks that the input still asks for what was answered."""
+    import hashlib
+
+    content = {"id": str(row.id), "messages": row.messages, "max_tokens": row.max_tokens, "seed": row.seed, "n": row.n, "tools": row.tools}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")).hexdigest()
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generation to run: a row and which of its n samples."""

@@ -93,39 +93,58 @@ class RunOutputs:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
-    def read_done_keys(self) -> set[tuple[str, int]]:
-        """(id, sample) of every row already written. A torn last line (a crash mid-write) is cut
-        off the file, so appended rows start on a line of their own and that row runs again."""
+    def read_done_keys(self) -> dict[tuple[str, int], str | None]:
+        """(id, sample) of every row already written, with the hash of the input row it answered
+        (None in folders written before rows kept one). A torn last line (a crash mid-write) is
+        cut off the file, so appended rows start on a line of their own and that row runs again."""
         path = self.dir / GENERATIONS_FILE
         if not path.exists():
-            return set()
+            return {}
         data = path.read_bytes()
         if data and not data.endswith(b"\n"):
             data = data[: data.rfind(b"\n") + 1]
             with open(path, "r+b") as f:
                 f.truncate(len(data))
-        keys = set()
+        keys = {}
         for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise ConfigError(ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60]))
-            keys.add((str(row["id"]), int(row.get("sample", 0))))
+            keys[(str(row["id"]), int(row.get("sample", 0)))] = row.get("input_sha256")
         return keys
 
 
-def claim_run_folder(out_dir: Path, resolved: dict, resume: bool, inputs: list[Path]) -> set[tuple[str, int]]:
+def claim_run_folder(out_dir: Path, resolved: dict, resume: bool, inputs: list[Path], rows: dict[tuple[str, int], str]) -> set[tuple[str, int]]:
     """Everything that may refuse a start, before the run writes a byte: the folder's lock, the
-    input files, and a fresh folder (or, resuming, one holding a run of the same config).
-    Returns the rows already written (resuming)."""
+    input files, and a fresh folder (or, resuming, one holding a run of the same config whose
+    written rows answer the input's rows as they are now). `rows`: the job's (id, sample) ->
+    hash_row. Returns the rows already written (resuming)."""
     check_not_input(out_dir, inputs)
     if not resume:
         check_fresh(out_dir)  # before the lock file: a refused folder stays as it was
     lock_run_folder(out_dir)
     if resume:
-        return check_resume(RunOutputs(out_dir), resolved)
+        done = check_resume(RunOutputs(out_dir), resolved)
+        check_same_rows(done, rows)
+        return set(done)
     check_fresh(out_dir)  # again, now that no other run can start writing it
     return set()
+
+
+def check_same_rows(done: dict[tuple[str, int], str | None], rows: dict[tuple[str, int], str]) -> None:
+    """A written row must answer the input row of its id as it is now (an edited file, say a line
+    inserted above id-less rows, would mix answers and prompts); rows written before hashes were
+    kept are taken as they are."""
+    changed = sorted(key[0] for key, digest in done.items() if key in rows and digest is not None and digest != rows[key])
+    gone = sorted(key[0] for key in done if key not in rows)
+    issues = []
+    if changed:
+        issues.append(ConfigIssue("runner.resume", f"the input's rows changed since they were answered: ids {', '.join(dict.fromkeys(changed))}", has_value=False))
+    if gone:
+        issues.append(ConfigIssue("runner.resume", f"written rows are not in the input any more: ids {', '.join(dict.fromkeys(gone))}", has_value=False))
+    if issues:
+        raise ConfigError(issues, hint="fix: resume with the input as it was, or start a new run (a new hydra.run.dir)")
 
 
 def check_fresh(folder: Path) -> None:
@@ -137,7 +156,7 @@ def check_fresh(folder: Path) -> None:
         )
 
 
-def check_resume(outputs: RunOutputs, resolved: dict) -> set[tuple[str, int]]:
+def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], str | None]:
     """runner.resume=true: the folder must hold a run of the same config; returns the rows done."""
     path = outputs.dir / CONFIG_FILE
     if not path.exists():

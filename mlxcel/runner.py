@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlxcel.config import RunConfig
 from mlxcel.engine import RowResult
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
-from mlxcel.jobs import expand_samples, load_job_rows
+from mlxcel.jobs import Sample, expand_samples, hash_row, load_job_rows
 from mlxcel.outputs import RunOutputs, claim_run_folder, defer_interrupt, release_run_folder, write_failure_stats
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
@@ -46,13 +46,13 @@ def run(
 ) -> RunResult:
     # A refused start (another run's folder, a resume with another config, an input the run would
     # write over) leaves the folder as it was: no failure stats over another run's.
-    done = claim_run_folder(out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg))  # 2
+    samples = expand_samples(load_job_rows(cfg.prompt))  # 1
+    done = claim_run_folder(out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg), hash_samples(samples))  # 2
     outputs = RunOutputs(out_dir)
     report: dict = {"status": "running", "overrides": list(overrides or [])}
     try:
         select_device(cfg.runner.device)
         report["environment"] = read_environment()
-        samples = expand_samples(load_job_rows(cfg.prompt))  # 1
         outputs.write_config(cfg.resolved_dict())
         pipeline = Pipeline.load(cfg, load_weights=not cfg.runner.dry_run, log=log)  # 3
         report["model"] = describe_model(pipeline)
@@ -69,6 +69,11 @@ def run(
 
 def input_files(cfg: RunConfig) -> list[Path]:
     return [Path(cfg.prompt.file)] if cfg.prompt.file else []
+
+
+def hash_samples(samples: list[Sample]) -> dict[tuple[str, int], str]:
+    hashes: dict[int, str] = {}  # a row's n samples share it
+    return {s.key: hashes.setdefault(id(s.row), hash_row(s.row)) for s in samples}
 
 
 def select_device(device: str) -> None:
@@ -197,6 +202,7 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         "id": sample.row.id,
         "sample": sample.index,
         "messages": sample.row.messages,
+        "input_sha256": hash_row(sample.row),  # what the row asked; a resume checks the input still asks it
         "prompt": prompt.text,
         "text": text,
         "token_ids": result.token_ids,
@@ -217,6 +223,7 @@ def make_error_row(prepared: PreparedSample) -> dict:
         "id": sample.row.id,
         "sample": sample.index,
         "messages": sample.row.messages,
+        "input_sha256": hash_row(sample.row),
         "text": "",
         "token_ids": [],
         "finish_reason": "error",

@@ -169,3 +169,32 @@ def test_a_run_never_writes_over_its_input(tmp_path):
     result = run_mlxcel(tmp_path, "prompt=jsonl", "prompt.file=data/prompts.jsonl", "runner.dry_run=true", "hydra.run.dir=data")
     assert result.returncode == 2 and "prompt.file: is a file this run writes" in result.stderr
     assert sorted(p.name for p in data.iterdir()) == ["prompts.jsonl"] and (data / "prompts.jsonl").read_text() == '{"prompt": "hi"}\n'
+
+
+def test_a_resume_refuses_an_input_edited_under_it(tmp_path, tiny_llama):
+    """Id-less rows are numbered by line: a line inserted at the top would pair old answers with
+    new prompts. Each written row keeps its input's hash; rows written before that resume as they are."""
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    args = [f"model.path={tiny_llama}", "prompt=jsonl", f"prompt.file={prompts}", "decode.max_tokens=2", "hydra.run.dir=run"]
+    assert run_mlxcel(tmp_path, *args).returncode == 0
+    generations = tmp_path / "run" / "generations.jsonl"
+    before = snapshot(tmp_path / "run")
+
+    prompts.write_text('{"prompt": "zero"}\n{"prompt": "one"}\n{"prompt": "two"}\n')
+    result = run_mlxcel(tmp_path, *args, "runner.resume=true")
+    assert result.returncode == 2 and "the input's rows changed since they were answered: ids 1, 2" in result.stderr, result.stderr
+    assert snapshot(tmp_path / "run") == before
+
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three"}\n')  # appended: a resume runs the new row only
+    assert run_mlxcel(tmp_path, *args, "runner.resume=true").returncode == 0
+    rows = [json.loads(line) for line in generations.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [1, 2, 3] and all(len(r["input_sha256"]) == 64 for r in rows)
+
+    # a folder written before rows kept a hash resumes as before
+    generations.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "input_sha256"}) + "\n" for r in rows[:2]))
+    result = run_mlxcel(tmp_path, *args, "runner.resume=true")
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["id"] for line in generations.read_text().splitlines()] == [1, 2, 3]

@@ -93,6 +93,20 @@ class RunOutputs:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
+    def read_rows(self) -> list[dict]:
+        path = self.dir / GENERATIONS_FILE
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
+
+    def read_sessions(self) -> list[dict]:
+        """The earlier sessions of a job being resumed, from the stats.json the last one left."""
+        from mlxcel.stats import summarize_session
+
+        try:
+            previous = json.loads((self.dir / STATS_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []
+        return previous.get("sessions") or [summarize_session(previous)]
+
     def read_done_keys(self) -> dict[tuple[str, int], str | None]:
         """(id, sample) of every row already written, with the hash of the input row it answered
         (None in folders written before rows kept one). A torn last line (a crash mid-write) is

@@ -24,7 +24,7 @@ from mlxcel.jobs import Sample, expand_samples, hash_row, load_job_rows
 from mlxcel.outputs import RunOutputs, claim_run_folder, defer_interrupt, release_run_folder, write_failure_stats
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
-from mlxcel.stats import GenerationStats, format_stats_table, make_generation_stats, measure_batch, read_environment
+from mlxcel.stats import GenerationStats, describe_whole_job, format_stats_table, make_generation_stats, measure_batch, read_environment
 
 SPEC_FIELDS = ("prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms", "prefill_tok_per_sec", "decode_tok_per_sec")
 
@@ -133,7 +133,9 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     report["stop_token_ids"] = sorted(pipeline.stop_ids)
     prepare_start = time.perf_counter()
     pending = [s for s in samples if s.key not in done]
+    earlier = outputs.read_sessions() if done else []  # kept in the stats whatever happens now
     if done:
+        report["sessions"] = earlier
         say(log, f"resuming: {len(samples) - len(pending)} row(s) already written, {len(pending)} to go")
     prepared = pipeline.prepare(pending)
     finish_reasons: dict[str, int] = {}
@@ -165,6 +167,8 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     if errors and len(errors) == len(generations):  # nothing ran: the job itself failed
         raise MlxcelError(f"{errors[0]['error']}" if len(errors) == 1 else f"all {len(errors)} rows failed; the first: {errors[0]['error']}")
     report["status"] = "completed"
+    if done:
+        describe_whole_job(report, earlier, outputs.read_rows())
     outputs.write_stats(order_report(report))
     if errors:
         say(log, f"{len(errors)} of {len(generations)} rows failed (finish_reason \"error\" in generations.jsonl)")

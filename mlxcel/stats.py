@@ -139,6 +139,36 @@ def make_generation_stats(batches: list[BatchStats], prepare_start: float, finis
     )
 
 
+SESSION_FIELDS = ("status", "rows", "prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms")
+
+
+def summarize_session(stats: dict) -> dict:
+    """One run's (or resume's) own share of a job, as a resumed job's stats.json lists it."""
+    return {key: stats[key] for key in SESSION_FIELDS if key in stats}
+
+
+def describe_whole_job(report: dict, earlier_sessions: list[dict], rows: list[dict]) -> None:
+    """A resumed job's stats describe the whole job: rows, finish reasons and tokens over every
+    row in generations.jsonl, times summed over the sessions (each listed under `sessions`);
+    the rest (TTFT, occupancy, memory...) stays this session's."""
+    sessions = [*earlier_sessions, summarize_session(report)]
+    reasons: dict[str, int] = {}
+    for row in rows:
+        reasons[row["finish_reason"]] = reasons.get(row["finish_reason"], 0) + 1
+    prompt_tokens = sum(row.get("prompt_tokens") or 0 for row in rows)
+    generated = sum(len(row.get("token_ids") or []) for row in rows)
+    after_first = sum(max(0, len(row.get("token_ids") or []) - 1) for row in rows)
+    prefill_ms = sum(s.get("prefill_time_ms") or 0 for s in sessions)
+    decode_ms = sum(s.get("decode_time_ms") or 0 for s in sessions)
+    report.update(
+        rows=len(rows), finish_reasons=reasons, prompt_tokens=prompt_tokens, generated_tokens=generated,
+        prefill_time_ms=round(prefill_ms, 3), decode_time_ms=round(decode_ms, 3),
+        prefill_tok_per_sec=round(prompt_tokens / prefill_ms * 1000, 3) if prefill_ms > 0 else 0.0,
+        decode_tok_per_sec=round(after_first / decode_ms * 1000, 3) if decode_ms > 0 and after_first else 0.0,
+        sessions=sessions,
+    )
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     """p50 and p95 (linear interpolation, numpy's default); empty without values."""
     if not values:

@@ -198,3 +198,22 @@ def test_a_resume_refuses_an_input_edited_under_it(tmp_path, tiny_llama):
     result = run_mlxcel(tmp_path, *args, "runner.resume=true")
     assert result.returncode == 0, result.stderr
     assert [json.loads(line)["id"] for line in generations.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_stats_after_a_resume_describe_the_whole_job(tmp_path, tiny_llama):
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    args = [f"model.path={tiny_llama}", "prompt=jsonl", f"prompt.file={prompts}", "decode.max_tokens=3", "decode.ignore_eos=true", "hydra.run.dir=run"]
+    assert run_mlxcel(tmp_path, *args).returncode == 0
+    first = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert run_mlxcel(tmp_path, *args, "runner.resume=true").returncode == 0  # a finished run: nothing to do
+    again = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert (again["rows"], again["generated_tokens"], again["prompt_tokens"]) == (2, 6, first["prompt_tokens"])
+    assert again["prefill_time_ms"] == first["prefill_time_ms"] and again["finish_reasons"] == {"length": 2}
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three"}\n')
+    assert run_mlxcel(tmp_path, *args, "runner.resume=true").returncode == 0
+    last = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert (last["rows"], last["generated_tokens"], last["finish_reasons"]) == (3, 9, {"length": 3})
+    assert [s["rows"] for s in last["sessions"]] == [2, 0, 1] and last["prefill_time_ms"] > first["prefill_time_ms"]

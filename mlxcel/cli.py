@@ -262,23 +262,36 @@ def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
     return read_job_config(cfg)
 
 
-def claim_run_folder_early(composed: Any) -> str:
+def claim_run_folder_early(composed: Any, claimed: list[Path]) -> str:
     """One job's checks before hydra.main: its config and input rows (a config error makes no
     folder), then its run folder (locked; a refused start leaves an existing folder untouched: Hydra would write
-    .hydra/ into it first). Returns the override that pins the folder for Hydra, so a folder
-    named by the clock is the one locked here."""
+    .hydra/ into it first). Returns the override that pins the folder for Hydra (so a folder
+    named by the clock is the one locked here); the folder joins `claimed` as it is claimed."""
     from omegaconf import OmegaConf
 
     from mlxcel.config import validate_config
-    from mlxcel.jobs import expand_samples, load_job_rows
+    from mlxcel.jobs import expand_samples, hash_samples, input_files, load_job_rows
     from mlxcel.outputs import claim_run_folder
-    from mlxcel.runner import hash_samples, input_files
 
     run_cfg = validate_config(read_job_config(composed))
     samples = expand_samples(load_job_rows(run_cfg.prompt))  # a bad input file is a config error too
     run_dir = Path(str(OmegaConf.select(composed, "hydra.run.dir"))).expanduser().absolute()
-    claim_run_folder(run_dir, run_cfg.resolved_dict(), run_cfg.runner.resume, input_files(run_cfg), hash_samples(samples))
+    if not run_dir.exists():
+        claimed.append(run_dir)  # ours from here: an ending before the run's own leaves its status (a folder that existed is left as it was)
+    claim_run_folder(run_dir, run_cfg.resolved_dict(), run_cfg.runner.resume, input_files(run_cfg.prompt), hash_samples(samples))
     return f"hydra.run.dir={quote_override_value(str(run_dir))}"
+
+
+def check_utf8(args: list[str]) -> None:
+    """Bytes that are not UTF-8 reach Python as lone surrogates, which no file can take."""
+    from mlxcel.errors import ConfigError, ConfigIssue
+
+    for number, arg in enumerate(args, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = arg.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+            raise ConfigError(ConfigIssue(f"argument {number}", "is not valid UTF-8 text; check the terminal's or the script's encoding", shown)) from None
 
 
 def describe_hydra_error(ex: BaseException) -> str:
@@ -329,10 +342,13 @@ def report_error(ex: BaseException, debug: bool) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from mlxcel.errors import ConfigError, MlxcelError
+    from mlxcel.errors import ConfigError, MlxcelError, Terminated
 
     if debug:
         traceback.print_exception(ex)
+    if isinstance(ex, Terminated):
+        print("mlxcel: terminated", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as the shell reports a process it ended
     if isinstance(ex, KeyboardInterrupt):
         print("mlxcel: interrupted", file=sys.stderr)
         return 130
@@ -400,6 +416,7 @@ def main() -> None:
     from hydra.types import RunMode
 
     from mlxcel.hydra_guard import check_hydra_settings
+    from mlxcel.outputs import STATS_FILE, terminate_on_sigterm, write_failure_stats
 
     debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0") or os.environ.get("HYDRA_FULL_ERROR") == "1"
     failures: list[BaseException] = []
@@ -424,18 +441,24 @@ def main() -> None:
     # the job's own) reaches one handler here, which prints one line and picks the exit code.
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    claimed: list[Path] = []  # the one job's run folder, once claimed
     try:
+        terminate_on_sigterm()
+        check_utf8(sys.argv[1:])
         register_resolvers()
         sys.argv = [sys.argv[0], *use_recipe(quote_free_text(sys.argv[1:]))]
         composed = check_hydra_settings(sys.argv[1:], find_conf_dir())  # before Hydra instantiates or creates anything
         if composed is not None:  # one job: refuse what can be refused before Hydra writes into a folder
-            sys.argv.append(claim_run_folder_early(composed))
+            sys.argv.append(claim_run_folder_early(composed, claimed))
         hydra.main(version_base="1.3", config_path=str(find_conf_dir()), config_name="config")(task)()
         if failures:
             raise failures[0]
     except (Exception, KeyboardInterrupt) as ex:
         if sweep.is_job_failure(ex):
             sys.exit(sweep.report())
+        for folder in claimed:  # ended before the run could say so (Ctrl-C in start-up): its status
+            if folder.is_dir() and not (folder / STATS_FILE).exists():
+                write_failure_stats(folder, ex)
         sys.exit(report_error(ex, debug))
     finally:
         if previous is None:

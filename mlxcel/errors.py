@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, SLURM, `docker stop`): ends a run as Ctrl-C does, stats written."""
+
+
 class MlxcelError(Exception):
     """A runtime failure with a message meant for the user (exit code 1)."""
 

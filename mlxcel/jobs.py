@@ -35,6 +35,11 @@ def hash_row(row: JobRow) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")).hexdigest()
 
 
+def input_files(prompt: PromptConfig) -> list[Path]:
+    """The files a job reads its rows from (a run never writes over them)."""
+    return [Path(prompt.file)] if prompt.file else []
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generation to run: a row and which of its n samples."""
@@ -105,3 +110,9 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
 
 def expand_samples(rows: list[JobRow]) -> list[Sample]:
     return [Sample(row, index) for row in rows for index in range(row.n)]
+
+
+def hash_samples(samples: list[Sample]) -> dict[tuple[str, int], str]:
+    """Each sample's (id, sample) -> hash_row of its row (a row's n samples share one)."""
+    hashes: dict[int, str] = {}
+    return {s.key: hashes.setdefault(id(s.row), hash_row(s.row)) for s in samples}

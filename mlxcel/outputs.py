@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.errors import ConfigError, ConfigIssue, Terminated
 
 CONFIG_FILE = "config.resolved.json"
 GENERATIONS_FILE = "generations.jsonl"
@@ -119,13 +119,20 @@ class RunOutputs:
             data = data[: data.rfind(b"\n") + 1]
             with open(path, "r+b") as f:
                 f.truncate(len(data))
-        keys = {}
+        keys, kept = {}, []
         for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise ConfigError(ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60]))
+            if row.get("finish_reason") == "interrupted":
+                continue  # a single prompt's partial row: it runs again, in its place
             keys[(str(row["id"]), int(row.get("sample", 0)))] = row.get("input_sha256")
+            kept.append(line)
+        if len(kept) < data.count(b"\n"):
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, path)
         return keys
 
 
@@ -135,8 +142,10 @@ def claim_run_folder(out_dir: Path, resolved: dict, resume: bool, inputs: list[P
     written rows answer the input's rows as they are now). `rows`: the job's (id, sample) ->
     hash_row. Returns the rows already written (resuming)."""
     check_not_input(out_dir, inputs)
+    if resume and not (Path(out_dir) / CONFIG_FILE).exists():  # before the lock file: a refused folder stays as it was
+        raise ConfigError(ConfigIssue("runner.resume", f"{out_dir} has no {CONFIG_FILE}: not a run folder to resume (set hydra.run.dir to one)", True))
     if not resume:
-        check_fresh(out_dir)  # before the lock file: a refused folder stays as it was
+        check_fresh(out_dir)
     lock_run_folder(out_dir)
     if resume:
         done = check_resume(RunOutputs(out_dir), resolved)
@@ -222,20 +231,33 @@ def write_failure_stats(out_dir: Path, exc: BaseException, report: dict | None =
     RunOutputs(out_dir).write_stats(report)
 
 
+def raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def terminate_on_sigterm() -> None:
+    """SIGTERM ends the run as Ctrl-C does: stats.json says `interrupted` (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_terminated)
+
+
 @contextmanager
 def defer_interrupt():
-    """Hold Ctrl-C until the block ends, so a row is either fully on disk and counted or not at
-    all (an interrupt mid-write would leave a torn line or a row missing from stats.json)."""
+    """Hold Ctrl-C and SIGTERM until the block ends, so a row is either fully on disk and counted
+    or not at all (an interrupt mid-write would leave a torn line or a row missing from stats.json)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(signal.SIGINT, None)
-        elif caught and previous == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)
+        for sig in signals:
+            signal.signal(sig, previous[sig])
+        for sig in dict.fromkeys(caught):
+            if callable(previous[sig]):
+                previous[sig](sig, None)
+            elif previous[sig] == signal.SIG_DFL:
+                signal.raise_signal(sig)

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlxcel.config import RunConfig
 from mlxcel.engine import RowResult
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
-from mlxcel.jobs import Sample, expand_samples, hash_row, load_job_rows
+from mlxcel.jobs import expand_samples, hash_row, hash_samples, input_files, load_job_rows
 from mlxcel.outputs import RunOutputs, claim_run_folder, defer_interrupt, release_run_folder, write_failure_stats
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
@@ -47,7 +47,7 @@ def run(
     # A refused start (another run's folder, a resume with another config, an input the run would
     # write over) leaves the folder as it was: no failure stats over another run's.
     samples = expand_samples(load_job_rows(cfg.prompt))  # 1
-    done = claim_run_folder(out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg), hash_samples(samples))  # 2
+    done = claim_run_folder(out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg.prompt), hash_samples(samples))  # 2
     outputs = RunOutputs(out_dir)
     report: dict = {"status": "running", "overrides": list(overrides or [])}
     try:
@@ -65,15 +65,6 @@ def run(
         raise
     finally:
         release_run_folder(out_dir)
-
-
-def input_files(cfg: RunConfig) -> list[Path]:
-    return [Path(cfg.prompt.file)] if cfg.prompt.file else []
-
-
-def hash_samples(samples: list[Sample]) -> dict[tuple[str, int], str]:
-    hashes: dict[int, str] = {}  # a row's n samples share it
-    return {s.key: hashes.setdefault(id(s.row), hash_row(s.row)) for s in samples}
 
 
 def select_device(device: str) -> None:
@@ -156,7 +147,7 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     progress = Progress(len(runnable), "off" if streaming else cfg.runner.progress, log)
     try:
         for batch in pipeline.group_rows(runnable):
-            state = run_batch(pipeline, batch, record, progress, stream if streaming else None)
+            state = run_batch(pipeline, batch, record, progress, stream if streaming else None, keep_partial=len(samples) == 1)
             batches.append(measure_batch(state))
             report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())
     finally:
@@ -177,10 +168,15 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     return RunResult(outputs.dir, "completed", generations, stats)
 
 
-def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress: Progress, stream: TextIO | None):
+def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress: Progress, stream: TextIO | None, keep_partial: bool = False):
+    """Generate `batch`, recording each row as it finishes. `keep_partial` (a single prompt): an
+    interrupt records the row so far, finish_reason "interrupted" (a resume runs it again)."""
     detokenizers = [pipeline.make_text_stream(streaming=stream is not None) for _ in batch]
+    partial: list[list[int]] = [[] for _ in batch]
+    finished: set[int] = set()
 
     def on_token(row: int, token: int) -> bool:
+        partial[row].append(token)
         text = detokenizers[row].add_token(token)
         if stream is not None and text:
             stream.write(text)
@@ -195,9 +191,18 @@ def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress:
             stream.write(tail + "\n")
             stream.flush()
         record(make_generation_row(batch[row], result, detokenizers[row].text))  # (its text includes the tail)
+        finished.add(row)
         progress.update(rows=1, tokens=len(result.token_ids))
 
-    return pipeline.generate(batch, on_token, on_row_done)
+    try:
+        return pipeline.generate(batch, on_token, on_row_done)
+    except KeyboardInterrupt:
+        if keep_partial:
+            for row in (r for r in range(len(batch)) if r not in finished):
+                detokenizers[row].finalize()
+                result = RowResult(token_ids=partial[row], finish_reason="interrupted", prompt_tokens=len(batch[row].prompt.token_ids))
+                record(make_generation_row(batch[row], result, detokenizers[row].text))
+        raise
 
 
 def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) -> dict:

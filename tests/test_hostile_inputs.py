@@ -217,3 +217,68 @@ def test_stats_after_a_resume_describe_the_whole_job(tmp_path, tiny_llama):
     last = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert (last["rows"], last["generated_tokens"], last["finish_reasons"]) == (3, 9, {"length": 3})
     assert [s["rows"] for s in last["sessions"]] == [2, 0, 1] and last["prefill_time_ms"] > first["prefill_time_ms"]
+
+
+# ---- endings: every ending writes its status, or nothing at all ----
+@pytest.mark.parametrize("delay", [0.2, 1.5, 3.0, 5.0])
+def test_sigterm_at_any_moment_leaves_a_status_or_nothing(tmp_path, tiny_llama, delay):
+    """From `timeout`, SLURM or `docker stop`: before the folder is claimed nothing is left; after,
+    stats.json says how the run ended and every written row is whole."""
+    import json
+    import signal
+    import time
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(40)))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [f"model.path={tiny_llama}", "prompt=jsonl", f"prompt.file={prompts}", "decode.max_tokens=400", "decode.ignore_eos=true",
+            "runner.max_rows=1", "hydra.run.dir=run"]
+    proc = subprocess.Popen([sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    folder = tmp_path / "run"
+    if proc.returncode == -signal.SIGTERM:  # still importing: Python's default action, nothing written
+        assert not folder.exists() or not any(folder.iterdir())
+        return
+    stats = json.loads((folder / "stats.json").read_text())
+    if proc.returncode == 0:
+        assert stats["status"] == "completed"
+        return
+    assert proc.returncode == 143 and stderr.decode().strip().endswith("mlxcel: terminated"), stderr
+    assert stats["status"] == "interrupted" and stats["error"]["type"] == "Terminated"
+    rows = [json.loads(line) for line in (folder / "generations.jsonl").read_text().splitlines()] if (folder / "generations.jsonl").exists() else []
+    assert all(len(r["token_ids"]) == 400 for r in rows) and len({r["id"] for r in rows}) == len(rows)
+
+
+class InterruptingStream:
+    """A terminal that takes Ctrl-C after a few chunks of streamed text."""
+
+    def __init__(self, chunks: int):
+        self.chunks, self.written = chunks, []
+
+    def write(self, text: str) -> None:
+        if len(self.written) == self.chunks:
+            raise KeyboardInterrupt
+        self.written.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_single_prompt_stopped_by_ctrl_c_keeps_its_partial_row(tmp_path, tiny_llama):
+    import json
+
+    from mlxcel.api import load_config
+    from mlxcel.runner import run
+
+    cfg = load_config({"model": {"path": str(tiny_llama)}}, ["prompt.text=Hello there", "decode.max_tokens=40", "decode.ignore_eos=true"])
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, tmp_path / "run", stream=InterruptingStream(5), log=None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["finish_reason"] == "interrupted" and 5 <= len(rows[0]["token_ids"]) < 40
+    assert json.loads((tmp_path / "run" / "stats.json").read_text())["status"] == "interrupted"
+    resumed = load_config({"model": {"path": str(tiny_llama)}}, ["prompt.text=Hello there", "decode.max_tokens=40", "decode.ignore_eos=true", "runner.resume=true"])
+    run(resumed, tmp_path / "run", stream=None, log=None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["finish_reason"] == "length" and len(rows[0]["token_ids"]) == 40  # run again, in its place

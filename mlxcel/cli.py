@@ -273,8 +273,12 @@ def claim_run_folder_early(composed: Any, claimed: list[Path]) -> str:
     from mlxcel.jobs import expand_samples, hash_samples, input_files, load_job_rows
     from mlxcel.outputs import claim_run_folder
 
+    from mlxcel.pipeline import check_model_config
+
     run_cfg = validate_config(read_job_config(composed))
     samples = expand_samples(load_job_rows(run_cfg.prompt))  # a bad input file is a config error too
+    if not run_cfg.runner.resume:  # (a resume's model was checked when the run began)
+        check_model_config(run_cfg)
     run_dir = Path(str(OmegaConf.select(composed, "hydra.run.dir"))).expanduser().absolute()
     if not run_dir.exists():
         claimed.append(run_dir)  # ours from here: an ending before the run's own leaves its status (a folder that existed is left as it was)
@@ -318,9 +322,11 @@ def describe_hydra_error(ex: BaseException) -> str:
         return f"{cause.full_key}: {describe_renamed(cause.full_key)}"
     if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause):
         # An override of a key that no config defines: name the valid keys, as validation does.
+        # (Hydra's own hint, "+key=" to append it, would only meet validation's unknown-key error.)
+        from mlxcel.config import suggest_key
+
         keys = [str(k) for k in (cause.parent_node or {}) if k != "hydra"]
-        hint = [line[:1].lower() + line[1:] for line in lines[1:]]
-        return "; ".join([f"{cause.full_key}: unknown key", "valid keys: " + (", ".join(keys) or "none"), *hint])
+        return f"{cause.full_key}: unknown key{suggest_key(str(cause.full_key), keys)}; valid keys: " + (", ".join(keys) or "none")
     if isinstance(cause, OmegaConfBaseException):
         lines.append(f"({first_line(str(cause))})")
     return join_sentences(lines)

@@ -128,6 +128,11 @@ def read_env_flag(name: str) -> bool:
     raise ConfigError(ConfigIssue(name, "environment variable: must be 1 or 0", os.environ[name]))
 
 
+MAX_TILE_SIZE = 1024
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's and vLLM's limit
+MAX_SAMPLES = 128  # a row's n: OpenAI's limit
+
+
 class PrefillConfig(Group):
     chunk_size: PositiveInt | None = None
     tile_size: int | str | None = "auto"  # auto: 32 on GPUs with Neural Accelerators, else none
@@ -135,9 +140,10 @@ class PrefillConfig(Group):
     @field_validator("tile_size", mode="before")
     @classmethod
     def _check_tile_size(cls, value: Any) -> int | str | None:
-        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        # tiles are hardware's (32 on Apple's Neural Accelerators): past MAX_TILE_SIZE a tile only pads
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_TILE_SIZE):
             return value
-        raise reject("must be an integer > 0, 'auto' or null")
+        raise reject(f"must be an integer in [1, {MAX_TILE_SIZE}], 'auto' or null")
 
     def resolved_chunk_size(self) -> int:
         """chunk_size, else $MLXCEL_PREFILL_CHUNK, else 2048."""
@@ -155,7 +161,7 @@ class DecodeConfig(Group):
     stop_strings: list[str] = Field(default_factory=list)  # text that ends a row, cut from its output
     ignore_eos: Bool = False
     pipeline: Bool = True
-    logprobs: NonNegativeInt = 0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] = 0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
     kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # store the KV cache quantized (full-attention layers)
     kv_group_size: Literal[32, 64, 128] = 64  # must divide the model's head_dim
 
@@ -243,16 +249,23 @@ class Message(Group):
 class PromptRow(Group):
     """One prompt of a batch job: a JSONL line of prompt.file, or an item of prompt.rows."""
 
-    id: Annotated[str, Strict()] | Annotated[int, Strict()] | None = None  # default: the line (item) number, from 1
-    prompt: str | None = None  # one user message, templated
+    id: Any = None  # a string or an integer; default: the line (item) number, from 1
+    prompt: Annotated[str, Strict()] | None = None  # one user message, templated
     images: list[str] | None = None  # image files for the user message of `prompt`, placed before its text
     messages: list[Message] | None = None  # a conversation
     max_tokens: PositiveInt | None = None  # default: decode.max_tokens
     seed: NonNegativeInt | None = None  # default: sampler.seed
-    n: PositiveInt = 1  # samples of this prompt
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_SAMPLES)] = 1  # samples of this prompt
     tools: list[dict[str, Any]] | None = None  # this row's tool definitions (default: template.kwargs.tools)
 
     _check_prompt = field_validator("prompt")(_check_not_blank)
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: Any) -> str | int | None:
+        if value is None or (isinstance(value, (str, int)) and not isinstance(value, bool)):
+            return value
+        raise reject("must be a string or an integer")
 
     @model_validator(mode="after")
     def _check_one_source(self) -> PromptRow:
@@ -375,16 +388,28 @@ def validate_config(data: dict) -> RunConfig:
         issues += check_paths(cfg)
     if issues:
         from_env = [issue.path.startswith("MLXCEL_") for issue in issues]
-        first = next((issue.path for issue in issues if not issue.path.startswith("MLXCEL_")), None)
-        hints = ([make_hint(first)] if first else []) + ([ENV_HINT] if any(from_env) else [])
+        first = next((issue for issue in issues if not issue.path.startswith("MLXCEL_")), None)
+        hints = ([make_hint(first.path, first.message.startswith("unknown key"))] if first else []) + ([ENV_HINT] if any(from_env) else [])
         raise ConfigError(issues, hint="\n".join(hints))
     return cfg
 
 
-def make_hint(key: str) -> str:
-    """Point at the first bad key: the fix is an override or an edit of its group's YAML."""
+def make_hint(key: str, unknown: bool = False) -> str:
+    """Point at the first bad key: the fix is an override or an edit of its group's YAML (or, for
+    a key that does not exist, its spelling)."""
     group = key.split(".")[0]
+    if unknown:
+        return f"fix: spell the key as the valid keys above (mlxcel-run --cfg job shows every key), or drop it"
     return f"fix: override it on the command line (e.g. {key}=...) or edit conf/{group}/ (or your own config)"
+
+
+def suggest_key(key: str, valid: list[str]) -> str:
+    """' (did you mean prompt.text?)' for a misspelt dotted `key` among its parent's `valid` names."""
+    import difflib
+
+    parent, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
 
 
 def check_paths(cfg: RunConfig) -> list[ConfigIssue]:
@@ -443,8 +468,8 @@ def format_error(root: type[BaseModel] | None, err: dict, prefix: tuple) -> Conf
     if kind == "extra_forbidden" and ".".join(map(str, prefix + loc)) in RENAMED_KEYS:
         return make_issue(prefix + loc, describe_renamed(".".join(map(str, prefix + loc))), value)
     if kind == "extra_forbidden":
-        valid = ", ".join(parent.model_fields) if parent is not None else ""
-        return make_issue(prefix + loc, f"unknown key; valid keys: {valid}", value)
+        valid = list(parent.model_fields) if parent is not None else []
+        return make_issue(prefix + loc, f"unknown key{suggest_key('.'.join(map(str, prefix + loc)), valid)}; valid keys: {', '.join(valid)}", value)
     if kind == "literal_error":
         choices = ctx["expected"].replace("'", "").replace(" or ", ", ")
         return make_issue(prefix + loc, f"must be one of: {choices}", value)

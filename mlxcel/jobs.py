@@ -72,14 +72,28 @@ def read_jsonl_rows(path: Path) -> list[tuple[int, object]]:
         if not line.strip():
             continue
         try:
-            items.append((number, json.loads(line)))
+            items.append((number, json.loads(line, object_pairs_hook=refuse_repeated_keys)))
         except json.JSONDecodeError as exc:
             issues.append(ConfigIssue(f"prompt.file line {number}", f"not valid JSON ({exc.msg} at column {exc.colno})", line[:80]))
+        except RepeatedKeyError as exc:
+            issues.append(ConfigIssue(f"prompt.file line {number}", f"the key {exc.args[0]!r} appears twice (JSON would keep the last silently)", line[:80]))
     if issues:
         raise ConfigError(issues, hint=f"fix: correct those lines of {path}")
     if not items:
         raise ConfigError(ConfigIssue("prompt.file", "has no rows (every line is blank)", str(path)))
     return items
+
+
+class RepeatedKeyError(ValueError):
+    pass
+
+
+def refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    if repeated is not None:
+        raise RepeatedKeyError(repeated)
+    return dict(pairs)
 
 
 def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: str) -> list[JobRow]:

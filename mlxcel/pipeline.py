@@ -4,6 +4,7 @@ PrefillPlan → engine. `Pipeline.load(cfg)` builds it; `prepare` renders and to
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterator, TextIO
 
@@ -32,27 +33,60 @@ class PreparedSample:
     images: ImageInputs | None = None  # the prompt's preprocessed images (VLMs); token ids already expanded
 
 
+def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer):
+    """The chat template the config picks (None: no template)."""
+    template = cfg.template
+    source = load_template_source(tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools"))
+    if template.kind == "auto" and source is None:  # one error for the run, not one per row
+        where = cfg.tokenizer.path or cfg.model.path
+        raise MlxcelError(f"template=auto: the tokenizer of {where} has no chat template; {NO_TEMPLATE_HINT}")
+    return source
+
+
+def check_model_config(cfg: RunConfig) -> tuple:
+    """The config's demands on this model that its header and tokenizer can answer (tile size,
+    KV groups, the chat template): config errors, before minutes of loading. Returns the
+    model's path and header."""
+    path = resolve_model_path(cfg.model.path)
+    header = read_model_header(path)
+    check_before_loading(cfg, header)
+    find_template(cfg, load_tokenizer(cfg.tokenizer.path or path, cfg.tokenizer.kind))
+    return path, header
+
+
+def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
+    """What the config asks of this model, checked from its header: config errors (exit 2)
+    before minutes of loading."""
+    from mlxcel.engine.engine import DECODE_STEPS
+
+    issues = []
+    step = os.environ.get("MLXCEL_DECODE_STEP", "").strip().lower()
+    if step and step not in DECODE_STEPS:
+        issues.append(ConfigIssue("MLXCEL_DECODE_STEP", f"environment variable: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)", step))
+    context = cfg.model.max_context or header.max_context
+    tile = cfg.prefill.resolved_tile_size()
+    if tile and tile >= context:
+        issues.append(ConfigIssue("prefill.tile_size", f"must be below the model's context ({context} tokens)", tile))
+    if cfg.decode.kv_bits and header.head_dim and header.head_dim % cfg.decode.kv_group_size:
+        issues.append(ConfigIssue("decode.kv_group_size", f"must divide the model's head size ({header.head_dim}); use one of 32, 64, 128 that does", cfg.decode.kv_group_size))
+    if issues:
+        raise ConfigError(issues)
+
+
 class Pipeline:
     def __init__(self, cfg: RunConfig, header: ModelHeader, tokenizer: MlxcelTokenizer, loaded: LoadedModel | None):
         self.cfg = cfg
         self.header = header
         self.tokenizer = tokenizer
         self.loaded = loaded
-        template = cfg.template
-        self.template_source = load_template_source(
-            tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools")
-        )
-        if template.kind == "auto" and self.template_source is None:  # one error for the run, not one per row
-            where = cfg.tokenizer.path or cfg.model.path
-            raise MlxcelError(f"template=auto: the tokenizer of {where} has no chat template; {NO_TEMPLATE_HINT}")
+        self.template_source = find_template(cfg, tokenizer)
         self.max_context = cfg.model.max_context or (loaded.model.args.max_position_embeddings if loaded else header.max_context)
         self.stop_ids = self._merge_stop_ids() if loaded else set()
         self.sampler = self.make_sampler() if loaded else None
 
     @classmethod
     def load(cls, cfg: RunConfig, load_weights: bool = True, log: TextIO | None = None) -> Pipeline:
-        path = resolve_model_path(cfg.model.path)
-        header = read_model_header(path)
+        path, header = check_model_config(cfg)
         loaded = None
         if load_weights:
             say(log, f"loading model {cfg.model.path} ...")

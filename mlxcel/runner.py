@@ -116,6 +116,9 @@ def run_dry(pipeline: Pipeline, samples, outputs: RunOutputs, report: dict, log:
     report.update(status="dry_run", rows=len(rows), rows_with_errors=errors)
     outputs.write_stats(order_report(report))
     say(log, f"dry run: {len(rows)} prompt(s) rendered and tokenized ({errors} with errors), written to {outputs.dir / 'prompts.jsonl'}")
+    if rows and errors == len(rows):  # nothing could run: the job itself would fail
+        first = next(r["error"] for r in rows)
+        raise MlxcelError(first if len(rows) == 1 else f"every prompt failed ({len(rows)}); the first: {first}")
     return RunResult(outputs.dir, "dry_run")
 
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.tokenizer.base import MlxcelTokenizer
 
 NO_TEMPLATE_HINT = (
@@ -121,7 +121,7 @@ def load_template_source(
     if name is not None:
         if name not in named:
             available = ", ".join(sorted(named)) or "none"
-            raise MlxcelError(f"template.name={name}: the model has no chat template of that name (it has: {available})")
+            raise ConfigError(ConfigIssue("template.name", f"the model has no chat template of that name (it has: {available})", name))
         return TemplateSource(named[name], f"the {tokenizer.backend} tokenizer's chat template {name!r}")
     if tools is not None and "tool_use" in named:
         return TemplateSource(named["tool_use"], f"the {tokenizer.backend} tokenizer's chat template 'tool_use'")
@@ -162,9 +162,41 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# A rendered prompt past this many characters cannot fit any model's context (a million tokens of
+# ~4 characters); a template that would build one ('a' * 10**10) is stopped as it renders.
+MAX_RENDERED_CHARS = 4_000_000
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, plus bounds on what a template can make the host build: repeated strings and
+    lists, and powers, are refused past MAX_RENDERED_CHARS (Jinja bounds range() only)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            sequence, count = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(sequence, (str, list, tuple)) and isinstance(count, int) and len(sequence) * count > MAX_RENDERED_CHARS:
+                raise SecurityError(f"the template repeats a value to {len(sequence) * count} items, past {MAX_RENDERED_CHARS}")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * max(abs(left), 2).bit_length() > 64 * MAX_RENDERED_CHARS:
+            raise SecurityError("the template computes a power too large to print")
+        return super().call_binop(context, operator, left, right)
+
+
+def render_bounded(template: jinja2.Template, **variables: Any) -> str:
+    """Render, stopping once the text passes MAX_RENDERED_CHARS (loops can build it piecewise)."""
+    parts, size = [], 0
+    for part in template.generate(**variables):
+        size += len(part)
+        if size > MAX_RENDERED_CHARS:
+            raise SecurityError(f"the rendered prompt passes {MAX_RENDERED_CHARS} characters, more than any model's context holds")
+        parts.append(part)
+    return "".join(parts)
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -249,7 +281,8 @@ def render_prompt(
     variables.update(kwargs)  # caller's variables win, as in transformers
     try:
         template = compile_template(str(source))
-        return template.render(
+        return render_bounded(
+            template,
             messages=normalize_messages(messages),
             tools=tools,
             documents=documents,

@@ -190,9 +190,9 @@ def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys
     "args, line",
     [
         (["sampler=nope"], "could not find config 'sampler/nope'; available options in 'sampler': adaptive_p, default, dry, dynatemp, greedy, min_p, mirostat, mirostat_v1, penalties, temperature, top_n_sigma, typical, xtc"),
-        (["decode.max_tokenz=1"], "decode.max_tokenz: unknown key; valid keys: max_tokens, stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size; to append to your config use +decode.max_tokenz=1"),
+        (["decode.max_tokenz=1"], "decode.max_tokenz: unknown key (did you mean decode.max_tokens?); valid keys: max_tokens, stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size"),
         (["runner.batch_size=4"], "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N"),
-        (["foo=1"], "foo: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner; to append to your config use +foo=1"),
+        (["foo=1"], "foo: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner"),  # (no "+foo=1": validation refuses that too)
         (["~sampler.processors.top_p"], "Could not delete from config. 'sampler.processors.top_p' does not exist."),
         (["decode.max_tokens=${oops}"], "decode.max_tokens: Interpolation key 'oops' not found"),
     ],

@@ -33,7 +33,7 @@ def issue_lines(data: dict, hints: tuple[str, ...] | None = None) -> list[str]:
         validate_config(data)
     lines = info.value.format().splitlines()
     if hints is None:  # the hint names the first bad key
-        hints = (make_hint(lines[0].split(":")[0]),)
+        hints = (make_hint(lines[0].split(":")[0], unknown=lines[0].split(": ", 1)[1].startswith("unknown key")),)
     assert tuple(lines[-len(hints):]) == hints
     return lines[: -len(hints)]
 
@@ -95,7 +95,7 @@ ERROR_CASES = [
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
     ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize (got 1)"),
     ({"runner": {"batch_size": 4}}, "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N (got 4)"),
-    ({"prefill": {"tile_size": 0}}, "prefill.tile_size: must be an integer > 0, 'auto' or null (got 0)"),
+    ({"prefill": {"tile_size": 0}}, "prefill.tile_size: must be an integer in [1, 1024], 'auto' or null (got 0)"),
     ({"model": {"quantize": {"bits": 7}}}, "model.quantize.bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
     ({"decode": {"kv_bits": 7}}, "decode.kv_bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
     ({"decode": {"kv_group_size": 48}}, "decode.kv_group_size: must be one of: 32, 64, 128 (got 48)"),
@@ -116,7 +116,7 @@ ERROR_CASES = [
         "sampler.processors.top_q: unknown sampler stage; known: logit_bias, penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature (got {})",
     ),
     ({"sampler": {"processors": {"temperature": {"value": "hot"}}}}, "sampler.processors.temperature.value: must be a number (got 'hot')"),
-    ({"sampler": {"processors": {"temperature": {"valu": 1.0}}}}, "sampler.processors.temperature.valu: unknown key; valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)"),
+    ({"sampler": {"processors": {"temperature": {"valu": 1.0}}}}, "sampler.processors.temperature.valu: unknown key (did you mean sampler.processors.temperature.value?); valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)"),
     (
         {"sampler": {"processors": {"temperature": {"dynatemp_range": -0.5}}}},
         "sampler.processors.temperature.dynatemp_range: must be >= 0.0; 0.0 turns dynamic temperature off (got -0.5)",
@@ -134,7 +134,7 @@ ERROR_CASES = [
     ({"sampler": {"selector": {"kind": "beam"}}}, "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')"),
     ({"sampler": {"selector": {"kind": "greedy", "tau": 5.0}}}, "sampler.selector.tau: unknown key; valid keys: kind (got 5.0)"),
     ({"prefill": {"chunk_size": 0}}, "prefill.chunk_size: must be > 0 (got 0)"),
-    ({"prefill": {"tile_size": "x"}}, "prefill.tile_size: must be an integer > 0, 'auto' or null (got 'x')"),
+    ({"prefill": {"tile_size": "x"}}, "prefill.tile_size: must be an integer in [1, 1024], 'auto' or null (got 'x')"),
     ({"decode": {"max_tokens": "abc"}}, "decode.max_tokens: must be an integer > 0 (got 'abc')"),
     ({"decode": {"max_tokens": True}}, "decode.max_tokens: must be an integer > 0 (got True)"),
     ({"decode": {"stop_token_ids": [1, -2]}}, "decode.stop_token_ids.1: must be >= 0 (got -2)"),
@@ -315,10 +315,13 @@ def test_hf_model_without_path_is_a_config_error():
 
 
 def test_hydra_settings():
+    from mlxcel.cli import register_resolvers
+
+    register_resolvers()  # ${mlxcel.pid:} in folder names
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["runner.name=exp-1"], return_hydra_config=True)
     hydra = cfg.hydra
-    stamp = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+    stamp = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+"  # date, time, the process id
     assert re.fullmatch(f"outputs/exp-1/runs/{stamp}", hydra.run.dir)
     assert re.fullmatch(f"outputs/exp-1/multiruns/{stamp}", hydra.sweep.dir)
     assert OmegaConf.to_container(hydra.sweep)["subdir"] == "${hydra.job.num}"

@@ -282,3 +282,96 @@ def test_a_single_prompt_stopped_by_ctrl_c_keeps_its_partial_row(tmp_path, tiny_
     run(resumed, tmp_path / "run", stream=None, log=None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["finish_reason"] == "length" and len(rows[0]["token_ids"]) == 40  # run again, in its place
+
+
+# ---- values that must be checked, exit codes, messages that name the problem ----
+def validate(**groups):
+    from mlxcel.config import validate_config
+
+    data = {"model": {"path": "embedded:smollm2"}, "prompt": {"text": "hi"}, **groups}
+    with pytest.raises(ConfigError) as raised:
+        validate_config(data)
+    return raised.value.format().splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "groups, line",
+    [
+        ({"prefill": {"tile_size": 100000}}, "prefill.tile_size: must be an integer in [1, 1024], 'auto' or null (got 100000)"),
+        ({"sampler": {"processors": {"temperature": {"value": float("nan")}}}}, "sampler.processors.temperature.value: must be a finite number (got nan)"),
+        ({"sampler": {"processors": {"temperature": {"value": float("inf")}}}}, "sampler.processors.temperature.value: must be a finite number (got inf)"),
+        ({"sampler": {"processors": {"penalties": {"frequency": float("-inf")}}}}, "sampler.processors.penalties.frequency: must be a finite number (got -inf)"),
+        ({"sampler": {"processors": {"logit_bias": {"bias": {5: float("nan")}}}}}, "sampler.processors.logit_bias.bias: token 5: a bias is a finite number, or -inf to ban the token (got nan)"),
+        ({"decode": {"logprobs": 100000}}, "decode.logprobs: must be <= 20 (got 100000)"),
+    ],
+)
+def test_values_out_of_reason_are_config_errors(groups, line):
+    assert validate(**groups) == line
+
+
+def test_a_row_asking_for_endless_samples_is_refused(tmp_path):
+    from mlxcel.config import PromptConfig
+    from mlxcel.jobs import load_job_rows
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi", "n": 100000000}\n{"id": [1], "prompt": "x"}\n{"prompt": 123}\n{"prompt": "a", "prompt": "b"}\n')
+    with pytest.raises(ConfigError) as raised:
+        load_job_rows(PromptConfig(file=str(rows)))
+    lines = raised.value.format().splitlines()
+    assert lines[0].startswith("prompt.file line 4: the key 'prompt' appears twice")  # JSON errors first, one line each
+    rows.write_text('{"prompt": "hi", "n": 100000000}\n{"id": [1], "prompt": "x"}\n{"prompt": 123}\n')
+    with pytest.raises(ConfigError) as raised:
+        load_job_rows(PromptConfig(file=str(rows)))
+    assert raised.value.format().splitlines()[:3] == [
+        "prompt.file line 1: n: must be <= 128 (got 100000000)",
+        "prompt.file line 2: id: must be a string or an integer (got [1])",  # one line, not one per type tried
+        "prompt.file line 3: prompt: must be a string or null (got 123)",  # never turned into '123'
+    ]
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("{{ 'a' * 10000000000 }}", "repeats a value to 10000000000 items"),
+        ("{% for i in range(100000) %}{{ 'a' * 1000 }}{% endfor %}", "the rendered prompt passes 4000000 characters"),
+        ("{{ 10 ** 100000000 }}", "a power too large to print"),
+    ],
+)
+def test_a_template_cannot_build_an_endless_prompt(source, message):
+    from mlxcel.errors import MlxcelError
+    from mlxcel.template import render_prompt
+
+    with pytest.raises(MlxcelError, match=message):
+        render_prompt(source, [{"role": "user", "content": "hi"}], object())
+
+
+def test_config_errors_exit_2_before_the_model_loads(tmp_path, tiny_llama):
+    model = f"model.path={tiny_llama}"
+    for args, env, key in [
+        ((model, "decode.kv_bits=4", "decode.kv_group_size=32"), {}, "decode.kv_group_size: must divide the model's head size (16)"),
+        ((model,), {"MLXCEL_DECODE_STEP": "bogus"}, "MLXCEL_DECODE_STEP: environment variable: must be one of"),
+        (("template.name=nope",), {}, "template.name: the model has no chat template of that name"),
+    ]:
+        result = run_mlxcel_env(tmp_path, env, *args, "prompt.text=hi", "hydra.run.dir=run")
+        assert result.returncode == 2 and key in result.stderr and "loading model" not in result.stderr, result.stderr
+        assert not (tmp_path / "run").exists()
+    failed = run_mlxcel(tmp_path, model, "prompt.text=hi", "template.text={{ raise_exception('no') }}", "runner.dry_run=true", "hydra.run.dir=dry")
+    assert failed.returncode == 1 and "the template refused this conversation" in failed.stderr  # a dry run where every prompt failed
+
+
+def run_mlxcel_env(tmp_path: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    full.pop("MLXCEL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "mlxcel", *args], check=False, cwd=tmp_path, env=full, capture_output=True, text=True, timeout=300)
+
+
+def test_messages_name_the_file_and_the_fix(tmp_path):
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    result = run_mlxcel(tmp_path, "model.path=./empty.gguf", "prompt.text=hi", "hydra.run.dir=a")
+    assert result.returncode == 1 and "empty.gguf: empty or truncated (0 bytes), not a GGUF file" in result.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{oops")
+    result = run_mlxcel(tmp_path, "model.path=./broken", "prompt.text=hi", "hydra.run.dir=b")
+    assert result.returncode == 1 and "broken/config.json: not valid JSON" in result.stderr
+    result = run_mlxcel(tmp_path, "prompt.txt=hi", "hydra.run.dir=c")
+    assert result.returncode == 2 and "(did you mean prompt.text?)" in result.stderr and "+prompt.txt" not in result.stderr

@@ -182,7 +182,7 @@ def test_named_templates_and_builtins(tmp_path):
     assert load_template_source(ours) == ref.get_chat_template() == HF_TEMPLATE
     assert load_template_source(ours, tools=tools) == ref.get_chat_template(tools=tools) == "TOOLS"
     assert load_template_source(ours, name="tool_use") == ref.get_chat_template("tool_use")
-    with pytest.raises(MlxcelError, match=r"template.name=nope: the model has no chat template of that name \(it has: default, tool_use\)"):
+    with pytest.raises(MlxcelError, match=r"template.name: the model has no chat template of that name \(it has: default, tool_use\) \(got 'nope'\)"):
         load_template_source(ours, name="nope")
     chatml = load_template_source(ours, kind="chatml")
     assert render_prompt(chatml, CONVERSATIONS[0], ours) == (

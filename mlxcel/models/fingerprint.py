@@ -20,6 +20,7 @@ class ModelHeader:
     max_context: int
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes
     fingerprint: str = ""  # sha256 of the config and the weights index (names, shapes, dtypes)
+    head_dim: int | None = None  # attention head size, where the config says (checks decode.kv_group_size before loading)
 
 
 def read_model_header(path: Path) -> ModelHeader:
@@ -32,7 +33,12 @@ def read_hf_header(folder: Path) -> ModelHeader:
     config_path = folder / "config.json"
     if not config_path.exists():
         raise MlxcelError(f"{folder}: no config.json (expected an HF model folder)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MlxcelError(f"{config_path}: not valid JSON ({exc}); the model folder is damaged or incomplete") from exc
+    if not isinstance(config, dict):
+        raise MlxcelError(f"{config_path}: not a model config (a JSON object of settings)")
     digest = hashlib.sha256(config_path.read_bytes())
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -40,7 +46,16 @@ def read_hf_header(folder: Path) -> ModelHeader:
     for weights in sorted(folder.glob("*.safetensors")):
         digest.update(read_safetensors_header(weights))
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    return ModelHeader(folder, config.get("model_type", "?"), read_context_length(config), files, digest.hexdigest())
+    return ModelHeader(folder, config.get("model_type", "?"), read_context_length(config), files, digest.hexdigest(), read_head_dim(config))
+
+
+def read_head_dim(config: dict) -> int | None:
+    """head_dim, else hidden_size / num_attention_heads (of text_config in multimodal folders)."""
+    text = config.get("text_config") or config
+    if isinstance(text.get("head_dim"), int):
+        return text["head_dim"]
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
 
 
 def read_context_length(config: dict) -> int:
@@ -76,4 +91,4 @@ def read_gguf_header(path: Path) -> ModelHeader:
     for name in sorted(index):
         shape, dtype = index[name]
         digest.update(f"{name}:{shape}:{dtype}".encode())
-    return ModelHeader(path, config["model_type"], config["max_position_embeddings"], {path.name: path.stat().st_size}, digest.hexdigest())
+    return ModelHeader(path, config["model_type"], config["max_position_embeddings"], {path.name: path.stat().st_size}, digest.hexdigest(), read_head_dim(config))

@@ -76,6 +76,8 @@ class _Cursor:
 
 def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     """Metadata and tensor table; an unknown tensor type is an error naming the tensor."""
+    if Path(path).stat().st_size < 4:
+        raise MlxcelError(f"{path}: empty or truncated ({Path(path).stat().st_size} bytes), not a GGUF file; download it again")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(memoryview(data), path)
     if bytes(data[:4]) != b"GGUF":

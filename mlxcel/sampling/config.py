@@ -55,6 +55,15 @@ def check_positive(value: float, note: str = "") -> float:
 class Stage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="after")
+    def _check_finite(self):
+        """nan compares false with every bound, and inf means nothing for these parameters: a
+        sampler given either would return junk, so neither gets through."""
+        for name, value in self:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise reject("must be a finite number", name, value)
+        return self
+
 
 class LogitBiasConfig(Stage):
     bias: dict[Int | str, Float] = Field(default_factory=dict)  # token id -> added to its logit (-inf bans it)
@@ -69,6 +78,8 @@ class LogitBiasConfig(Stage):
             token = key if isinstance(key, int) else int(key) if str(key).isdigit() else None
             if token is None or token < 0:
                 raise reject("keys must be token ids (integers >= 0)", None, key)
+            if math.isnan(value) or value == math.inf:
+                raise reject(f"token {token}: a bias is a finite number, or -inf to ban the token", None, value)
             checked[token] = value
         return checked
 

@@ -12,10 +12,14 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+import mlx.core as mx
+
+from mlxcel.blas import advise_api_blas
 from mlxcel.config import RunConfig, validate_config
 from mlxcel.engine import RowResult
 from mlxcel.jobs import JobRow, Sample
@@ -47,6 +51,8 @@ def load_config(config: dict | None = None, overrides: list[str] | tuple[str, ..
 def load_generator(config: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Generator:
     cfg = load_config(config, overrides)
     select_device(cfg.runner.device)
+    if mx.default_device() == mx.cpu and (tip := advise_api_blas()):
+        print(tip, file=sys.stderr)
     return Generator(Pipeline.load(cfg))
 
 

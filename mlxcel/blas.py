@@ -70,7 +70,30 @@ def reexec_with_openblas(argv: list[str]) -> None:
     env[MARKER] = library
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "mlxcel", *argv], env)
+    os.execve(sys.executable, rerun_command("mlxcel", argv), env)
+
+
+def rerun_command(module: str, argv: list[str]) -> list[str]:
+    """A command that runs `module` of this same mlxcel again. `python -m mlxcel` would put the
+    current folder first on the path, so in a checkout an installed mlxcel-run would re-execute
+    the checkout's code; this imports the package that is running now."""
+    root = str(Path(__file__).resolve().parent.parent)
+    code = (
+        f"import runpy, sys; sys.path[:] = [{root!r}] + [p for p in sys.path if p not in ('', '.')]; "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code, *argv]
+
+
+def advise_api_blas(environ: dict[str, str] | None = None) -> str | None:
+    """For the Python API, which cannot re-execute its caller: the one-line tip to start Python
+    with OpenBLAS preloaded (or to install it), where MLX would otherwise run on its reference
+    BLAS; None elsewhere."""
+    library, hint = plan_blas_preload(dict(os.environ) if environ is None else environ)
+    if library:
+        return (f"mlxcel: tip: this Python runs MLX on its slow reference BLAS (mlxcel-run preloads OpenBLAS: "
+                f"~15x faster CPU prefill); start Python with LD_PRELOAD={library} for the same speed (MLXCEL_BLAS=off hides this)")
+    return hint
 
 
 def describe_blas() -> str:

@@ -375,3 +375,28 @@ def test_messages_name_the_file_and_the_fix(tmp_path):
     assert result.returncode == 1 and "broken/config.json: not valid JSON" in result.stderr
     result = run_mlxcel(tmp_path, "prompt.txt=hi", "hydra.run.dir=c")
     assert result.returncode == 2 and "(did you mean prompt.text?)" in result.stderr and "+prompt.txt" not in result.stderr
+
+
+def test_the_blas_rerun_runs_the_code_that_is_running(tmp_path):
+    """`python -m mlxcel` from a folder holding another mlxcel would run that one instead."""
+    from mlxcel.blas import rerun_command
+
+    impostor = tmp_path / "mlxcel"
+    impostor.mkdir()
+    (impostor / "__init__.py").write_text("")
+    (impostor / "__main__.py").write_text("print('the current folder ran')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["MLXCEL_BLAS"] = "off"  # (the rerun itself must not re-execute again)
+    result = subprocess.run(rerun_command("mlxcel", ["--help"]), check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "mlxcel-run" in result.stdout and "the current folder ran" not in result.stdout, result.stdout + result.stderr
+
+
+def test_the_api_says_how_to_get_mlxcel_runs_blas():
+    from mlxcel.blas import advise_api_blas
+
+    tip = advise_api_blas({"MLXCEL_TEST": "1"})  # a fresh process's environment, nothing preloaded
+    if tip is None:
+        pytest.skip("not a Linux CPU with the mlx-cpu wheel's reference BLAS")
+    assert tip.startswith("mlxcel: tip: ") and ("LD_PRELOAD=" in tip or "install OpenBLAS" in tip)
+    assert advise_api_blas({"MLXCEL_BLAS": "off"}) is None
+    assert advise_api_blas({"LD_PRELOAD": "/usr/lib/libopenblas.so.0"}) is None  # already fast

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlxcel
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import bench_model, format_agreement, format_table, log
-from mlxcel.blas import MARKER, describe_blas, plan_blas_preload
+from mlxcel.blas import MARKER, describe_blas, plan_blas_preload, rerun_command
 from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import pick_dtype
 
@@ -122,7 +122,7 @@ def reexec_with_openblas(argv: list[str], module: str = "mlxcel.bench") -> None:
         return
     env = {**os.environ, MARKER: library, "LD_PRELOAD": ":".join(filter(None, [library, os.environ.get("LD_PRELOAD")]))}
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+    os.execve(sys.executable, rerun_command(module, argv), env)
 
 
 def main(argv: list[str] | None = None) -> int:

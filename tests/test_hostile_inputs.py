@@ -400,3 +400,12 @@ def test_the_api_says_how_to_get_mlxcel_runs_blas():
     assert tip.startswith("mlxcel: tip: ") and ("LD_PRELOAD=" in tip or "install OpenBLAS" in tip)
     assert advise_api_blas({"MLXCEL_BLAS": "off"}) is None
     assert advise_api_blas({"LD_PRELOAD": "/usr/lib/libopenblas.so.0"}) is None  # already fast
+
+
+def test_bytes_that_are_not_utf8_are_one_config_error(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "mlxcel", b"prompt.text=caf\xe9", "runner.dry_run=true", "hydra.run.dir=run"],
+                            check=False, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2 and stderr.count("\n") == 1 and "argument 1: is not valid UTF-8 text" in stderr, stderr
+    assert list(tmp_path.iterdir()) == []  # no folder, no .tmp files

@@ -9,7 +9,7 @@ job and every process it starts. All of that comes from data: the command line, 
 `--config-dir`. So mlxcel-run composes the config as Hydra is about to (the same search path,
 primary config and overrides) and allows only what mlxcel ships and documents: its own callback,
 Hydra's basic launcher and sweeper, the standard logging handlers and formatters writing to the
-terminal or into the run folder. Anything else is a config error before Hydra creates a folder or
+terminal or into the run folder (a log file's name must start with ${hydra.runtime.output_dir}/). Anything else is a config error before Hydra creates a folder or
 imports a name. Hydra's own blocklist (a few builtins) misses `pathlib.Path.write_text` and the
 like, and does not look at logging configs at all.
 """
@@ -135,7 +135,15 @@ def check_logging(node: Any, path: str) -> None:
             refuse(here, "logging would import and call this factory (a config may not run code)", value)
         if key == "class" and value not in ALLOWED_LOGGING_CLASSES:
             refuse(here, f"logging would import this; allowed: {', '.join(sorted(ALLOWED_LOGGING_CLASSES))}", value)
+        if key == "filename" and not is_in_run_folder(value):
+            refuse(here, "a log file goes in the run folder: ${hydra.runtime.output_dir}/NAME.log", value)
         check_logging(value, here)
+
+
+def is_in_run_folder(filename: Any) -> bool:
+    """A log file's name as written: under the job's output folder, no `..`."""
+    text = str(filename)
+    return text.startswith(("${hydra.runtime.output_dir}/", "${hydra:runtime.output_dir}/")) and ".." not in text
 
 
 def check_environment(job: dict) -> None:

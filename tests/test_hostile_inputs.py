@@ -33,6 +33,7 @@ def check(*args: str):
         ("+hydra.job_logging.handlers.x.class=os.system", "hydra.job_logging.handlers.x.class"),
         ("+hydra.hydra_logging.handlers.x.class=pathlib.Path.unlink", "hydra.hydra_logging.handlers.x.class"),
         ("+hydra.job_logging.handlers.x.stream=ext://antigravity", "hydra.job_logging.handlers.x.stream"),
+        ("+hydra.job_logging.handlers.x.filename=/home/user/.bashrc", "hydra.job_logging.handlers.x.filename"),  # appends anywhere
         ("+hydra.job.env_set.LD_PRELOAD=/tmp/evil.so", "hydra.job.env_set.LD_PRELOAD"),
         ("+hydra.job.env_set.PYTHONSTARTUP=/tmp/evil.py", "hydra.job.env_set.PYTHONSTARTUP"),
         ("hydra.run.dir=", "hydra.run.dir"),

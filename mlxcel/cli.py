@@ -126,6 +126,20 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("mlxcel.pid", lambda: str(os.getpid()), replace=True)  # default folder names
 
 
+PROMPT_INPUTS = ("prompt.file", "prompt.messages", "prompt.rows")
+
+
+def prefer_given_prompt(args: list[str], extra: dict | None = None) -> list[str]:
+    """A prompt input the user gives (prompt.file, prompt.messages or prompt.rows, on the command
+    line or in `extra`) wins over the prompt group's default text: `mlxcel-run prompt.file=x.jsonl`
+    alone runs the batch job. A text the user gives too stays, and validation names the clash."""
+    given = {arg.split("=", 1)[0].lstrip("+~") for arg in args if "=" in arg and not arg.startswith("-")}
+    given |= {f"prompt.{key}" for key, value in ((extra or {}).get("prompt") or {}).items() if value is not None}
+    if given & set(PROMPT_INPUTS) and "prompt.text" not in given:
+        return [*args, "prompt.text=null"]
+    return args
+
+
 def quote_override_value(text: str) -> str:
     """Quote `text` so Hydra's override parser and OmegaConf's resolver give back exactly `text`."""
     text = re.sub(r"(\\*)\$\{", r"\1\1\\${", text)  # OmegaConf: \${ is a literal ${
@@ -254,7 +268,7 @@ def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
     register_resolvers()
     try:
         with initialize_config_dir(config_dir=str(find_conf_dir()), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=quote_free_text(list(overrides)))
+            cfg = compose(config_name="config", overrides=quote_free_text(prefer_given_prompt(list(overrides), extra)))
         OmegaConf.set_struct(cfg, False)  # unknown keys in `extra` are reported by validation, by name
         cfg = OmegaConf.merge(cfg, extra or {})
     except (HydraException, OmegaConfBaseException) as ex:
@@ -452,7 +466,7 @@ def main() -> None:
         terminate_on_sigterm()
         check_utf8(sys.argv[1:])
         register_resolvers()
-        sys.argv = [sys.argv[0], *use_recipe(quote_free_text(sys.argv[1:]))]
+        sys.argv = [sys.argv[0], *use_recipe(quote_free_text(prefer_given_prompt(sys.argv[1:])))]
         composed = check_hydra_settings(sys.argv[1:], find_conf_dir())  # before Hydra instantiates or creates anything
         if composed is not None:  # one job: refuse what can be refused before Hydra writes into a folder
             sys.argv.append(claim_run_folder_early(composed, claimed))

@@ -302,7 +302,7 @@ class PromptConfig(Group):
         if not sources:
             raise reject("required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows", "text", NO_VALUE)
         if len(sources) > 1:
-            hint = "; for a batch job use the preset: prompt=jsonl prompt.file=PATH" if "text" in sources else ""
+            hint = "; give one (prompt.file alone runs a batch job: the default text steps aside)" if "text" in sources else ""
             raise reject(f"set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got {', '.join(sources)}){hint}", sources[1], NO_VALUE)
         if self.images and self.text is None:
             raise reject("prompt.images go with prompt.text (in prompt.messages or a JSONL row, use image parts)", "images", self.images)

@@ -286,3 +286,16 @@ def test_installed_package_finds_its_conf_from_any_directory(tmp_path, installed
         cwd=elsewhere, env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True, check=True,
     )
     assert Path(where.stdout.strip()) == target / "mlxcel" / "conf"
+
+
+def test_a_given_prompt_input_replaces_the_default_text(tmp_path):
+    from mlxcel.cli import compose_config, prefer_given_prompt
+
+    assert prefer_given_prompt(["prompt.file=a.jsonl"]) == ["prompt.file=a.jsonl", "prompt.text=null"]
+    assert prefer_given_prompt(["prompt.file=a.jsonl", "prompt.text=hi"]) == ["prompt.file=a.jsonl", "prompt.text=hi"]  # a clash stays one
+    assert prefer_given_prompt(["decode.max_tokens=3"]) == ["decode.max_tokens=3"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    assert compose_config([f"prompt.file={rows}"])["prompt"]["text"] is None
+    assert compose_config([], {"prompt": {"rows": [{"prompt": "hi"}]}})["prompt"]["text"] is None
+    assert compose_config([])["prompt"]["text"] == "What is the capital of France?"

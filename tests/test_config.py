@@ -142,7 +142,7 @@ ERROR_CASES = [
     ({"decode": {"ignore_eos": "yes"}}, "decode.ignore_eos: must be true or false (got 'yes')"),
     ({"prompt": {"text": "  \n"}}, "prompt.text: must not be empty or only whitespace (got '  \\n')"),
     ({"prompt": {"text": None}}, "prompt.text: required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows"),
-    ({"prompt": {"messages": [{"role": "user", "content": "x"}]}}, "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got text, messages); for a batch job use the preset: prompt=jsonl prompt.file=PATH"),
+    ({"prompt": {"messages": [{"role": "user", "content": "x"}]}}, "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got text, messages); give one (prompt.file alone runs a batch job: the default text steps aside)"),
     ({"prompt": {"text": None, "messages": [{"role": "bot", "content": "x"}]}}, "prompt.messages.0.role: must be one of: system, user, assistant, tool (got 'bot')"),
     ({"prompt": {"text": None, "messages": [{"role": "user", "content": ""}]}}, "prompt.messages.0.content: must not be empty or only whitespace (got '')"),
     ({"prompt": {"text": None, "messages": [{"role": "user"}]}}, "prompt.messages.0.content: required (only an assistant message with tool_calls may omit it)"),

@@ -53,11 +53,6 @@ class RotatingKVCache(KVCache):
         self.offset = start + keys.shape[2]
         return keys, values
 
-    def linearize(self) -> None:
-        """Stored keys in position order: slot i holds position start + i, up to offset."""
-        if self.ring:
-            self._unroll()
-
     def _unroll(self) -> None:
         """Ring -> linear, oldest position first."""
         if self.offset >= self.window:

@@ -107,12 +107,6 @@ def apply_config_added_tokens(tokenizer: Tokenizer, config: dict[str, Any]) -> N
         tokenizer.add_tokens(wanted)
 
 
-def load_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    """The default template (see load_chat_templates)."""
-    templates = load_chat_templates(folder, config)
-    return templates.get("default", next(iter(templates.values()), None))
-
-
 def load_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
     """Every template of the folder by name ("default" for the unnamed one).
 

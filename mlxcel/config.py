@@ -67,6 +67,7 @@ class ModelConfig(Group):
     gguf_weights: Literal["auto", "quantized", "dequantize"] = "auto"
     max_context: PositiveInt | None = None
     quantize: QuantizeConfig | None = None
+    families: list[str] | None = None  # a family preset's model_types: the checkpoint must be one (checked from its header)
 
     @field_validator("path")
     @classmethod

@@ -21,8 +21,9 @@ STATS_FILE = "stats.json"
 PROMPTS_FILE = "prompts.jsonl"
 LOCK_FILE = ".lock"
 # Keys that may change between a run and its resumption: they do not change what a row contains.
-# runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed.
-RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.max_rows", "runner.batch_size", "runner.dry_run")
+# runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed;
+# model.families only checks the checkpoint (folders written before it have none).
+RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.max_rows", "runner.batch_size", "runner.dry_run", "model.families")
 
 
 _HELD_LOCKS: dict[Path, int] = {}  # run folder -> the open file this process locks it through

@@ -69,6 +69,10 @@ def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
         issues.append(ConfigIssue("prefill.tile_size", f"must be below the model's context ({context} tokens)", tile))
     if cfg.decode.kv_bits and header.head_dim and header.head_dim % cfg.decode.kv_group_size:
         issues.append(ConfigIssue("decode.kv_group_size", f"must divide the model's head size ({header.head_dim}); use one of 32, 64, 128 that does", cfg.decode.kv_group_size))
+    families = cfg.model.families
+    if families and header.arch not in families:
+        issues.append(ConfigIssue("model", f"{cfg.model.path} is a {header.arch!r} checkpoint, and this model preset is for {', '.join(families)}; "
+                                  "pick the preset of its family, or model=hf for any", has_value=False))
     if issues:
         raise ConfigError(issues)
 

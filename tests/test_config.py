@@ -93,7 +93,7 @@ ERROR_CASES = [
     ({"model": {"dtype": "fp8"}}, "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')"),
     ({"model": {"gguf_weights": "q4"}}, "model.gguf_weights: must be one of: auto, quantized, dequantize (got 'q4')"),
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
-    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize (got 1)"),
+    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families (got 1)"),
     ({"runner": {"batch_size": 4}}, "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N (got 4)"),
     ({"prefill": {"tile_size": 0}}, "prefill.tile_size: must be an integer in [1, 1024], 'auto' or null (got 0)"),
     ({"model": {"quantize": {"bits": 7}}}, "model.quantize.bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),

@@ -50,5 +50,20 @@ def test_every_model_preset_takes_every_model_key(preset):
     from mlxcel.cli import compose_config
 
     model = compose_config([f"model={preset}", "model.quantize={bits: 4, group_size: 64}", "model.max_context=512"])["model"]
-    assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize"}
+    assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize", "families"}
     assert model["quantize"] == {"bits": 4, "group_size": 64} and model["max_context"] == 512
+
+
+def test_a_family_preset_refuses_another_familys_checkpoint(tmp_path):
+    """model=qwen2_vl model.path=embedded:smollm2 once ran Llama without a word."""
+    from mlxcel.api import load_config
+    from mlxcel.models.fingerprint import read_model_header
+    from mlxcel.models.loader import resolve_model_path
+    from mlxcel.pipeline import check_before_loading
+
+    header = read_model_header(resolve_model_path("embedded:smollm2"))
+    wrong = load_config({"model": {"path": "embedded:smollm2"}}, ["model=qwen2_vl", "model.path=embedded:smollm2"])
+    with pytest.raises(ConfigError, match=r"model: embedded:smollm2 is a 'llama' checkpoint, and this model preset is for qwen2_vl"):
+        check_before_loading(wrong, header)
+    check_before_loading(load_config(None, ["model=hf", "model.path=embedded:smollm2"]), header)  # hf: any family
+    check_before_loading(load_config(None, []), header)  # the default preset (smollm2) takes any path given to it

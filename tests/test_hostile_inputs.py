@@ -100,6 +100,7 @@ def run_mlxcel(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mlxcel", *args], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_refused_callback_runs_nothing_and_makes_no_folder(tmp_path):
     target = tmp_path / "written.pth"
     result = run_mlxcel(
@@ -111,6 +112,7 @@ def test_a_refused_callback_runs_nothing_and_makes_no_folder(tmp_path):
     assert not target.exists() and not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow  # a subprocess
 def test_environment_variables_stay_out_of_text(tmp_path):
     """The command line's text is literal in every quoting form; a YAML file's is refused."""
     result = run_mlxcel(tmp_path, "prompt.text='${oc.env:MYSECRET}'", "runner.dry_run=true", "hydra.run.dir=run")
@@ -129,6 +131,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # a subprocess
 def test_two_runs_never_share_a_folder(tmp_path):
     from mlxcel.outputs import lock_run_folder, release_run_folder
 
@@ -142,6 +145,7 @@ def test_two_runs_never_share_a_folder(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # Hydra never wrote into it
 
 
+@pytest.mark.slow  # a subprocess
 def test_runs_started_together_get_folders_of_their_own(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([sys.executable, "-m", "mlxcel", "prompt.text=hi", "runner.dry_run=true"], cwd=tmp_path, env=env,
@@ -151,6 +155,7 @@ def test_runs_started_together_get_folders_of_their_own(tmp_path):
     assert len(folders) == 2 and all((f / "prompts.jsonl").is_file() for f in folders)
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_refused_start_leaves_the_folder_as_it_was(tmp_path, tiny_llama):
     model = f"model.path={tiny_llama}"
     first = run_mlxcel(tmp_path, model, "prompt.text=hi", "decode.max_tokens=2", "hydra.run.dir=run")
@@ -163,6 +168,7 @@ def test_a_refused_start_leaves_the_folder_as_it_was(tmp_path, tiny_llama):
     assert snapshot(tmp_path / "run") == before  # stats.json and .hydra/overrides.yaml included
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_run_never_writes_over_its_input(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -172,6 +178,7 @@ def test_a_run_never_writes_over_its_input(tmp_path):
     assert sorted(p.name for p in data.iterdir()) == ["prompts.jsonl"] and (data / "prompts.jsonl").read_text() == '{"prompt": "hi"}\n'
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_resume_refuses_an_input_edited_under_it(tmp_path, tiny_llama):
     """Id-less rows are numbered by line: a line inserted at the top would pair old answers with
     new prompts. Each written row keeps its input's hash; rows written before that resume as they are."""
@@ -201,6 +208,7 @@ def test_a_resume_refuses_an_input_edited_under_it(tmp_path, tiny_llama):
     assert [json.loads(line)["id"] for line in generations.read_text().splitlines()] == [1, 2, 3]
 
 
+@pytest.mark.slow  # a subprocess
 def test_stats_after_a_resume_describe_the_whole_job(tmp_path, tiny_llama):
     import json
 
@@ -221,6 +229,7 @@ def test_stats_after_a_resume_describe_the_whole_job(tmp_path, tiny_llama):
 
 
 # ---- endings: every ending writes its status, or nothing at all ----
+@pytest.mark.slow  # a subprocess
 @pytest.mark.parametrize("delay", [0.2, 1.5, 3.0, 5.0])
 def test_sigterm_at_any_moment_leaves_a_status_or_nothing(tmp_path, tiny_llama, delay):
     """From `timeout`, SLURM or `docker stop`: before the folder is claimed nothing is left; after,
@@ -346,6 +355,7 @@ def test_a_template_cannot_build_an_endless_prompt(source, message):
         render_prompt(source, [{"role": "user", "content": "hi"}], object())
 
 
+@pytest.mark.slow  # a subprocess
 def test_config_errors_exit_2_before_the_model_loads(tmp_path, tiny_llama):
     model = f"model.path={tiny_llama}"
     for args, env, key in [
@@ -366,6 +376,7 @@ def run_mlxcel_env(tmp_path: Path, env: dict, *args: str) -> subprocess.Complete
     return subprocess.run([sys.executable, "-m", "mlxcel", *args], check=False, cwd=tmp_path, env=full, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a subprocess
 def test_messages_name_the_file_and_the_fix(tmp_path):
     (tmp_path / "empty.gguf").write_bytes(b"")
     result = run_mlxcel(tmp_path, "model.path=./empty.gguf", "prompt.text=hi", "hydra.run.dir=a")
@@ -378,6 +389,7 @@ def test_messages_name_the_file_and_the_fix(tmp_path):
     assert result.returncode == 2 and "(did you mean prompt.text?)" in result.stderr and "+prompt.txt" not in result.stderr
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_blas_rerun_runs_the_code_that_is_running(tmp_path):
     """`python -m mlxcel` from a folder holding another mlxcel would run that one instead."""
     from mlxcel.blas import rerun_command
@@ -403,6 +415,7 @@ def test_the_api_says_how_to_get_mlxcel_runs_blas():
     assert advise_api_blas({"LD_PRELOAD": "/usr/lib/libopenblas.so.0"}) is None  # already fast
 
 
+@pytest.mark.slow  # a subprocess
 def test_bytes_that_are_not_utf8_are_one_config_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-m", "mlxcel", b"prompt.text=caf\xe9", "runner.dry_run=true", "hydra.run.dir=run"],

@@ -1,6 +1,6 @@
 """Measure GGUF weights kept quantized vs dequantized, on this machine's default device.
 
-    python -m mlxcel.bench_weights [--path embedded:smollm2] [--prompt-tokens 128] [--gen 64] [--reps 3]
+    python -m mlxcel.bench.weights [--path embedded:smollm2] [--prompt-tokens 128] [--gen 64] [--reps 3]
 
 Both variants are loaded once and run alternately (after a warm-up that absorbs kernel JIT),
 so the ratio comes from one run under the same conditions. Prints medians per variant.

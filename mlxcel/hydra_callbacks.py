@@ -32,6 +32,16 @@ class SweepSummary(Callback):
         except Exception as ex:  # noqa: BLE001 - the sweep must run whatever happens here
             warn(ex)
 
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            sweep_dir = find_sweep_dir(config)
+            rows = sweep_summary.read_summary_rows(sweep_dir)
+            note = sweep_summary.describe_unchanged(rows, sweep_summary.find_swept_keys(rows))
+            if note:
+                print(note, file=sys.stderr)
+        except Exception as ex:  # noqa: BLE001 - a summary problem must not fail the sweep
+            warn(ex)
+
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         try:
             mode = config.hydra.mode  # a RunMode in Hydra's own config; compare by name

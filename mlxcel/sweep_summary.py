@@ -47,8 +47,44 @@ def make_summary_row(
         "error": error.get("message") if error else None,
     }
     row.update({name: stats.get(name) for name in STATS_FIELDS})
+    row["tokens_sha256"] = hash_tokens(job_dir)
+    row["plan_sha256"] = hash_plan(stats)
     row["job_dir"] = str(job_dir)
     return row
+
+
+def hash_tokens(job_dir: Path) -> str | None:
+    """Every row's token ids, in (id, sample) order: equal hashes, equal generations."""
+    import hashlib
+
+    try:
+        lines = (Path(job_dir) / "generations.jsonl").read_text(encoding="utf-8").splitlines()
+        rows = sorted((json.loads(line) for line in lines), key=lambda r: (str(r.get("id")), r.get("sample", 0)))
+    except (OSError, ValueError):
+        return None
+    data = [[str(r.get("id")), r.get("sample", 0), r.get("token_ids")] for r in rows]
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16] if rows else None
+
+
+def hash_plan(stats: dict) -> str | None:
+    """The prefill pieces the job ran (where, how long, padded how), without their timings."""
+    import hashlib
+
+    pieces = [{k: v for k, v in p.items() if k != "ms"} for b in stats.get("batches") or [] for p in b.get("prefill_pieces") or []]
+    return hashlib.sha256(json.dumps(pieces, sort_keys=True).encode()).hexdigest()[:16] if pieces else None
+
+
+def describe_unchanged(rows: list[dict], swept: list[str]) -> str | None:
+    """A warning when every completed job ran the same prefill plan and drew the same tokens: the
+    swept keys changed nothing, and the figures' differences are noise (chunk sizes on a chat
+    prompt, whose history boundary makes one piece whatever the chunk)."""
+    done = [r for r in rows if r.get("status") == "completed" and r.get("tokens_sha256")]
+    if len(done) < 2 or not swept:
+        return None
+    if len({r["tokens_sha256"] for r in done}) == 1 and len({r.get("plan_sha256") for r in done}) == 1:
+        return (f"mlxcel: warning: the swept {', '.join(swept)} changed neither the prefill plan nor the tokens of "
+                f"{len(done)} jobs: their figures differ by noise only")
+    return None
 
 
 def append_summary_row(sweep_dir: Path, row: dict) -> None:
@@ -93,14 +129,17 @@ def find_swept_keys(rows: list[dict]) -> list[str]:
 
 
 def write_summary_csv(rows: list[dict], swept: list[str], path: Path) -> None:
-    columns = ["job", *swept, "status", *STATS_FIELDS, "error_type", "error", "overrides", "job_dir"]
+    columns = ["job", *swept, "status", "tokens_as_first", *STATS_FIELDS, "error_type", "error", "overrides", "job_dir"]
+    first = next((r.get("tokens_sha256") for r in rows if r.get("tokens_sha256")), None)
     tmp = Path(path).with_suffix(".csv.tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
         for row in rows:
             params = row.get("params") or {}
-            values = [row.get("job"), *(format_cell(params.get(key)) for key in swept), row.get("status")]
+            digest = row.get("tokens_sha256")
+            same = None if digest is None or first is None else ("same" if digest == first else "differ")  # token ids vs the first job's
+            values = [row.get("job"), *(format_cell(params.get(key)) for key in swept), row.get("status"), same]
             values += [row.get(name) for name in STATS_FIELDS]
             error = "; ".join((row.get("error") or "").splitlines())  # a config error's lines, one cell line
             values += [row.get("error_type"), error, " ".join(row.get("overrides") or []), row.get("job_dir")]

@@ -69,6 +69,7 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
     assert [t["status"] for t in table] == [r["status"] for r in rows]
     assert [t["prefill_tok_per_sec"] for t in table] == [str(r["prefill_tok_per_sec"] or "") for r in rows]
     assert "prefill.chunk_size: must be > 0" in table[4]["error"] and "\n" not in table[4]["error"]
+    assert [t["tokens_as_first"] for t in table] == ["same"] * 4 + [""] * 2  # greedy: chunking never changes tokens
     assert "model.path=" not in "".join(table[0].keys())  # constant overrides are not columns
 
     with Image.open(sweep / "summary.png") as image:
@@ -83,6 +84,21 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
     prompt_tokens = rows[0]["prompt_tokens"]
     pieces = [count_prefill_pieces(json.loads((Path(r["job_dir"]) / "stats.json").read_text())) for r in rows[:4]]
     assert pieces == [-(-prompt_tokens // 4)] * 2 + [-(-prompt_tokens // 16)] * 2  # the chunk sizes took effect
+
+
+@pytest.mark.slow
+def test_a_sweep_that_changed_nothing_says_so(tiny_llama, tmp_path):
+    """Pipelined or not, the plan and the tokens are the same: the figures differ by noise only."""
+    sweep = tmp_path / "sweep"
+    result = run_cli(["-m", f"model.path={tiny_llama}", "template=none", "decode.max_tokens=4", "decode.ignore_eos=true",
+                      f"prompt.text={PROMPT}", "decode.pipeline=true,false", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "mlxcel: warning: the swept decode.pipeline changed neither the prefill plan nor the tokens of 2 jobs" in result.stderr
+    changed = run_cli(["-m", f"model.path={tiny_llama}", "template=none", "decode.ignore_eos=true", f"prompt.text={PROMPT}",
+                       "decode.max_tokens=3,4", f"hydra.sweep.dir={tmp_path / 'other'}"], tmp_path)
+    assert changed.returncode == 0 and "warning" not in changed.stderr, changed.stderr
+    with open(tmp_path / "other" / "summary.csv", newline="", encoding="utf-8") as f:
+        assert [t["tokens_as_first"] for t in csv.DictReader(f)] == ["same", "differ"]
 
 
 def count_prefill_pieces(stats: dict) -> int:

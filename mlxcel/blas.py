@@ -56,12 +56,17 @@ def plan_blas_preload(environ: dict[str, str]) -> tuple[str | None, str | None]:
     return (library, None) if library else (None, HINT)
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
-    """Replace this process with itself, OpenBLAS preloaded; returns only when there is nothing to do."""
+def print_tip_at_terminal(hint: str) -> None:
+    if sys.stderr.isatty():  # a tip for people at a terminal, not noise in logs and pipes
+        print(hint, file=sys.stderr)
+
+
+def reexec_with_openblas(argv: list[str], module: str = "mlxcel", show_hint=print_tip_at_terminal) -> None:
+    """Replace this process with `python -m module argv` of this mlxcel, OpenBLAS preloaded;
+    returns only when there is nothing to do (`show_hint` gets the tip where OpenBLAS is missing)."""
     library, hint = plan_blas_preload(dict(os.environ))
     if hint:
-        if sys.stderr.isatty():  # a tip for people at a terminal, not noise in logs and pipes
-            print(hint, file=sys.stderr)
+        show_hint(hint)
         return
     if library is None:
         return
@@ -70,7 +75,7 @@ def reexec_with_openblas(argv: list[str]) -> None:
     env[MARKER] = library
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, rerun_command("mlxcel", argv), env)
+    os.execve(sys.executable, rerun_command(module, argv), env)
 
 
 def rerun_command(module: str, argv: list[str]) -> list[str]:

@@ -278,15 +278,14 @@ def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
 
 def claim_run_folder_early(composed: Any, claimed: list[Path]) -> str:
     """One job's checks before hydra.main: its config and input rows (a config error makes no
-    folder), then its run folder (locked; a refused start leaves an existing folder untouched: Hydra would write
-    .hydra/ into it first). Returns the override that pins the folder for Hydra (so a folder
+    folder), then its run folder (locked; a refused start leaves an existing folder untouched:
+    Hydra would write .hydra/ into it first). Returns the override that pins the folder for Hydra (so a folder
     named by the clock is the one locked here); the folder joins `claimed` as it is claimed."""
     from omegaconf import OmegaConf
 
     from mlxcel.config import validate_config
     from mlxcel.jobs import expand_samples, hash_samples, input_files, load_job_rows
     from mlxcel.outputs import claim_run_folder
-
     from mlxcel.pipeline import check_model_config
 
     run_cfg = validate_config(read_job_config(composed))

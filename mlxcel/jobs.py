@@ -127,6 +127,5 @@ def expand_samples(rows: list[JobRow]) -> list[Sample]:
 
 
 def hash_samples(samples: list[Sample]) -> dict[tuple[str, int], str]:
-    """Each sample's (id, sample) -> hash_row of its row (a row's n samples share one)."""
-    hashes: dict[int, str] = {}
-    return {s.key: hashes.setdefault(id(s.row), hash_row(s.row)) for s in samples}
+    """Each sample's (id, sample) -> hash_row of its row."""
+    return {s.key: hash_row(s.row) for s in samples}

@@ -143,17 +143,14 @@ def claim_run_folder(out_dir: Path, resolved: dict, resume: bool, inputs: list[P
     written rows answer the input's rows as they are now). `rows`: the job's (id, sample) ->
     hash_row. Returns the rows already written (resuming)."""
     check_not_input(out_dir, inputs)
-    if resume and not (Path(out_dir) / CONFIG_FILE).exists():  # before the lock file: a refused folder stays as it was
-        raise ConfigError(ConfigIssue("runner.resume", f"{out_dir} has no {CONFIG_FILE}: not a run folder to resume (set hydra.run.dir to one)", True))
-    if not resume:
-        check_fresh(out_dir)
+    check_run_folder(out_dir) if resume else check_fresh(out_dir)  # before the lock file: a refused folder stays as it was
     lock_run_folder(out_dir)
-    if resume:
-        done = check_resume(RunOutputs(out_dir), resolved)
-        check_same_rows(done, rows)
-        return set(done)
-    check_fresh(out_dir)  # again, now that no other run can start writing it
-    return set()
+    if not resume:
+        check_fresh(out_dir)  # again, now that no other run can start writing it
+        return set()
+    done = check_resume(RunOutputs(out_dir), resolved)
+    check_same_rows(done, rows)
+    return set(done)
 
 
 def check_same_rows(done: dict[tuple[str, int], str | None], rows: dict[tuple[str, int], str]) -> None:
@@ -180,11 +177,16 @@ def check_fresh(folder: Path) -> None:
         )
 
 
+def check_run_folder(folder: Path) -> None:
+    """A folder to resume holds a run (its config)."""
+    if not (Path(folder) / CONFIG_FILE).exists():
+        raise ConfigError(ConfigIssue("runner.resume", f"{folder} has no {CONFIG_FILE}: not a run folder to resume (set hydra.run.dir to one)", True))
+
+
 def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], str | None]:
     """runner.resume=true: the folder must hold a run of the same config; returns the rows done."""
+    check_run_folder(outputs.dir)
     path = outputs.dir / CONFIG_FILE
-    if not path.exists():
-        raise ConfigError(ConfigIssue("runner.resume", f"{outputs.dir} has no {CONFIG_FILE}: not a run folder to resume (set hydra.run.dir to one)", True))
     previous = flatten(json.loads(path.read_text(encoding="utf-8")))
     current = flatten(json.loads(json.dumps(resolved, default=str)))
     changed = [

@@ -46,12 +46,13 @@ def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer):
 def check_model_config(cfg: RunConfig) -> tuple:
     """The config's demands on this model that its header and tokenizer can answer (tile size,
     KV groups, the chat template): config errors, before minutes of loading. Returns the
-    model's path and header."""
+    model's path, header and tokenizer."""
     path = resolve_model_path(cfg.model.path)
     header = read_model_header(path)
     check_before_loading(cfg, header)
-    find_template(cfg, load_tokenizer(cfg.tokenizer.path or path, cfg.tokenizer.kind))
-    return path, header
+    tokenizer = load_tokenizer(cfg.tokenizer.path or path, cfg.tokenizer.kind)
+    find_template(cfg, tokenizer)
+    return path, header, tokenizer
 
 
 def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
@@ -90,7 +91,7 @@ class Pipeline:
 
     @classmethod
     def load(cls, cfg: RunConfig, load_weights: bool = True, log: TextIO | None = None) -> Pipeline:
-        path, header = check_model_config(cfg)
+        _, header, tokenizer = check_model_config(cfg)  # (a GGUF file's tokenizer reads its metadata itself)
         loaded = None
         if load_weights:
             say(log, f"loading model {cfg.model.path} ...")
@@ -100,8 +101,6 @@ class Pipeline:
             say(log, f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in {info['load_ms'] / 1000:.1f} s")
             if "note" in info:
                 say(log, info["note"])
-        gguf_metadata = loaded.gguf_metadata if loaded else None
-        tokenizer = load_tokenizer(cfg.tokenizer.path or path, cfg.tokenizer.kind, gguf_metadata=gguf_metadata)
         return cls(cfg, header, tokenizer, loaded)
 
     def _merge_stop_ids(self) -> set[int]:

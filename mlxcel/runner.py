@@ -175,11 +175,9 @@ def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress:
     """Generate `batch`, recording each row as it finishes. `keep_partial` (a single prompt): an
     interrupt records the row so far, finish_reason "interrupted" (a resume runs it again)."""
     detokenizers = [pipeline.make_text_stream(streaming=stream is not None) for _ in batch]
-    partial: list[list[int]] = [[] for _ in batch]
     finished: set[int] = set()
 
     def on_token(row: int, token: int) -> bool:
-        partial[row].append(token)
         text = detokenizers[row].add_token(token)
         if stream is not None and text:
             stream.write(text)
@@ -203,7 +201,7 @@ def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress:
         if keep_partial:
             for row in (r for r in range(len(batch)) if r not in finished):
                 detokenizers[row].finalize()
-                result = RowResult(token_ids=partial[row], finish_reason="interrupted", prompt_tokens=len(batch[row].prompt.token_ids))
+                result = RowResult(token_ids=list(detokenizers[row].tokens), finish_reason="interrupted", prompt_tokens=len(batch[row].prompt.token_ids))
                 record(make_generation_row(batch[row], result, detokenizers[row].text))
         raise
 

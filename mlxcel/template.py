@@ -178,7 +178,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             sequence, count = (left, right) if isinstance(right, int) else (right, left)
             if isinstance(sequence, (str, list, tuple)) and isinstance(count, int) and len(sequence) * count > MAX_RENDERED_CHARS:
                 raise SecurityError(f"the template repeats a value to {len(sequence) * count} items, past {MAX_RENDERED_CHARS}")
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * max(abs(left), 2).bit_length() > 64 * MAX_RENDERED_CHARS:
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * abs(left).bit_length() > 64 * MAX_RENDERED_CHARS:
             raise SecurityError("the template computes a power too large to print")
         return super().call_binop(context, operator, left, right)
 

@@ -25,7 +25,8 @@ import mlx.core as mx
 import mlxcel
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import bench_model, format_agreement, format_table, log
-from mlxcel.blas import MARKER, describe_blas, plan_blas_preload, rerun_command
+from mlxcel import blas
+from mlxcel.blas import describe_blas
 from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import pick_dtype
 
@@ -115,14 +116,7 @@ def reexec_with_openblas(argv: list[str], module: str = "mlxcel.bench") -> None:
     """As mlxcel-run does (mlxcel/blas.py): on a Linux CPU, run once more with OpenBLAS preloaded
     instead of the mlx-cpu wheel's reference BLAS (~20x slower prefill). Both engines share this
     process, so they always share a BLAS; MLXCEL_BLAS=off keeps the reference one."""
-    library, hint = plan_blas_preload(dict(os.environ))
-    if hint:
-        log(hint.removeprefix("mlxcel: "))
-    if library is None:
-        return
-    env = {**os.environ, MARKER: library, "LD_PRELOAD": ":".join(filter(None, [library, os.environ.get("LD_PRELOAD")]))}
-    sys.stderr.flush()
-    os.execve(sys.executable, rerun_command(module, argv), env)
+    blas.reexec_with_openblas(argv, module, show_hint=lambda hint: log(hint.removeprefix("mlxcel: ")))
 
 
 def main(argv: list[str] | None = None) -> int:

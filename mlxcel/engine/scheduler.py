@@ -174,7 +174,9 @@ class BatchScheduler:
         self.pipeline = pipeline
         self.pinned_chunk = chunk_size  # None: 2048 idle, 512 while rows decode
         self.segmented = choose_decode_step(model) == "segmented"  # the batch engine's step for small decode batches
-        self.ragged_prefill: bool | None = None  # pieces of several rows in one padded call (group_ragged); None: where the kernels run
+        # pieces of several rows in one padded call (group_ragged); None: where the kernels run.
+        # $MLXCEL_RAGGED_PREFILL=0 turns it off (each row's piece in a call of its own), to compare.
+        self.ragged_prefill: bool | None = False if os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0" else None
 
     def generate(self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None) -> ScheduleState:
         """Generate every row; `on_token(row, token)` streams each token as it reaches the host
@@ -231,6 +233,7 @@ class BatchScheduler:
         """The loop of the module docstring; yields after every iteration."""
         sampler = RowsSampler(request.sampler, request.logprobs)
         batch = DecodeBatch()
+        ragged = table.decode_kernel if self.ragged_prefill is None else self.ragged_prefill
         prefilling: deque[Row] = deque()
         free_slots = list(range(self.max_rows))
         inflight: deque[PendingDraw] = deque()
@@ -263,7 +266,6 @@ class BatchScheduler:
                     # the piece size, which the paged kernels' fast path needs (paged_cache.ALIGNED_START),
                     # and with kv_bits a row's pieces must be its own chunk size.
                     break
-                ragged = table.decode_kernel if self.ragged_prefill is None else self.ragged_prefill
                 group = self.group_ragged(prefilling, piece, budget, request) if ragged else None
                 if group:
                     logits, spent, done = self.prefill_ragged(table, caches, *group, request, state)
@@ -434,13 +436,11 @@ class BatchScheduler:
         """Where the paged kernels run: the first waiting rows' next pieces, whatever their
         lengths and starts, as one [rows, width] forward call (each row's tokens at the end of
         its line, after padding), or None where the head row's piece cannot be one (images, tiles,
-        longrope, quantized pools). A forward call on a GPU costs ~5 ms whatever its size up to a
-        few thousand tokens (docs/benchmarks.md), and a ragged job's rows each bring a piece of
-        their own length: one call each would bound the job. Widths are powers of two, so the
-        attention meets few shapes (cuDNN builds a graph for each). $MLXCEL_RAGGED_PREFILL=0
-        turns this off (each row's piece in a call of its own), to compare."""
-        if os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0":
-            return None
+        longrope, quantized pools). On a GPU a call of 128 tokens costs about what one of 512
+        does, and 16 rows of 128 about what one row of 2048 does (docs/benchmarks.md), while a
+        ragged job's rows each bring a piece of their own length: one call each would bound the
+        job. Widths are powers of two, so the attention meets few shapes (cuDNN builds a graph
+        for each)."""
         if request.kv_bits or request.tile_size or getattr(self.model, "longrope_limit", None) is not None:
             return None
         rows, spans, width = [], [], 0
@@ -473,14 +473,8 @@ class BatchScheduler:
         table.begin(slots, width, leads)
         logits = self.model(chunk, caches, logits_at=width - 1)[:, -1, :]
         table.end()
-        submit([a for c in caches for a in c.state], state)
-        ms = round((time.perf_counter() - began) * 1000, 3)
-        done = []
-        for i, (r, (start, end)) in enumerate(zip(rows, spans)):
-            r.prefilled = end
-            state.timings.prefill_pieces.append({"row": r.index, "step": state.decode_steps, "start": start, "end": end, "pad": int(leads[i]), "rows": len(rows), "ms": ms})
-            if end == len(r.prompt):
-                done.append(i)
+        self.finish_call(caches, rows, spans, leads.tolist(), began, state)
+        done = [i for i, (r, (_, end)) in enumerate(zip(rows, spans)) if end == len(r.prompt)]
         if not done:
             return None, width * len(rows), []
         picked = logits if len(done) == len(rows) else logits[mx.array(np.array(done, dtype=np.int32))]
@@ -516,14 +510,18 @@ class BatchScheduler:
             chunk = mx.array([r.prompt[start:end] + [request.pad_token_id] * pad for r in rows])
             logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
         table.end(padding=pad)
-        # Each piece is submitted on its own: one submission an iteration (pieces with the draw)
-        # was a quarter slower on CUDA, as larger, ever-different graphs (docs/benchmarks.md).
+        self.finish_call(caches, rows, [(start, end)] * len(rows), [pad] * len(rows), began, state)
+        return (logits[:, -1, :] if is_last else None), (size + pad) * len(rows)
+
+    def finish_call(self, caches: list, rows: list[Row], spans: list[tuple[int, int]], pads: list[int], began: float, state: ScheduleState) -> None:
+        """Queue a prefill call's work, and record each row's piece. Each call is submitted on its
+        own: one submission an iteration (pieces with the draw) was a quarter slower on CUDA, as
+        larger, ever-different graphs (docs/benchmarks.md)."""
         submit([a for c in caches for a in c.state], state)
         ms = round((time.perf_counter() - began) * 1000, 3)
-        for r in rows:
+        for r, (start, end), pad in zip(rows, spans, pads):
             r.prefilled = end
-            state.timings.prefill_pieces.append({"row": r.index, "step": state.decode_steps, "start": start, "end": end, "pad": pad, "rows": len(rows), "ms": ms})
-        return (logits[:, -1, :] if is_last else None), (size + pad) * len(rows)
+            state.timings.prefill_pieces.append({"row": r.index, "step": state.decode_steps, "start": start, "end": end, "pad": int(pad), "rows": len(rows), "ms": ms})
 
     def embed_images(self, row: Row, state: ScheduleState) -> mx.array:
         """The row's input embeddings with its images' features at their placeholders."""

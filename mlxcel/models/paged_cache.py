@@ -27,10 +27,9 @@ BLOCK_SIZE = 32  # positions per block: small enough to waste < 1 block per row,
 # new query and key length; a ragged job's pieces would build one each. There a piece's queries are
 # padded to a power of two inside attention (PagedPrefill: the padding costs attention only, not the
 # model's matmuls). A piece that starts on a multiple of ALIGNED_START (the scheduler's pieces do)
-# attends over exactly its row's positions and then the queries' padding, in cuDNN's causal mode:
-# no array mask, which cuDNN takes as an additive bias at several times the cost. Other pieces
-# attend over key spans rounded up to KEY_BUCKET, with an array mask. Either way a job meets a few
-# dozen shapes.
+# attends over exactly its row's positions and then the queries' padding, in cuDNN's causal mode,
+# its cheapest (no array mask to read). Other pieces attend over key spans rounded up to
+# KEY_BUCKET, with an additive mask. Either way a job meets a few dozen shapes.
 KEY_BUCKET = 512
 ALIGNED_START = 128
 
@@ -119,9 +118,10 @@ class StepIndices:
         new_pos = np.maximum(starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0)  # [B, L]; leads are never written
         self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
         self.device_leads = mx.array(self.leads) if table.in_place else None
-        own = (np.arange(new_tokens)[None, :] >= self.leads[:, None]).reshape(-1)
-        # the plain path stores only the rows' own tokens (the kernel skips leads itself)
-        self.own = None if own.all() or table.in_place else mx.array(np.nonzero(own)[0].astype(np.int32))
+        self.own = None  # the plain path stores only the rows' own tokens (the kernel skips leads itself)
+        if self.leads.any() and not table.in_place:
+            own = (np.arange(new_tokens)[None, :] >= self.leads[:, None]).reshape(-1)
+            self.own = mx.array(np.nonzero(own)[0].astype(np.int32))
         # Keys to attend over: each row's positions up to its end. Rows that all end together
         # (one row, a uniform batch) gather exactly those, so they need no array mask (MLX's fused
         # attention takes none: "causal" aligns the new queries to the last keys). Otherwise rows
@@ -209,7 +209,7 @@ class PagedPrefill(PagedMask):
         if padded > length:
             q = mx.pad(q, [(0, 0), (0, 0), (0, padded - length), (0, 0)])
         if self.mask is not None and self.mask.dtype == mx.bool_:
-            # additive, once for every layer: cuDNN took a boolean mask at 2-4x the cost (docs/benchmarks.md)
+            # additive, once for every layer: cuDNN took a boolean mask at ~2-4x the cost (docs/benchmarks.md)
             self.mask = mx.where(self.mask, mx.array(0, q.dtype), mx.array(-float("inf"), q.dtype))
         mask = "causal" if self.mask is None else self.mask
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

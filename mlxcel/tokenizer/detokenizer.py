@@ -112,6 +112,11 @@ class TextStream:
         return self.filter.stopped
 
     @property
+    def tokens(self) -> list[int]:
+        """Every id added so far."""
+        return self.detokenizer.tokens
+
+    @property
     def text(self) -> str:
         return "".join(self._chunks)
 
@@ -131,15 +136,15 @@ class DeferredTextStream:
     """A TextStream for a row whose text nobody reads as it grows and no stop string can end:
     it keeps the ids and decodes them once, at the end. That text equals the streamed one (the
     streaming decode equals the one-shot decode), and a step of a large batch skips the per-token
-    decodes (~12 us a token on the host, 3 ms a step at 256 rows, which bound small models' steps
-    on a GPU)."""
+    decodes, which bounded the host's work per step of a large batch on a GPU
+    (docs/benchmarks.md)."""
 
     stopped = False
 
     def __init__(self, tokenizer: MlxcelTokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # every id added so far
         self.text = ""
 
     def add_token(self, token_id: int) -> str:

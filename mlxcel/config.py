@@ -400,7 +400,7 @@ def make_hint(key: str, unknown: bool = False) -> str:
     a key that does not exist, its spelling)."""
     group = key.split(".")[0]
     if unknown:
-        return f"fix: spell the key as the valid keys above (mlxcel-run --cfg job shows every key), or drop it"
+        return "fix: spell the key as the valid keys above (mlxcel-run --cfg job shows every key), or drop it"
     return f"fix: override it on the command line (e.g. {key}=...) or edit conf/{group}/ (or your own config)"
 
 

@@ -31,6 +31,7 @@ from mlxcel.sampling.cuda_draw import has_cuda_backend
 
 THREADS = 128  # per block; also positions per tile (one per thread when scoring)
 TARGET_BLOCKS = 528  # ~4 per SM on an H200: below it, rows' positions are split across blocks
+MIN_SPLIT = 1024  # positions: a split shorter than this costs more in ops than it saves on the GPU
 
 _HEADER = """
 #define NEG_INF __int_as_float(0xFF800000u)
@@ -154,35 +155,50 @@ _SOURCE = f"""
     }}
     __syncthreads();
   }}
-  const int splits = gridDim.x;
-  if (t < G) {{
-    const size_t o = ((size_t)b * KVH * G + kvh * G + t) * splits + split;
-    out_m[o] = m_sh[t];
-    out_l[o] = l_sh[t];
-  }}
-  // the groups' partial sums, added in a fixed order 
+  // the groups' partial sums, added in a fixed order
   __shared__ float partial[GROUPS][G][D];
   if (group < GROUPS) {{
     #pragma unroll
     for (int g = 0; g < G; g++) {{ partial[group][g][2 * pair] = acc[g][0]; partial[group][g][2 * pair + 1] = acc[g][1]; }}
   }}
   __syncthreads();
-  for (int i = t; i < G * D; i += NT) {{
+"""
+
+# Several splits a row: each writes its running max, sum and unnormalized output; MLX ops combine them.
+_SPLITS_TAIL = """
+  const int splits = gridDim.x;
+  if (t < G) {
+    const size_t o = ((size_t)b * KVH * G + kvh * G + t) * splits + split;
+    out_m[o] = m_sh[t];
+    out_l[o] = l_sh[t];
+  }
+  for (int i = t; i < G * D; i += NT) {
     const int g = i / D, d = i % D;
     float total = 0.0f;
     for (int j = 0; j < GROUPS; j++) total += partial[j][g][d];
     out_acc[(((size_t)b * KVH * G + kvh * G + g) * splits + split) * D + d] = total;
-  }}
+  }
+"""
+
+# One split a row: the block writes the normalized output itself, so the layer's attention is one
+# kernel (a decode step of few rows is bound by the host's cost per op, not by the GPU).
+_SINGLE_TAIL = """
+  for (int i = t; i < G * D; i += NT) {
+    const int g = i / D, d = i % D;
+    float total = 0.0f;
+    for (int j = 0; j < GROUPS; j++) total += partial[j][g][d];
+    out[((size_t)b * KVH * G + kvh * G + g) * D + d] = static_cast<T>(total / l_sh[g]);
+  }
 """
 
 
-@lru_cache(maxsize=1)
-def _kernel():
+@lru_cache(maxsize=2)
+def _kernel(single: bool):
     return mx.fast.cuda_kernel(
-        name="mlxcel_paged_decode_attention",
+        name="mlxcel_paged_decode_attention" + ("_single" if single else ""),
         input_names=["q", "k", "v", "k_new", "v_new", "block_table", "lengths", "params", "scale", "after"],
-        output_names=["out_m", "out_l", "out_acc", "done"],
-        source=_SOURCE,
+        output_names=["out", "done"] if single else ["out_m", "out_l", "out_acc", "done"],
+        source=_SOURCE + (_SINGLE_TAIL if single else _SPLITS_TAIL),
         header=_HEADER,
     )
 
@@ -198,9 +214,11 @@ def is_available(head_dim: int) -> bool:
 
 def choose_split_length(rows: int, kv_heads: int, longest: int) -> int:
     """Positions per split, a whole number of tiles: one split per row when rows x heads fill
-    the GPU, more when few rows decode long contexts."""
+    the GPU, more when few rows decode long contexts, but never below MIN_SPLIT positions: few
+    rows over short contexts are bound by the host's cost per op, and one split needs no ops
+    to combine splits."""
     splits = max(1, -(-TARGET_BLOCKS // (rows * kv_heads)))
-    per_split = -(-longest // splits)
+    per_split = max(-(-longest // splits), MIN_SPLIT)
     return -(-per_split // THREADS) * THREADS
 
 
@@ -217,12 +235,18 @@ def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array
     group = H // kv_heads
     split_len = choose_split_length(B, kv_heads, longest)
     splits = -(-longest // split_len)
-    out_m, out_l, out_acc, pool.done = _kernel()(
-        inputs=[q.reshape(B, H, D), pool.keys, pool.values, new_keys, new_values, block_table, lengths,
-                mx.array([split_len, block_table.shape[1], window], mx.int32), mx.array([scale], mx.float32), pool.done],
-        template=[("T", pool.keys.dtype), ("D", D), ("G", group), ("KVH", kv_heads), ("BS", block_size)],
-        grid=(splits * THREADS, B * kv_heads, 1),
-        threadgroup=(THREADS, 1, 1),
+    inputs = [q.reshape(B, H, D), pool.keys, pool.values, new_keys, new_values, block_table, lengths,
+              constant_array((split_len, block_table.shape[1], window), mx.int32), constant_array((scale,), mx.float32), pool.done]
+    template = [("T", pool.keys.dtype), ("D", D), ("G", group), ("KVH", kv_heads), ("BS", block_size)]
+    grid, threadgroup = (splits * THREADS, B * kv_heads, 1), (THREADS, 1, 1)
+    if splits == 1:
+        out, pool.done = _kernel(True)(
+            inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+            output_shapes=[(B, H, D), (1,)], output_dtypes=[pool.keys.dtype, mx.int32],
+        )
+        return out.astype(q.dtype)[:, :, None, :]
+    out_m, out_l, out_acc, pool.done = _kernel(False)(
+        inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
         output_shapes=[(B, H, splits), (B, H, splits), (B, H, splits, D), (1,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
     )
@@ -230,6 +254,14 @@ def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array
     weights = mx.exp(out_m - m)  # an empty split has m = -inf: weight 0
     out = (out_acc * weights[..., None]).sum(axis=-2) / (out_l * weights).sum(axis=-1, keepdims=True)
     return out.astype(q.dtype)[:, :, None, :]
+
+
+@lru_cache(maxsize=256)
+def constant_array(values: tuple, dtype: mx.Dtype) -> mx.array:
+    """A kernel's small constant input, made once (every layer of every step passes the same ones)."""
+    array = mx.array(values, dtype)
+    mx.eval(array)
+    return array
 
 
 class PoolLayer:

@@ -55,7 +55,8 @@ def schedule(model, sampler, prompts, row_ids, max_tokens, max_rows=4, chunk_siz
 
 
 def test_the_tiny_llama_runs_through_the_scheduler(model):
-    rows = [RowRequest([1, 2]), RowRequest([3])]  # two: a single row on a GPU keeps the batch engine
+    rows = [RowRequest([1, 2]), RowRequest([3])]
+    assert supports_scheduling(model, GenerationRequest(rows[:1], GREEDY))  # a single prompt too, on every device
     assert supports_scheduling(model, GenerationRequest(rows, GREEDY))
     assert supports_scheduling(model, GenerationRequest(rows, GREEDY, kv_bits=4))
 
@@ -79,6 +80,16 @@ def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
         grouped += sum(p["rows"] > 1 for p in state.timings.prefill_pieces)
         padded += sum(p["rows"] > 1 and p["pad"] > 0 for p in state.timings.prefill_pieces)
     assert grouped > 0 and (padded > 0) == ragged
+
+
+def test_a_lone_rows_odd_piece_is_padded_and_exact(model):
+    """Ragged prefill pads a lone row's piece to a power of two too (a new query length costs
+    cuDNN a graph build); the padding is neither cached nor attended to."""
+    prompt = make_prompts(5, 1)[0][:37]
+    expected = alone(model, GREEDY, prompt, 0, 9).token_ids
+    state = schedule(model, GREEDY, [prompt], [0], [9], max_rows=1, ragged=True)
+    assert state.results[0].token_ids == expected
+    assert [(p["rows"], p["end"] - p["start"], p["pad"]) for p in state.timings.prefill_pieces] == [(1, 37, 64 - 37)]
 
 
 def test_cancellations_and_stop_ids_mid_row(model):

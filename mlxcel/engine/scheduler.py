@@ -110,11 +110,6 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     $MLXCEL_SCHEDULER=0 sends everything to the batch engine (to compare the two)."""
     if os.environ.get("MLXCEL_SCHEDULER", "1") == "0":
         return False
-    if len(request.rows) == 1 and mx.default_device() == mx.gpu:
-        # One row on a GPU keeps the batch engine: dispatch bounds a single row's decode there,
-        # and the scheduler's step, segmented for small batches too, still ran a single row at
-        # ~0.65x the batch engine's (docs/benchmarks.md).
-        return False
     if not hasattr(model, "forward_with_embeddings"):
         return False
     # (Longrope picks each row's factors from its own positions, which the paged cache gives; a
@@ -456,8 +451,10 @@ class BatchScheduler:
             rows.append(row)
             spans.append((start, end))
             width = wider
-        if len(rows) < 2:
-            return None  # one row's piece runs as it is, unpadded (prefill_piece)
+        if not rows or (len(rows) == 1 and spans[0][1] - spans[0][0] == width):
+            return None  # nothing to pad: the piece runs as it is (prefill_piece)
+        # A lone row's piece is padded too: cuDNN builds a graph for every new query length
+        # (~70 ms on the H200), and a ragged job's last pieces come in every length.
         return rows, spans, width
 
     def prefill_ragged(self, table: PageTable, caches: list, rows: list[Row], spans: list[tuple[int, int]], width: int, request: GenerationRequest, state: ScheduleState):

@@ -5,7 +5,8 @@ pool has the blocks for its prompt and every token it may generate (reserved up 
 ever preempted, and admission never exceeds the budget). Each iteration:
 1. admits what fits, then prefills new rows in pieces (2048 tokens when no row decodes, 512
    while rows decode; `prefill.chunk_size` pins both), at most PIECES_PER_STEP pieces an
-   iteration, so a long prompt delays the running rows by a bounded amount;
+   iteration (IDLE_PIECES_PER_STEP when no row decodes), so a long prompt delays the running
+   rows by a bounded amount;
 2. runs one decode step for every decoding row, ragged (each row at its own length);
 3. draws the next token of every decoding row and of each row whose prefill just ended;
 4. reads the previous iteration's draw (one step of lookahead: the device computes step t+1
@@ -38,10 +39,14 @@ from mlxcel.sampling.rows import RowsSampler
 from mlxcel.vision.stage import merge_embeddings
 
 KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
-# Prefill pieces per iteration. One 512-token piece a step throttled a 512-row ragged job on the
-# H200 (1B shape, 256 rows decoding: 1577 generated tok/s; 2048 tokens a step: 2570); each piece
-# of a 1B model delays the decoding rows by ~7 ms there.
-PIECES_PER_STEP = 4
+# Prefill pieces per iteration, while rows decode and when none does. A forward call costs a few
+# ms however few its tokens (H200, 1B shape: [1, 128] 3.6 ms, [4, 512] 8.2, pipelined), so more
+# tokens a call admit rows sooner for little delay to the decoding rows: a 512-row ragged job ran
+# at 14.2-15.0k generated tok/s with 8 pieces of 512 an iteration and 12.7-13.0k with 4 (one
+# lease, alternating). Idle iterations keep 4 pieces of 2048: one call of 16k tokens is all
+# activations and no decode to hide behind.
+PIECES_PER_STEP = 8
+IDLE_PIECES_PER_STEP = 4
 MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer distinct shapes below it cost little)
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
@@ -254,7 +259,7 @@ class BatchScheduler:
                 # a later piece attends to the earlier ones' quantized keys, so where pieces end
                 # changes a row's tokens: with kv_bits they are the row's own, as in the batch engine
                 piece = self.pinned_chunk or request.chunk_size
-            budget = PIECES_PER_STEP * piece
+            budget = (PIECES_PER_STEP if len(batch) else IDLE_PIECES_PER_STEP) * piece
             while prefilling and budget > 0:
                 if budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):
                     # No piece is cut short by the iteration's budget: pieces start on multiples of

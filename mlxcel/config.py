@@ -62,22 +62,32 @@ class QuantizeConfig(Group):
 
 
 class ModelConfig(Group):
-    path: str | None = Field(default=None, validate_default=True)
+    path: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     gguf_weights: Literal["auto", "quantized", "dequantize"] = "auto"
     max_context: PositiveInt | None = None
     quantize: QuantizeConfig | None = None
     families: list[str] | None = None  # a family preset's model_types: the checkpoint must be one (checked from its header)
+    hub_ids: list[str] | None = None  # a family preset's usual Hub repos, named when model.path is missing
 
     @field_validator("path")
     @classmethod
     def _check_path(cls, path: str | None) -> str | None:
-        if path is None or not path.strip():
-            hint = "a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"
-            raise reject(f"required: {hint}", value=NO_VALUE if path is None else path)
-        if path.startswith("embedded:") and path.removeprefix("embedded:") not in EMBEDDED_MODELS:
+        if path is not None and path.startswith("embedded:") and path.removeprefix("embedded:") not in EMBEDDED_MODELS:
             raise reject("unknown embedded model; known: " + ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS))
         return path
+
+    @model_validator(mode="after")
+    def _require_path(self) -> ModelConfig:
+        if self.path is None or not self.path.strip():
+            if self.hub_ids:  # a family preset: its own repos are the likely answer
+                hint = f"a model folder, a .gguf file or a Hub repo id, e.g. model.path={self.hub_ids[0]}"
+                if len(self.hub_ids) > 1:
+                    hint += f" (this family's usual repos: {', '.join(self.hub_ids)})"
+            else:
+                hint = "a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"
+            raise reject(f"required: {hint}", "path", NO_VALUE if self.path is None else self.path)
+        return self
 
 
 class TokenizerConfig(Group):

@@ -22,8 +22,8 @@ PROMPTS_FILE = "prompts.jsonl"
 LOCK_FILE = ".lock"
 # Keys that may change between a run and its resumption: they do not change what a row contains.
 # runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed;
-# model.families only checks the checkpoint (folders written before it have none).
-RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.max_rows", "runner.batch_size", "runner.dry_run", "model.families")
+# model.families only checks the checkpoint, model.hub_ids only words an error (folders written before them have none).
+RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.max_rows", "runner.batch_size", "runner.dry_run", "model.families", "model.hub_ids")
 
 
 _HELD_LOCKS: dict[Path, int] = {}  # run folder -> the open file this process locks it through

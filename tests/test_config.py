@@ -89,11 +89,13 @@ def test_prompt_messages_put_system_first():
 
 ERROR_CASES = [
     ({"model": {"path": None}}, "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"),
+    ({"model": {"path": None, "families": ["qwen3"], "hub_ids": ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-4B"]}},
+     "model.path: required: a model folder, a .gguf file or a Hub repo id, e.g. model.path=Qwen/Qwen3-0.6B (this family's usual repos: Qwen/Qwen3-0.6B, Qwen/Qwen3-4B)"),
     ({"model": {"path": "embedded:foo"}}, "model.path: unknown embedded model; known: embedded:smollm2, embedded:gemma3-270m (got 'embedded:foo')"),
     ({"model": {"dtype": "fp8"}}, "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')"),
     ({"model": {"gguf_weights": "q4"}}, "model.gguf_weights: must be one of: auto, quantized, dequantize (got 'q4')"),
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
-    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families (got 1)"),
+    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families, hub_ids (got 1)"),
     ({"runner": {"batch_size": 4}}, "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N (got 4)"),
     ({"prefill": {"tile_size": 0}}, "prefill.tile_size: must be an integer in [1, 1024], 'auto' or null (got 0)"),
     ({"model": {"quantize": {"bits": 7}}}, "model.quantize.bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),

@@ -50,7 +50,9 @@ def test_every_model_preset_takes_every_model_key(preset):
     from mlxcel.cli import compose_config
 
     model = compose_config([f"model={preset}", "model.quantize={bits: 4, group_size: 64}", "model.max_context=512"])["model"]
-    assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize", "families"}
+    assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize", "families", "hub_ids"}
+    # a family preset names its usual repos when model.path is missing (model=hf and smollm2 need none)
+    assert bool(model["hub_ids"]) == bool(model["families"]) and all("/" in repo for repo in model["hub_ids"] or [])
     assert model["quantize"] == {"bits": 4, "group_size": 64} and model["max_context"] == 512
 
 

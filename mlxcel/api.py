@@ -1,13 +1,13 @@
 """The Python API: the runner's pipeline for scripts and notebooks.
 
-    from mlxcel import load_generator
-    gen = load_generator(overrides=["decode.max_tokens=64"])        # CLI-style overrides
-    gen = load_generator({"model": {"path": "/models/qwen2.5"}})     # or a (partial) config dict
-    out = gen.generate("What is the capital of France?")             # -> Generation
-    outs = gen.generate(["Hi", [{"role": "user", "content": "Yo"}]]) # a batch -> [Generation]
-    for text in gen.stream("Tell me a story"):                      # text as it is generated
-        print(text, end="")
-    gen.stats                                                        # GenerationStats of the last call
+from mlxcel import load_generator
+gen = load_generator(overrides=["decode.max_tokens=64"])        # CLI-style overrides
+gen = load_generator({"model": {"path": "/models/qwen2.5"}})     # or a (partial) config dict
+out = gen.generate("What is the capital of France?")             # -> Generation
+outs = gen.generate(["Hi", [{"role": "user", "content": "Yo"}]]) # a batch -> [Generation]
+for text in gen.stream("Tell me a story"):                      # text as it is generated
+    print(text, end="")
+gen.stats                                                        # GenerationStats of the last call
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ class Generator:
         self.pipeline = pipeline
         self.stats: GenerationStats | None = None
 
-    def generate(self, prompts: Prompt | list[Prompt], max_tokens: int | None = None, seed: int | None = None) -> Generation | list[Generation]:
+    def generate(
+        self, prompts: Prompt | list[Prompt], max_tokens: int | None = None, seed: int | None = None
+    ) -> Generation | list[Generation]:
         """One prompt -> one Generation; a list of prompts -> a list, at most runner.max_rows decoding at once."""
         single = isinstance(prompts, str) or is_conversation(prompts)
         batch = [prompts] if single else list(prompts)
@@ -122,7 +124,9 @@ class Generator:
         text = stream.text + stream.finalize()  # equals decode(token_ids), cut at a stop string
         if stream.stopped:
             result.finish_reason = "stop"
-        return Generation(prepared.sample.row.id, text, result.token_ids, result.finish_reason, result.prompt_tokens, result.error)
+        return Generation(
+            prepared.sample.row.id, text, result.token_ids, result.finish_reason, result.prompt_tokens, result.error
+        )
 
 
 def make_on_token(streams: list[TextStream]):

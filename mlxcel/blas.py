@@ -96,8 +96,10 @@ def advise_api_blas(environ: dict[str, str] | None = None) -> str | None:
     BLAS; None elsewhere."""
     library, hint = plan_blas_preload(dict(os.environ) if environ is None else environ)
     if library:
-        return (f"mlxcel: tip: this Python runs MLX on its slow reference BLAS (mlxcel-run preloads OpenBLAS: "
-                f"~15x faster CPU prefill); start Python with LD_PRELOAD={library} for the same speed (MLXCEL_BLAS=off hides this)")
+        return (
+            f"mlxcel: tip: this Python runs MLX on its slow reference BLAS (mlxcel-run preloads OpenBLAS: "
+            f"~15x faster CPU prefill); start Python with LD_PRELOAD={library} for the same speed (MLXCEL_BLAS=off hides this)"
+        )
     return hint
 
 

@@ -77,7 +77,9 @@ def find_recipe(value: str) -> Path:
         return path
     path = find_recipes_dir() / f"{value}.yaml"
     if not value or not path.is_file():
-        raise ConfigError(ConfigIssue("recipe", f"unknown recipe; available: {', '.join(list_recipes()) or 'none'}", value))
+        raise ConfigError(
+            ConfigIssue("recipe", f"unknown recipe; available: {', '.join(list_recipes()) or 'none'}", value)
+        )
     return path
 
 
@@ -100,7 +102,9 @@ def use_recipe(args: list[str]) -> list[str]:
     if len(picks) > 1:
         raise ConfigError(ConfigIssue("recipe", "give one recipe", [p.partition("=")[2] for p in picks]))
     if any(arg in ("--config-name", "-cn") or arg.startswith("--config-name=") for arg in args):
-        raise ConfigError(ConfigIssue("recipe", "recipe= picks the primary config; drop --config-name", has_value=False))
+        raise ConfigError(
+            ConfigIssue("recipe", "recipe= picks the primary config; drop --config-name", has_value=False)
+        )
     path = find_recipe(picks[0].partition("=")[2])
     try:
         import yaml
@@ -110,7 +114,11 @@ def use_recipe(args: list[str]) -> list[str]:
     except Exception as ex:  # YAML syntax: one line naming the file
         raise ConfigError(ConfigIssue("recipe", f"cannot read {path}: {first_line(str(ex))}", has_value=False)) from ex
     if not is_mapping:
-        raise ConfigError(ConfigIssue("recipe", f"{path} is not a job file: it must be a YAML mapping of config keys", has_value=False))
+        raise ConfigError(
+            ConfigIssue(
+                "recipe", f"{path} is not a job file: it must be a YAML mapping of config keys", has_value=False
+            )
+        )
     name = "recipe_" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)  # its name in the ConfigStore
     ConfigStore.instance().store(name=name, node=node)
     return ["--config-name", name, *(arg for arg in args if arg != picks[0])]
@@ -201,7 +209,9 @@ def run_job(cfg: Any) -> Any:
     try:
         data = read_job_config(cfg)
         run_cfg = validate_config(data)
-    except ConfigError as ex:  # a sweep's job (one run is validated before Hydra makes its folder): say in it why nothing ran
+    except (
+        ConfigError
+    ) as ex:  # a sweep's job (one run is validated before Hydra makes its folder): say in it why nothing ran
         write_failure_stats(out_dir, ex)
         raise
     from mlxcel import runner  # lazy: loads MLX and the model code only for a valid config
@@ -219,10 +229,17 @@ def read_job_config(cfg: Any) -> dict:
 
     refuse_environment_reads(cfg)
     try:
-        return {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
-                for key in cfg if key != "hydra"}
+        return {
+            key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True)
+            if OmegaConf.is_config(cfg[key])
+            else cfg[key]
+            for key in cfg
+            if key != "hydra"
+        }
     except MissingMandatoryValue as ex:
-        raise ConfigError(ConfigIssue(ex.full_key, f"required: this preset has no default; set {ex.full_key}=...", has_value=False)) from ex
+        raise ConfigError(
+            ConfigIssue(ex.full_key, f"required: this preset has no default; set {ex.full_key}=...", has_value=False)
+        ) from ex
 
 
 # Keys whose values are text a model reads and the run folder keeps: an interpolation there that
@@ -239,9 +256,19 @@ def refuse_environment_reads(cfg: Any) -> None:
 
     for key in TEXT_KEYS:
         section, _, name = key.partition(".")
-        raw = OmegaConf.to_container(cfg[section], resolve=False).get(name) if OmegaConf.is_dict(cfg.get(section)) else None
+        raw = (
+            OmegaConf.to_container(cfg[section], resolve=False).get(name)
+            if OmegaConf.is_dict(cfg.get(section))
+            else None
+        )
         if any(isinstance(text, str) and _ENVIRONMENT_READ.search(text) for text in iter_strings(raw)):
-            raise ConfigError(ConfigIssue(key, "reads an environment variable (${oc.env:...}); text keys take text, write it out", has_value=False))
+            raise ConfigError(
+                ConfigIssue(
+                    key,
+                    "reads an environment variable (${oc.env:...}); text keys take text, write it out",
+                    has_value=False,
+                )
+            )
 
 
 def iter_strings(value: Any):
@@ -294,8 +321,12 @@ def claim_run_folder_early(composed: Any, claimed: list[Path]) -> str:
         check_model_config(run_cfg)
     run_dir = Path(str(OmegaConf.select(composed, "hydra.run.dir"))).expanduser().absolute()
     if not run_dir.exists():
-        claimed.append(run_dir)  # ours from here: an ending before the run's own leaves its status (a folder that existed is left as it was)
-    claim_run_folder(run_dir, run_cfg.resolved_dict(), run_cfg.runner.resume, input_files(run_cfg.prompt), hash_samples(samples))
+        claimed.append(
+            run_dir
+        )  # ours from here: an ending before the run's own leaves its status (a folder that existed is left as it was)
+    claim_run_folder(
+        run_dir, run_cfg.resolved_dict(), run_cfg.runner.resume, input_files(run_cfg.prompt), hash_samples(samples)
+    )
     return f"hydra.run.dir={quote_override_value(str(run_dir))}"
 
 
@@ -308,7 +339,13 @@ def check_utf8(args: list[str]) -> None:
             arg.encode("utf-8")
         except UnicodeEncodeError:
             shown = arg.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
-            raise ConfigError(ConfigIssue(f"argument {number}", "is not valid UTF-8 text; check the terminal's or the script's encoding", shown)) from None
+            raise ConfigError(
+                ConfigIssue(
+                    f"argument {number}",
+                    "is not valid UTF-8 text; check the terminal's or the script's encoding",
+                    shown,
+                )
+            ) from None
 
 
 def describe_hydra_error(ex: BaseException) -> str:
@@ -339,7 +376,9 @@ def describe_hydra_error(ex: BaseException) -> str:
         from mlxcel.config import suggest_key
 
         keys = [str(k) for k in (cause.parent_node or {}) if k != "hydra"]
-        return f"{cause.full_key}: unknown key{suggest_key(str(cause.full_key), keys)}; valid keys: " + (", ".join(keys) or "none")
+        return f"{cause.full_key}: unknown key{suggest_key(str(cause.full_key), keys)}; valid keys: " + (
+            ", ".join(keys) or "none"
+        )
     if isinstance(cause, OmegaConfBaseException):
         lines.append(f"({first_line(str(cause))})")
     return join_sentences(lines)

@@ -18,7 +18,17 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Strict,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from mlxcel.errors import ConfigError, ConfigIssue
@@ -67,7 +77,9 @@ class ModelConfig(Group):
     gguf_weights: Literal["auto", "quantized", "dequantize"] = "auto"
     max_context: PositiveInt | None = None
     quantize: QuantizeConfig | None = None
-    families: list[str] | None = None  # a family preset's model_types: the checkpoint must be one (checked from its header)
+    families: list[str] | None = (
+        None  # a family preset's model_types: the checkpoint must be one (checked from its header)
+    )
     hub_ids: list[str] | None = None  # a family preset's usual Hub repos, named when model.path is missing
 
     @field_validator("path")
@@ -115,7 +127,14 @@ class TemplateConfig(Group):
 
 
 # ---- sampler (docs/sampling.md): its schema lives with the sampler chain ----
-from mlxcel.sampling.config import CHAIN_ORDER, PROCESSORS, SELECTOR_KINDS, SamplerConfig, SelectorConfig, TemperatureConfig  # noqa: E402,F401
+from mlxcel.sampling.config import (
+    CHAIN_ORDER,
+    PROCESSORS,
+    SELECTOR_KINDS,
+    SamplerConfig,
+    SelectorConfig,
+    TemperatureConfig,
+)  # noqa: E402,F401
 
 
 # ---- the other stages ----
@@ -152,7 +171,11 @@ class PrefillConfig(Group):
     @classmethod
     def _check_tile_size(cls, value: Any) -> int | str | None:
         # tiles are hardware's (32 on Apple's Neural Accelerators): past MAX_TILE_SIZE a tile only pads
-        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_TILE_SIZE):
+        if (
+            value is None
+            or value == "auto"
+            or (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_TILE_SIZE)
+        ):
             return value
         raise reject(f"must be an integer in [1, {MAX_TILE_SIZE}], 'auto' or null")
 
@@ -172,7 +195,9 @@ class DecodeConfig(Group):
     stop_strings: list[str] = Field(default_factory=list)  # text that ends a row, cut from its output
     ignore_eos: Bool = False
     pipeline: Bool = True
-    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] = 0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] = (
+        0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
+    )
     kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # store the KV cache quantized (full-attention layers)
     kv_group_size: Literal[32, 64, 128] = 64  # must divide the model's head_dim
 
@@ -234,7 +259,9 @@ class Message(Group):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: MessageContent = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant: [{"type": "function", "function": {"name", "arguments"}}]
+    tool_calls: list[dict[str, Any]] | None = (
+        None  # assistant: [{"type": "function", "function": {"name", "arguments"}}]
+    )
     tool_call_id: str | None = None  # tool: which call this answers
     name: str | None = None  # tool: the function's name
 
@@ -281,9 +308,13 @@ class PromptRow(Group):
     @model_validator(mode="after")
     def _check_one_source(self) -> PromptRow:
         if (self.prompt is None) == (not self.messages):
-            raise reject("each row needs exactly one of 'prompt' (text) or 'messages' (a conversation)", "prompt", NO_VALUE)
+            raise reject(
+                "each row needs exactly one of 'prompt' (text) or 'messages' (a conversation)", "prompt", NO_VALUE
+            )
         if self.images and self.messages:
-            raise reject("'images' goes with 'prompt'; in 'messages' put image parts in the content", "images", self.images)
+            raise reject(
+                "'images' goes with 'prompt'; in 'messages' put image parts in the content", "images", self.images
+            )
         return self
 
     def to_messages(self) -> list[dict]:
@@ -294,7 +325,10 @@ def make_user_message(text: str, images: list[str] | None = None) -> dict:
     """A user turn; with images, a content list: the images first, then the text."""
     if not images:
         return {"role": "user", "content": text}
-    return {"role": "user", "content": [*({"type": "image", "path": p} for p in images), {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [*({"type": "image", "path": p} for p in images), {"type": "text", "text": text}],
+    }
 
 
 class PromptConfig(Group):
@@ -311,12 +345,26 @@ class PromptConfig(Group):
     def _check_one_source(self) -> PromptConfig:
         sources = [name for name in ("text", "messages", "file", "rows") if getattr(self, name) not in (None, [])]
         if not sources:
-            raise reject("required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows", "text", NO_VALUE)
+            raise reject(
+                "required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows", "text", NO_VALUE
+            )
         if len(sources) > 1:
-            hint = "; give one (prompt.file alone runs a batch job: the default text steps aside)" if "text" in sources else ""
-            raise reject(f"set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got {', '.join(sources)}){hint}", sources[1], NO_VALUE)
+            hint = (
+                "; give one (prompt.file alone runs a batch job: the default text steps aside)"
+                if "text" in sources
+                else ""
+            )
+            raise reject(
+                f"set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got {', '.join(sources)}){hint}",
+                sources[1],
+                NO_VALUE,
+            )
         if self.images and self.text is None:
-            raise reject("prompt.images go with prompt.text (in prompt.messages or a JSONL row, use image parts)", "images", self.images)
+            raise reject(
+                "prompt.images go with prompt.text (in prompt.messages or a JSONL row, use image parts)",
+                "images",
+                self.images,
+            )
         if self.system is not None and self.messages and any(m.role == "system" for m in self.messages):
             raise reject("prompt.messages already has a system message; set one or the other", "system", self.system)
         return self
@@ -327,7 +375,9 @@ class PromptConfig(Group):
 
     def to_messages(self) -> list[dict]:
         """The conversation as role/content dicts, the system message first when set."""
-        return self.with_system([m.to_dict() for m in self.messages] if self.messages else [make_user_message(self.text, self.images)])
+        return self.with_system(
+            [m.to_dict() for m in self.messages] if self.messages else [make_user_message(self.text, self.images)]
+        )
 
     def with_system(self, messages: list[dict]) -> list[dict]:
         """prompt.system goes first, unless the conversation brings its own system message."""
@@ -340,7 +390,9 @@ class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
     max_rows: PositiveInt = 8  # rows decoding at once
-    kv_budget_gb: Annotated[float, Field(gt=0)] | None = None  # KV cache cap; None: 40% of device memory (RAM on the CPU)
+    kv_budget_gb: Annotated[float, Field(gt=0)] | None = (
+        None  # KV cache cap; None: 40% of device memory (RAM on the CPU)
+    )
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
     progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise
@@ -400,7 +452,9 @@ def validate_config(data: dict) -> RunConfig:
     if issues:
         from_env = [issue.path.startswith("MLXCEL_") for issue in issues]
         first = next((issue for issue in issues if not issue.path.startswith("MLXCEL_")), None)
-        hints = ([make_hint(first.path, first.message.startswith("unknown key"))] if first else []) + ([ENV_HINT] if any(from_env) else [])
+        hints = ([make_hint(first.path, first.message.startswith("unknown key"))] if first else []) + (
+            [ENV_HINT] if any(from_env) else []
+        )
         raise ConfigError(issues, hint="\n".join(hints))
     return cfg
 
@@ -434,7 +488,9 @@ def check_paths(cfg: RunConfig) -> list[ConfigIssue]:
     return [
         ConfigIssue(key, "no such file or directory", path)
         for key, path in paths.items()
-        if path is not None and not path.startswith("embedded:") and not Path(path).expanduser().exists()
+        if path is not None
+        and not path.startswith("embedded:")
+        and not Path(path).expanduser().exists()
         and not (key == "model.path" and is_repo_id(path))  # a Hub repo id: the loader resolves it
     ]
 
@@ -452,10 +508,18 @@ def format_errors(root: type[BaseModel] | None, errors: list[dict], prefix: tupl
 
 
 _TYPE_NAMES = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
-    "bool_parsing": "true or false", "string_type": "a string", "dict_type": "a mapping",
-    "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": "a list",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+    "list_type": "a list",
 }
 _BOUNDS = {Gt: ("gt", ">"), Ge: ("ge", ">="), Lt: ("lt", "<"), Le: ("le", "<=")}
 
@@ -480,7 +544,11 @@ def format_error(root: type[BaseModel] | None, err: dict, prefix: tuple) -> Conf
         return make_issue(prefix + loc, describe_renamed(".".join(map(str, prefix + loc))), value)
     if kind == "extra_forbidden":
         valid = list(parent.model_fields) if parent is not None else []
-        return make_issue(prefix + loc, f"unknown key{suggest_key('.'.join(map(str, prefix + loc)), valid)}; valid keys: {', '.join(valid)}", value)
+        return make_issue(
+            prefix + loc,
+            f"unknown key{suggest_key('.'.join(map(str, prefix + loc)), valid)}; valid keys: {', '.join(valid)}",
+            value,
+        )
     if kind == "literal_error":
         choices = ctx["expected"].replace("'", "").replace(" or ", ", ")
         return make_issue(prefix + loc, f"must be one of: {choices}", value)
@@ -510,7 +578,9 @@ def describe_bounds(field: Any) -> str:
     if get_origin(field.annotation) in (Union, UnionType):  # Optional[Annotated[...]] keeps its bounds inside
         for arg in get_args(field.annotation):
             metadata += list(getattr(arg, "__metadata__", ()))
-    return " ".join(f"{sign} {getattr(m, attr)}" for m in metadata for cls, (attr, sign) in _BOUNDS.items() if isinstance(m, cls))
+    return " ".join(
+        f"{sign} {getattr(m, attr)}" for m in metadata for cls, (attr, sign) in _BOUNDS.items() if isinstance(m, cls)
+    )
 
 
 def find_model(root: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:

@@ -60,8 +60,13 @@ def add_job_row(config: DictConfig, job_return: Any, swept: list[str]) -> None:
     status = getattr(job_return, "status", None)
     job_error = job_return._return_value if status is not None and status.name == "FAILED" else None
     row = sweep_summary.make_summary_row(
-        job=int(config.hydra.job.num), overrides=overrides, params=parse_overrides(overrides),
-        swept=swept, job_dir=job_dir, stats=sweep_summary.read_job_stats(job_dir), job_error=job_error,
+        job=int(config.hydra.job.num),
+        overrides=overrides,
+        params=parse_overrides(overrides),
+        swept=swept,
+        job_dir=job_dir,
+        stats=sweep_summary.read_job_stats(job_dir),
+        job_error=job_error,
         job_status=status.name.lower() if status is not None else None,
     )
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +102,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         try:
             override = OverridesParser.create().parse_override(text)
             value = override.value()
-            params[override.get_key_element().lstrip("+~")] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+            params[override.get_key_element().lstrip("+~")] = (
+                value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+            )
         except Exception:  # noqa: BLE001 - an odd override still gets its text as the value
             key, _, value = text.partition("=")
             params[key.lstrip("+~")] = value

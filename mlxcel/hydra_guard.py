@@ -29,8 +29,12 @@ ALLOWED_TARGETS = {
 }
 # logging.config.dictConfig's `class` values that may appear in hydra/job_logging, hydra/hydra_logging
 ALLOWED_LOGGING_CLASSES = {
-    "logging.StreamHandler", "logging.FileHandler", "logging.NullHandler", "logging.Formatter",
-    "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler",
+    "logging.StreamHandler",
+    "logging.FileHandler",
+    "logging.NullHandler",
+    "logging.Formatter",
+    "logging.handlers.RotatingFileHandler",
+    "logging.handlers.TimedRotatingFileHandler",
 }
 ALLOWED_STREAMS = {"ext://sys.stdout", "ext://sys.stderr"}
 # Variables that make a process (or the interpreter) load code of someone's choosing.
@@ -89,8 +93,11 @@ def compose_hydra_node(parsed, conf_dir: Path):
     try:
         hydra = Hydra.create_main_hydra2(task_name="mlxcel", config_search_path=search_path)
         return hydra.compose_config(
-            config_name=parsed.config_name or "config", overrides=list(parsed.overrides), run_mode=RunMode.MULTIRUN,
-            with_log_configuration=False, validate_sweep_overrides=False,
+            config_name=parsed.config_name or "config",
+            overrides=list(parsed.overrides),
+            run_mode=RunMode.MULTIRUN,
+            with_log_configuration=False,
+            validate_sweep_overrides=False,
         )
     finally:
         GlobalHydra.instance().clear()
@@ -110,7 +117,9 @@ def check_targets(node: dict, path: str = "hydra") -> None:
             top_level = path.count(".") == (2 if place == "callbacks" else 1)
             if value not in allowed or not top_level:
                 names = ", ".join(sorted(allowed)) or "none"
-                refuse(here, f"Hydra would import and call this; allowed here: {names} (a config may not run code)", value)
+                refuse(
+                    here, f"Hydra would import and call this; allowed here: {names} (a config may not run code)", value
+                )
         elif isinstance(value, dict):
             check_targets(value, here)
         elif isinstance(value, list):
@@ -147,12 +156,19 @@ def is_in_run_folder(filename: Any) -> bool:
 
 
 def check_environment(job: dict) -> None:
-    for name in (job.get("env_set") or {}):
+    for name in job.get("env_set") or {}:
         if str(name).upper().startswith(UNSAFE_ENV_PREFIXES):
-            refuse(f"hydra.job.env_set.{name}", "this variable makes processes load code of the config's choosing; set it in your shell if you mean it")
+            refuse(
+                f"hydra.job.env_set.{name}",
+                "this variable makes processes load code of the config's choosing; set it in your shell if you mean it",
+            )
     for name in job.get("env_copy") or []:
         if str(name).upper().startswith(UNSAFE_ENV_PREFIXES):
-            refuse("hydra.job.env_copy", "this variable makes processes load code; set it in your shell if you mean it", name)
+            refuse(
+                "hydra.job.env_copy",
+                "this variable makes processes load code; set it in your shell if you mean it",
+                name,
+            )
 
 
 def check_sweep_overrides(overrides: list[str]) -> None:
@@ -189,7 +205,11 @@ def check_output_dirs(cfg, node: dict) -> None:
         except OmegaConfBaseException:
             continue  # an interpolation only a job can resolve; Hydra reports a broken one
         if value is None or not str(value).strip():
-            refuse(f"hydra.{key}", "empty: the run would write into the current folder; name a folder", value if value is not None else "")
+            refuse(
+                f"hydra.{key}",
+                "empty: the run would write into the current folder; name a folder",
+                value if value is not None else "",
+            )
         path = Path(str(value)).expanduser().absolute()
         if path.exists() and not path.is_dir():
             refuse(f"hydra.{key}", f"{path} exists and is not a folder", str(value))

@@ -31,8 +31,17 @@ def hash_row(row: JobRow) -> str:
     generation: a resume checks that the input still asks for what was answered."""
     import hashlib
 
-    content = {"id": str(row.id), "messages": row.messages, "max_tokens": row.max_tokens, "seed": row.seed, "n": row.n, "tools": row.tools}
-    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")).hexdigest()
+    content = {
+        "id": str(row.id),
+        "messages": row.messages,
+        "max_tokens": row.max_tokens,
+        "seed": row.seed,
+        "n": row.n,
+        "tools": row.tools,
+    }
+    return hashlib.sha256(
+        json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
+    ).hexdigest()
 
 
 def input_files(prompt: PromptConfig) -> list[Path]:
@@ -74,9 +83,19 @@ def read_jsonl_rows(path: Path) -> list[tuple[int, object]]:
         try:
             items.append((number, json.loads(line, object_pairs_hook=refuse_repeated_keys)))
         except json.JSONDecodeError as exc:
-            issues.append(ConfigIssue(f"prompt.file line {number}", f"not valid JSON ({exc.msg} at column {exc.colno})", line[:80]))
+            issues.append(
+                ConfigIssue(
+                    f"prompt.file line {number}", f"not valid JSON ({exc.msg} at column {exc.colno})", line[:80]
+                )
+            )
         except RepeatedKeyError as exc:
-            issues.append(ConfigIssue(f"prompt.file line {number}", f"the key {exc.args[0]!r} appears twice (JSON would keep the last silently)", line[:80]))
+            issues.append(
+                ConfigIssue(
+                    f"prompt.file line {number}",
+                    f"the key {exc.args[0]!r} appears twice (JSON would keep the last silently)",
+                    line[:80],
+                )
+            )
     if issues:
         raise ConfigError(issues, hint=f"fix: correct those lines of {path}")
     if not items:

@@ -23,7 +23,15 @@ LOCK_FILE = ".lock"
 # Keys that may change between a run and its resumption: they do not change what a row contains.
 # runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed;
 # model.families only checks the checkpoint, model.hub_ids only words an error (folders written before them have none).
-RESUMABLE_KEYS = ("runner.resume", "runner.progress", "runner.max_rows", "runner.batch_size", "runner.dry_run", "model.families", "model.hub_ids")
+RESUMABLE_KEYS = (
+    "runner.resume",
+    "runner.progress",
+    "runner.max_rows",
+    "runner.batch_size",
+    "runner.dry_run",
+    "model.families",
+    "model.hub_ids",
+)
 
 
 _HELD_LOCKS: dict[Path, int] = {}  # run folder -> the open file this process locks it through
@@ -45,7 +53,13 @@ def lock_run_folder(folder: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise ConfigError(ConfigIssue("hydra.run.dir", "another mlxcel run is writing to this folder; wait for it to end or pick another folder", str(folder)))
+        raise ConfigError(
+            ConfigIssue(
+                "hydra.run.dir",
+                "another mlxcel run is writing to this folder; wait for it to end or pick another folder",
+                str(folder),
+            )
+        )
     _HELD_LOCKS[folder] = fd
 
 
@@ -63,7 +77,13 @@ def check_not_input(folder: Path, inputs: list[Path]) -> None:
     written = {(Path(folder) / name).absolute() for name in (CONFIG_FILE, GENERATIONS_FILE, STATS_FILE, PROMPTS_FILE)}
     for path in inputs:
         if Path(path).expanduser().absolute() in written:
-            raise ConfigError(ConfigIssue("prompt.file", f"is a file this run writes ({Path(path).name} in its run folder); move the input or pick another hydra.run.dir", str(path)))
+            raise ConfigError(
+                ConfigIssue(
+                    "prompt.file",
+                    f"is a file this run writes ({Path(path).name} in its run folder); move the input or pick another hydra.run.dir",
+                    str(path),
+                )
+            )
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -125,7 +145,9 @@ class RunOutputs:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                raise ConfigError(ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60]))
+                raise ConfigError(
+                    ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60])
+                )
             if row.get("finish_reason") == "interrupted":
                 continue  # a single prompt's partial row: it runs again, in its place
             keys[(str(row["id"]), int(row.get("sample", 0)))] = row.get("input_sha256")
@@ -137,13 +159,17 @@ class RunOutputs:
         return keys
 
 
-def claim_run_folder(out_dir: Path, resolved: dict, resume: bool, inputs: list[Path], rows: dict[tuple[str, int], str]) -> set[tuple[str, int]]:
+def claim_run_folder(
+    out_dir: Path, resolved: dict, resume: bool, inputs: list[Path], rows: dict[tuple[str, int], str]
+) -> set[tuple[str, int]]:
     """Everything that may refuse a start, before the run writes a byte: the folder's lock, the
     input files, and a fresh folder (or, resuming, one holding a run of the same config whose
     written rows answer the input's rows as they are now). `rows`: the job's (id, sample) ->
     hash_row. Returns the rows already written (resuming)."""
     check_not_input(out_dir, inputs)
-    check_run_folder(out_dir) if resume else check_fresh(out_dir)  # before the lock file: a refused folder stays as it was
+    check_run_folder(out_dir) if resume else check_fresh(
+        out_dir
+    )  # before the lock file: a refused folder stays as it was
     lock_run_folder(out_dir)
     if not resume:
         check_fresh(out_dir)  # again, now that no other run can start writing it
@@ -157,13 +183,27 @@ def check_same_rows(done: dict[tuple[str, int], str | None], rows: dict[tuple[st
     """A written row must answer the input row of its id as it is now (an edited file, say a line
     inserted above id-less rows, would mix answers and prompts); rows written before hashes were
     kept are taken as they are."""
-    changed = sorted(key[0] for key, digest in done.items() if key in rows and digest is not None and digest != rows[key])
+    changed = sorted(
+        key[0] for key, digest in done.items() if key in rows and digest is not None and digest != rows[key]
+    )
     gone = sorted(key[0] for key in done if key not in rows)
     issues = []
     if changed:
-        issues.append(ConfigIssue("runner.resume", f"the input's rows changed since they were answered: ids {', '.join(dict.fromkeys(changed))}", has_value=False))
+        issues.append(
+            ConfigIssue(
+                "runner.resume",
+                f"the input's rows changed since they were answered: ids {', '.join(dict.fromkeys(changed))}",
+                has_value=False,
+            )
+        )
     if gone:
-        issues.append(ConfigIssue("runner.resume", f"written rows are not in the input any more: ids {', '.join(dict.fromkeys(gone))}", has_value=False))
+        issues.append(
+            ConfigIssue(
+                "runner.resume",
+                f"written rows are not in the input any more: ids {', '.join(dict.fromkeys(gone))}",
+                has_value=False,
+            )
+        )
     if issues:
         raise ConfigError(issues, hint="fix: resume with the input as it was, or start a new run (a new hydra.run.dir)")
 
@@ -173,14 +213,24 @@ def check_fresh(folder: Path) -> None:
     path = Path(folder) / GENERATIONS_FILE
     if path.exists() and path.stat().st_size:
         raise ConfigError(
-            ConfigIssue("hydra.run.dir", "already holds a run's generations.jsonl; set runner.resume=true to continue it, or pick a new folder", str(folder))
+            ConfigIssue(
+                "hydra.run.dir",
+                "already holds a run's generations.jsonl; set runner.resume=true to continue it, or pick a new folder",
+                str(folder),
+            )
         )
 
 
 def check_run_folder(folder: Path) -> None:
     """A folder to resume holds a run (its config)."""
     if not (Path(folder) / CONFIG_FILE).exists():
-        raise ConfigError(ConfigIssue("runner.resume", f"{folder} has no {CONFIG_FILE}: not a run folder to resume (set hydra.run.dir to one)", True))
+        raise ConfigError(
+            ConfigIssue(
+                "runner.resume",
+                f"{folder} has no {CONFIG_FILE}: not a run folder to resume (set hydra.run.dir to one)",
+                True,
+            )
+        )
 
 
 def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], str | None]:
@@ -190,12 +240,19 @@ def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], s
     previous = flatten(json.loads(path.read_text(encoding="utf-8")))
     current = flatten(json.loads(json.dumps(resolved, default=str)))
     changed = [
-        ConfigIssue(key, f"differs from the run being resumed (was {previous.get(key, '<unset>')!r})", current.get(key, "<unset>"))
+        ConfigIssue(
+            key,
+            f"differs from the run being resumed (was {previous.get(key, '<unset>')!r})",
+            current.get(key, "<unset>"),
+        )
         for key in sorted(previous.keys() | current.keys())
-        if key not in RESUMABLE_KEYS and resolve_setting(key, previous.get(key)) != resolve_setting(key, current.get(key))
+        if key not in RESUMABLE_KEYS
+        and resolve_setting(key, previous.get(key)) != resolve_setting(key, current.get(key))
     ]
     if changed:
-        raise ConfigError(changed, hint="fix: resume with the run's own config (its .hydra/overrides.yaml), or start a new run")
+        raise ConfigError(
+            changed, hint="fix: resume with the run's own config (its .hydra/overrides.yaml), or start a new run"
+        )
     return outputs.read_done_keys()
 
 

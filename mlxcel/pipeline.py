@@ -22,7 +22,14 @@ from mlxcel.sampling.history import make_piece_encoder
 from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
-from mlxcel.vision.stage import ImageInputs, check_images_allowed, collect_image_paths, flatten_text_parts, is_vision_model, prepare_images
+from mlxcel.vision.stage import (
+    ImageInputs,
+    check_images_allowed,
+    collect_image_paths,
+    flatten_text_parts,
+    is_vision_model,
+    prepare_images,
+)
 
 
 @dataclass
@@ -36,7 +43,9 @@ class PreparedSample:
 def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer):
     """The chat template the config picks (None: no template)."""
     template = cfg.template
-    source = load_template_source(tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools"))
+    source = load_template_source(
+        tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools")
+    )
     if template.kind == "auto" and source is None:  # one error for the run, not one per row
         where = cfg.tokenizer.path or cfg.model.path
         raise MlxcelError(f"template=auto: the tokenizer of {where} has no chat template; {NO_TEMPLATE_HINT}")
@@ -63,17 +72,35 @@ def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
     issues = []
     step = os.environ.get("MLXCEL_DECODE_STEP", "").strip().lower()
     if step and step not in DECODE_STEPS:
-        issues.append(ConfigIssue("MLXCEL_DECODE_STEP", f"environment variable: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)", step))
+        issues.append(
+            ConfigIssue(
+                "MLXCEL_DECODE_STEP",
+                f"environment variable: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)",
+                step,
+            )
+        )
     context = cfg.model.max_context or header.max_context
     tile = cfg.prefill.resolved_tile_size()
     if tile and tile >= context:
         issues.append(ConfigIssue("prefill.tile_size", f"must be below the model's context ({context} tokens)", tile))
     if cfg.decode.kv_bits and header.head_dim and header.head_dim % cfg.decode.kv_group_size:
-        issues.append(ConfigIssue("decode.kv_group_size", f"must divide the model's head size ({header.head_dim}); use one of 32, 64, 128 that does", cfg.decode.kv_group_size))
+        issues.append(
+            ConfigIssue(
+                "decode.kv_group_size",
+                f"must divide the model's head size ({header.head_dim}); use one of 32, 64, 128 that does",
+                cfg.decode.kv_group_size,
+            )
+        )
     families = cfg.model.families
     if families and header.arch not in families:
-        issues.append(ConfigIssue("model", f"{cfg.model.path} is a {header.arch!r} checkpoint, and this model preset is for {', '.join(families)}; "
-                                  "pick the preset of its family, or model=hf for any", has_value=False))
+        issues.append(
+            ConfigIssue(
+                "model",
+                f"{cfg.model.path} is a {header.arch!r} checkpoint, and this model preset is for {', '.join(families)}; "
+                "pick the preset of its family, or model=hf for any",
+                has_value=False,
+            )
+        )
     if issues:
         raise ConfigError(issues)
 
@@ -85,7 +112,9 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.loaded = loaded
         self.template_source = find_template(cfg, tokenizer)
-        self.max_context = cfg.model.max_context or (loaded.model.args.max_position_embeddings if loaded else header.max_context)
+        self.max_context = cfg.model.max_context or (
+            loaded.model.args.max_position_embeddings if loaded else header.max_context
+        )
         self.stop_ids = self._merge_stop_ids() if loaded else set()
         self.sampler = self.make_sampler() if loaded else None
 
@@ -98,7 +127,10 @@ class Pipeline:
             quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
             loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize)
             info = loaded.info
-            say(log, f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in {info['load_ms'] / 1000:.1f} s")
+            say(
+                log,
+                f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in {info['load_ms'] / 1000:.1f} s",
+            )
             if "note" in info:
                 say(log, info["note"])
         return cls(cfg, header, tokenizer, loaded)
@@ -123,9 +155,15 @@ class Pipeline:
         """The sampler chain bound to this model: its vocabulary, EOS ids, DRY breakers tokenized."""
         loaded, tokenizer = self.loaded, self.tokenizer
         eos = loaded.generation_config.get("eos_token_id")
-        eos_ids = set([eos] if isinstance(eos, int) else eos or []) | set(loaded.model.eos_token_ids()) | set(tokenizer.eos_token_ids)
+        eos_ids = (
+            set([eos] if isinstance(eos, int) else eos or [])
+            | set(loaded.model.eos_token_ids())
+            | set(tokenizer.eos_token_ids)
+        )
         encode = make_piece_encoder(tokenizer)  # DRY's breaker strings
-        return make_sampler_chain(self.cfg.sampler, loaded.model.args.vocab_size, encode=encode, eos_token_ids=sorted(eos_ids))
+        return make_sampler_chain(
+            self.cfg.sampler, loaded.model.args.vocab_size, encode=encode, eos_token_ids=sorted(eos_ids)
+        )
 
     def prepare(self, samples: list[Sample]) -> list[PreparedSample]:
         """Render and tokenize every sample; one that fails gets its error, the rest go on."""
@@ -152,7 +190,11 @@ class Pipeline:
             return PreparedSample(sample, prompt)
         templated = template.kind != "none"
         token_ids, images = prepare_images(
-            model, prompt.text, prompt.token_ids, paths, lambda text: self.tokenizer.encode(text, add_special_tokens=not templated)
+            model,
+            prompt.text,
+            prompt.token_ids,
+            paths,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=not templated),
         )
         if images is not None:  # the history boundary moved with the expansion: no history piece
             prompt = PromptTokens(prompt.text, token_ids, history_tokens=0)
@@ -184,12 +226,16 @@ class Pipeline:
             tile_size=self.cfg.prefill.resolved_tile_size(),
         )
 
-    def generate(self, batch: list[PreparedSample], on_token: OnToken | None = None, on_row_done: OnRowDone | None = None) -> BatchState | ScheduleState:
+    def generate(
+        self, batch: list[PreparedSample], on_token: OnToken | None = None, on_row_done: OnRowDone | None = None
+    ) -> BatchState | ScheduleState:
         """Run these rows to the end (see group_rows for how many at once)."""
         request = self.make_request(batch)
         return self.make_engine(request).generate(request, on_token or (lambda row, token: True), on_row_done)
 
-    def steps(self, batch: list[PreparedSample], on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[BatchState | ScheduleState]:
+    def steps(
+        self, batch: list[PreparedSample], on_token: OnToken, on_row_done: OnRowDone | None = None
+    ) -> Iterator[BatchState | ScheduleState]:
         """Run these rows, yielding after every decode step (for streaming APIs)."""
         request = self.make_request(batch)
         return self.make_engine(request).steps(request, on_token, on_row_done)
@@ -216,7 +262,9 @@ class Pipeline:
         if supports_scheduling(self.loaded.model, request):
             runner = self.cfg.runner
             budget = int(runner.kv_budget_gb * 1e9) if runner.kv_budget_gb else None
-            return BatchScheduler(self.loaded.model, self.max_context, runner.max_rows, budget, pipelined, self.cfg.prefill.chunk_size)
+            return BatchScheduler(
+                self.loaded.model, self.max_context, runner.max_rows, budget, pipelined, self.cfg.prefill.chunk_size
+            )
         return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined)
 
     def make_request(self, batch: list[PreparedSample]) -> GenerationRequest:

@@ -61,7 +61,11 @@ def make_x_scale(values: list[Any]) -> tuple[Any, list[tuple[float, str]], str]:
 
 def make_nice_ticks(low: float, high: float, count: int, log: bool = False) -> list[float]:
     if log:
-        return [10.0**e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1) if low <= 10.0**e <= high]
+        return [
+            10.0**e
+            for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+            if low <= 10.0**e <= high
+        ]
     step = nice_step((high - low) / max(count - 1, 1))
     start = math.ceil(low / step) * step
     return [start + i * step for i in range(int((high - start) / step + 1e-9) + 1)]
@@ -110,13 +114,26 @@ def draw_sweep_plot(rows: list[dict], swept: list[str], path: Path, title: str =
     image = Image.new("RGB", (WIDTH, height), "white")
     draw = ImageDraw.Draw(image)
     others = Counter(str(row.get("status")) for row in rows if row.get("status") != "completed")
-    subtitle = f"{len(rows)} jobs" + (", " + ", ".join(f"{n} {status}" for status, n in others.items()) + " (not plotted)" if others else "")
+    subtitle = f"{len(rows)} jobs" + (
+        ", " + ", ".join(f"{n} {status}" for status, n in others.items()) + " (not plotted)" if others else ""
+    )
     draw.text((PAD, 14), title, fill=TEXT, font=fonts[20])
     draw.text((PAD, 42), subtitle, fill="#666666", font=fonts[13])
     panel_w = (WIDTH - 2 * PAD) // len(PANELS)
     for i, (field, label) in enumerate(PANELS):
         box = (PAD + i * panel_w + LEFT, TOP + 28, PAD + (i + 1) * panel_w - 18, TOP + PANEL_H - BOTTOM)
-        draw_panel(image, draw, box, field, label, lines, position, ticks, f"{x_key} ({kind})" if kind == "log" else x_key, fonts)
+        draw_panel(
+            image,
+            draw,
+            box,
+            field,
+            label,
+            lines,
+            position,
+            ticks,
+            f"{x_key} ({kind})" if kind == "log" else x_key,
+            fonts,
+        )
     y = TOP + PANEL_H + 16
     for line in legend_rows:
         x = PAD + LEFT

@@ -24,9 +24,23 @@ from mlxcel.jobs import expand_samples, hash_row, hash_samples, input_files, loa
 from mlxcel.outputs import RunOutputs, claim_run_folder, defer_interrupt, release_run_folder, write_failure_stats
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
-from mlxcel.stats import GenerationStats, describe_whole_job, format_stats_table, make_generation_stats, measure_batch, read_environment
+from mlxcel.stats import (
+    GenerationStats,
+    describe_whole_job,
+    format_stats_table,
+    make_generation_stats,
+    measure_batch,
+    read_environment,
+)
 
-SPEC_FIELDS = ("prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms", "prefill_tok_per_sec", "decode_tok_per_sec")
+SPEC_FIELDS = (
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill_time_ms",
+    "decode_time_ms",
+    "prefill_tok_per_sec",
+    "decode_tok_per_sec",
+)
 
 
 @dataclass
@@ -47,7 +61,9 @@ def run(
     # A refused start (another run's folder, a resume with another config, an input the run would
     # write over) leaves the folder as it was: no failure stats over another run's.
     samples = expand_samples(load_job_rows(cfg.prompt))  # 1
-    done = claim_run_folder(out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg.prompt), hash_samples(samples))  # 2
+    done = claim_run_folder(
+        out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg.prompt), hash_samples(samples)
+    )  # 2
     outputs = RunOutputs(out_dir)
     report: dict = {"status": "running", "overrides": list(overrides or [])}
     try:
@@ -72,13 +88,20 @@ def select_device(device: str) -> None:
         mx.set_default_device(mx.cpu)
     elif device == "gpu":
         if not mx.is_available(mx.gpu):
-            raise ConfigError(ConfigIssue("runner.device", "no GPU backend is available in this MLX build; use auto or cpu", device))
+            raise ConfigError(
+                ConfigIssue("runner.device", "no GPU backend is available in this MLX build; use auto or cpu", device)
+            )
         mx.set_default_device(mx.gpu)
 
 
 def describe_model(pipeline: Pipeline) -> dict:
     header = pipeline.header
-    info = {"arch": header.arch, "path": str(header.path), "files": header.files, "fingerprint_sha256": header.fingerprint}
+    info = {
+        "arch": header.arch,
+        "path": str(header.path),
+        "files": header.files,
+        "fingerprint_sha256": header.fingerprint,
+    }
     if pipeline.loaded is not None:
         info.update(pipeline.loaded.info)
         info["generation_defaults"] = read_generation_defaults(pipeline.loaded.generation_config)
@@ -115,14 +138,19 @@ def run_dry(pipeline: Pipeline, samples, outputs: RunOutputs, report: dict, log:
     errors = sum("error" in r for r in rows)
     report.update(status="dry_run", rows=len(rows), rows_with_errors=errors)
     outputs.write_stats(order_report(report))
-    say(log, f"dry run: {len(rows)} prompt(s) rendered and tokenized ({errors} with errors), written to {outputs.dir / 'prompts.jsonl'}")
+    say(
+        log,
+        f"dry run: {len(rows)} prompt(s) rendered and tokenized ({errors} with errors), written to {outputs.dir / 'prompts.jsonl'}",
+    )
     if rows and errors == len(rows):  # nothing could run: the job itself would fail
         first = next(r["error"] for r in rows)
         raise MlxcelError(first if len(rows) == 1 else f"every prompt failed ({len(rows)}); the first: {first}")
     return RunResult(outputs.dir, "dry_run")
 
 
-def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report: dict, stream: TextIO | None, log: TextIO | None) -> RunResult:
+def run_job(
+    pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report: dict, stream: TextIO | None, log: TextIO | None
+) -> RunResult:
     cfg = pipeline.cfg
     report["stop_token_ids"] = sorted(pipeline.stop_ids)
     prepare_start = time.perf_counter()
@@ -150,7 +178,9 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     progress = Progress(len(runnable), "off" if streaming else cfg.runner.progress, log)
     try:
         for batch in pipeline.group_rows(runnable):
-            state = run_batch(pipeline, batch, record, progress, stream if streaming else None, keep_partial=len(samples) == 1)
+            state = run_batch(
+                pipeline, batch, record, progress, stream if streaming else None, keep_partial=len(samples) == 1
+            )
             batches.append(measure_batch(state))
             report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())
     finally:
@@ -159,19 +189,30 @@ def run_job(pipeline: Pipeline, samples, done: set, outputs: RunOutputs, report:
     report.update(stats.to_dict())
     errors = [row for row in generations if row["finish_reason"] == "error"]
     if errors and len(errors) == len(generations):  # nothing ran: the job itself failed
-        raise MlxcelError(f"{errors[0]['error']}" if len(errors) == 1 else f"all {len(errors)} rows failed; the first: {errors[0]['error']}")
+        raise MlxcelError(
+            f"{errors[0]['error']}"
+            if len(errors) == 1
+            else f"all {len(errors)} rows failed; the first: {errors[0]['error']}"
+        )
     report["status"] = "completed"
     if done:
         describe_whole_job(report, earlier, outputs.read_rows())
     outputs.write_stats(order_report(report))
     if errors:
-        say(log, f"{len(errors)} of {len(generations)} rows failed (finish_reason \"error\" in generations.jsonl)")
+        say(log, f'{len(errors)} of {len(generations)} rows failed (finish_reason "error" in generations.jsonl)')
     if log is not None:
         print(format_stats_table(stats) + f"\nrun folder: {outputs.dir}", file=log, flush=True)
     return RunResult(outputs.dir, "completed", generations, stats)
 
 
-def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress: Progress, stream: TextIO | None, keep_partial: bool = False):
+def run_batch(
+    pipeline: Pipeline,
+    batch: list[PreparedSample],
+    record,
+    progress: Progress,
+    stream: TextIO | None,
+    keep_partial: bool = False,
+):
     """Generate `batch`, recording each row as it finishes. `keep_partial` (a single prompt): an
     interrupt records the row so far, finish_reason "interrupted" (a resume runs it again)."""
     detokenizers = [pipeline.make_text_stream(streaming=stream is not None) for _ in batch]
@@ -201,7 +242,11 @@ def run_batch(pipeline: Pipeline, batch: list[PreparedSample], record, progress:
         if keep_partial:
             for row in (r for r in range(len(batch)) if r not in finished):
                 detokenizers[row].finalize()
-                result = RowResult(token_ids=list(detokenizers[row].tokens), finish_reason="interrupted", prompt_tokens=len(batch[row].prompt.token_ids))
+                result = RowResult(
+                    token_ids=list(detokenizers[row].tokens),
+                    finish_reason="interrupted",
+                    prompt_tokens=len(batch[row].prompt.token_ids),
+                )
                 record(make_generation_row(batch[row], result, detokenizers[row].text))
         raise
 

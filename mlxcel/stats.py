@@ -66,7 +66,9 @@ class GenerationStats:
     row_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p95: start to a row's last token
     kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
-    host_ms_per_step: float = 0.0  # the scheduler's host work per iteration: below the device's step time, the device bounds the job
+    host_ms_per_step: float = (
+        0.0  # the scheduler's host work per iteration: below the device's step time, the device bounds the job
+    )
     batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -100,7 +102,9 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
     )
 
 
-def make_generation_stats(batches: list[BatchStats], prepare_start: float, finish_reasons: dict[str, int]) -> GenerationStats:
+def make_generation_stats(
+    batches: list[BatchStats], prepare_start: float, finish_reasons: dict[str, int]
+) -> GenerationStats:
     prefill_ms = sum(b.prefill_time_ms for b in batches)
     decode_ms = sum(b.decode_time_ms for b in batches)
     prompt_tokens = sum(b.prompt_tokens for b in batches)
@@ -161,8 +165,12 @@ def describe_whole_job(report: dict, earlier_sessions: list[dict], rows: list[di
     prefill_ms = sum(s.get("prefill_time_ms") or 0 for s in sessions)
     decode_ms = sum(s.get("decode_time_ms") or 0 for s in sessions)
     report.update(
-        rows=len(rows), finish_reasons=reasons, prompt_tokens=prompt_tokens, generated_tokens=generated,
-        prefill_time_ms=round(prefill_ms, 3), decode_time_ms=round(decode_ms, 3),
+        rows=len(rows),
+        finish_reasons=reasons,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=generated,
+        prefill_time_ms=round(prefill_ms, 3),
+        decode_time_ms=round(decode_ms, 3),
         prefill_tok_per_sec=round(prompt_tokens / prefill_ms * 1000, 3) if prefill_ms > 0 else 0.0,
         decode_tok_per_sec=round(after_first / decode_ms * 1000, 3) if decode_ms > 0 and after_first else 0.0,
         sessions=sessions,
@@ -191,7 +199,9 @@ def format_stats_table(stats: GenerationStats) -> str:
             f" | encode {stats.vision_encode_ms:.0f} ms (in prefill)"
         )
     occupancy = f" | occupancy {stats.occupancy:.1f}" if stats.occupancy else ""
-    lines.append(f"ttft {stats.ttft_ms:.0f} ms | peak {stats.peak_memory_gb:.2f} GB | rows {stats.rows} ({reasons}){occupancy}")
+    lines.append(
+        f"ttft {stats.ttft_ms:.0f} ms | peak {stats.peak_memory_gb:.2f} GB | rows {stats.rows} ({reasons}){occupancy}"
+    )
     return "\n".join(lines)
 
 

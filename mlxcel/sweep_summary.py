@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Any
 
 STATS_FIELDS = (
-    "prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms",
-    "prefill_tok_per_sec", "decode_tok_per_sec", "ttft_ms", "peak_memory_gb",
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill_time_ms",
+    "decode_time_ms",
+    "prefill_tok_per_sec",
+    "decode_tok_per_sec",
+    "ttft_ms",
+    "peak_memory_gb",
 )
 JSONL_FILE, CSV_FILE, PNG_FILE = "summary.jsonl", "summary.csv", "summary.png"
 
@@ -30,8 +36,14 @@ def read_job_stats(job_dir: Path) -> dict | None:
 
 
 def make_summary_row(
-    job: int, overrides: list[str], params: dict, swept: list[str], job_dir: Path,
-    stats: dict | None, job_error: BaseException | None = None, job_status: str | None = None,
+    job: int,
+    overrides: list[str],
+    params: dict,
+    swept: list[str],
+    job_dir: Path,
+    stats: dict | None,
+    job_error: BaseException | None = None,
+    job_status: str | None = None,
 ) -> dict:
     """One summary row. stats.json decides the status; without one (the job died before it
     could write it) Hydra's job status and the exception it caught do."""
@@ -41,7 +53,10 @@ def make_summary_row(
     if error is None and job_error is not None:
         error = {"type": type(job_error).__name__, "message": str(job_error)}
     row: dict[str, Any] = {
-        "job": job, "overrides": list(overrides), "params": dict(params), "swept": list(swept),
+        "job": job,
+        "overrides": list(overrides),
+        "params": dict(params),
+        "swept": list(swept),
         "status": status,
         "error_type": error.get("type") if error else None,
         "error": error.get("message") if error else None,
@@ -70,7 +85,11 @@ def hash_plan(stats: dict) -> str | None:
     """The prefill pieces the job ran (where, how long, padded how), without their timings."""
     import hashlib
 
-    pieces = [{k: v for k, v in p.items() if k != "ms"} for b in stats.get("batches") or [] for p in b.get("prefill_pieces") or []]
+    pieces = [
+        {k: v for k, v in p.items() if k != "ms"}
+        for b in stats.get("batches") or []
+        for p in b.get("prefill_pieces") or []
+    ]
     return hashlib.sha256(json.dumps(pieces, sort_keys=True).encode()).hexdigest()[:16] if pieces else None
 
 
@@ -82,8 +101,10 @@ def describe_unchanged(rows: list[dict], swept: list[str]) -> str | None:
     if len(done) < 2 or not swept:
         return None
     if len({r["tokens_sha256"] for r in done}) == 1 and len({r.get("plan_sha256") for r in done}) == 1:
-        return (f"mlxcel: warning: the swept {', '.join(swept)} changed neither the prefill plan nor the tokens of "
-                f"{len(done)} jobs: their figures differ by noise only")
+        return (
+            f"mlxcel: warning: the swept {', '.join(swept)} changed neither the prefill plan nor the tokens of "
+            f"{len(done)} jobs: their figures differ by noise only"
+        )
     return None
 
 
@@ -138,7 +159,9 @@ def write_summary_csv(rows: list[dict], swept: list[str], path: Path) -> None:
         for row in rows:
             params = row.get("params") or {}
             digest = row.get("tokens_sha256")
-            same = None if digest is None or first is None else ("same" if digest == first else "differ")  # token ids vs the first job's
+            same = (
+                None if digest is None or first is None else ("same" if digest == first else "differ")
+            )  # token ids vs the first job's
             values = [row.get("job"), *(format_cell(params.get(key)) for key in swept), row.get("status"), same]
             values += [row.get(name) for name in STATS_FIELDS]
             error = "; ".join((row.get("error") or "").splitlines())  # a config error's lines, one cell line
@@ -169,4 +192,3 @@ def clear_summary(sweep_dir: Path) -> None:
     """A sweep started again in the same folder: its old rows would describe overwritten jobs."""
     for name in (JSONL_FILE, CSV_FILE, PNG_FILE):
         (Path(sweep_dir) / name).unlink(missing_ok=True)
-

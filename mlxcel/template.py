@@ -121,7 +121,9 @@ def load_template_source(
     if name is not None:
         if name not in named:
             available = ", ".join(sorted(named)) or "none"
-            raise ConfigError(ConfigIssue("template.name", f"the model has no chat template of that name (it has: {available})", name))
+            raise ConfigError(
+                ConfigIssue("template.name", f"the model has no chat template of that name (it has: {available})", name)
+            )
         return TemplateSource(named[name], f"the {tokenizer.backend} tokenizer's chat template {name!r}")
     if tools is not None and "tool_use" in named:
         return TemplateSource(named["tool_use"], f"the {tokenizer.backend} tokenizer's chat template 'tool_use'")
@@ -153,7 +155,9 @@ def _raise_exception(message: str) -> None:
     raise TemplateRaised(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters; transformers' does not.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -176,9 +180,21 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             sequence, count = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(sequence, (str, list, tuple)) and isinstance(count, int) and len(sequence) * count > MAX_RENDERED_CHARS:
-                raise SecurityError(f"the template repeats a value to {len(sequence) * count} items, past {MAX_RENDERED_CHARS}")
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * abs(left).bit_length() > 64 * MAX_RENDERED_CHARS:
+            if (
+                isinstance(sequence, (str, list, tuple))
+                and isinstance(count, int)
+                and len(sequence) * count > MAX_RENDERED_CHARS
+            ):
+                raise SecurityError(
+                    f"the template repeats a value to {len(sequence) * count} items, past {MAX_RENDERED_CHARS}"
+                )
+        if (
+            operator == "**"
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and abs(left) > 1
+            and right * abs(left).bit_length() > 64 * MAX_RENDERED_CHARS
+        ):
             raise SecurityError("the template computes a power too large to print")
         return super().call_binop(context, operator, left, right)
 
@@ -189,16 +205,16 @@ def render_bounded(template: jinja2.Template, **variables: Any) -> str:
     for part in template.generate(**variables):
         size += len(part)
         if size > MAX_RENDERED_CHARS:
-            raise SecurityError(f"the rendered prompt passes {MAX_RENDERED_CHARS} characters, more than any model's context holds")
+            raise SecurityError(
+                f"the rendered prompt passes {MAX_RENDERED_CHARS} characters, more than any model's context holds"
+            )
         parts.append(part)
     return "".join(parts)
 
 
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    env = BoundedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -234,7 +250,9 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     @staticmethod
     def _check_name(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"templates cannot store underscore attributes on a namespace ({name!r})")
+            raise jinja2.exceptions.SecurityError(
+                f"templates cannot store underscore attributes on a namespace ({name!r})"
+            )
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -29,12 +29,24 @@ TRAINING_TEXT = [
 
 TINY_SHAPES = {
     "llama": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     ),
     "qwen2": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -53,7 +65,11 @@ requires_smollm2 = pytest.mark.skipif(
 
 
 def write_tiny_tokenizer(
-    folder: Path, specials: list[str] = SPECIALS, template: str = CHATML, vocab_size: int = 320, training: list[str] = TRAINING_TEXT,
+    folder: Path,
+    specials: list[str] = SPECIALS,
+    template: str = CHATML,
+    vocab_size: int = 320,
+    training: list[str] = TRAINING_TEXT,
     **wrapper,
 ) -> int:
     """A byte-level BPE with ChatML specials (then `specials` beyond them, ids in order), saved the
@@ -64,7 +80,9 @@ def write_tiny_tokenizer(
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(training, trainer)
     wrapper = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **wrapper}
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **wrapper)
@@ -116,10 +134,23 @@ def installed_mlxcel(tmp_path_factory) -> Path:
 
     repo = Path(__file__).resolve().parents[1]
     source = tmp_path_factory.mktemp("src") / "mlxcel"
-    ignore = shutil.ignore_patterns(".git", "outputs", "tests", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".venv", ".gpu*", ".gguf*")
+    ignore = shutil.ignore_patterns(
+        ".git", "outputs", "tests", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".venv", ".gpu*", ".gguf*"
+    )
     shutil.copytree(repo, source, ignore=ignore)
     target = tmp_path_factory.mktemp("site")
-    install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)]
+    install = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(target),
+        str(source),
+    ]
     subprocess.run(install, check=True, capture_output=True, timeout=300)
     return target
 

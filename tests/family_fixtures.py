@@ -19,8 +19,13 @@ LOGIT_TOLERANCE = 1e-3
 GREEDY_TOKENS = 32
 
 BASE_SHAPE = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
 }
 
 # family -> (transformers config class, model class, shape defaults)
@@ -29,24 +34,45 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 24, "num_key_value_heads": 1}),
     "gemma2": (
-        "Gemma2Config", "Gemma2ForCausalLM",
-        {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24,
-             "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 16,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
     ),
     "gemma3_text": (
-        "Gemma3TextConfig", "Gemma3ForCausalLM",
-        {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24,
-             "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]},
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 16,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        },
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False}),
     "mixtral": (
-        "MixtralConfig", "MixtralForCausalLM",
+        "MixtralConfig",
+        "MixtralForCausalLM",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "tie_word_embeddings": False},
     ),
     "qwen3_moe": (
-        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
-             "tie_word_embeddings": False},
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
     ),
 }
 

@@ -45,7 +45,9 @@ def ref_logit_bias(c: Candidates, bias: dict, suppress: list, eos: list, ignore_
     c.keep(np.array([t not in banned for t in c.ids], dtype=bool) & np.isfinite(c.logits))
 
 
-def ref_penalties(c: Candidates, history: list[int], repeat: float, frequency: float, presence: float, last_n: int) -> None:
+def ref_penalties(
+    c: Candidates, history: list[int], repeat: float, frequency: float, presence: float, last_n: int
+) -> None:
     if last_n == 0 or (repeat == 1.0 and frequency == 0.0 and presence == 0.0):
         return
     window = history if last_n < 0 else history[-last_n:]
@@ -58,7 +60,9 @@ def ref_penalties(c: Candidates, history: list[int], repeat: float, frequency: f
             c.logits[i] = logit - n * frequency - presence
 
 
-def ref_dry(c: Candidates, history: list[int], multiplier, base, allowed_length, last_n, breakers: list[tuple[int, tuple]]) -> None:
+def ref_dry(
+    c: Candidates, history: list[int], multiplier, base, allowed_length, last_n, breakers: list[tuple[int, tuple]]
+) -> None:
     if multiplier == 0 or base < 1 or last_n == 0:
         return
     n = len(history) if last_n < 0 else min(len(history), last_n)
@@ -191,12 +195,20 @@ def ref_temperature(c: Candidates, value: float, spread: float = 0.0, exponent: 
     c.logits = c.logits / value
 
 
-def ref_chain(logits: np.ndarray, processors: dict, min_keep: int = 0, history=None, breakers=(), eos=(), u_xtc: float = 1.0) -> np.ndarray:
+def ref_chain(
+    logits: np.ndarray, processors: dict, min_keep: int = 0, history=None, breakers=(), eos=(), u_xtc: float = 1.0
+) -> np.ndarray:
     """Log-probabilities [V] after the stages present in `processors` (docs/sampling.md defaults filled by the caller)."""
     c = Candidates.full(logits)
     p = processors
     if "logit_bias" in p:
-        ref_logit_bias(c, p["logit_bias"].get("bias", {}), p["logit_bias"].get("suppress", []), list(eos), p["logit_bias"].get("ignore_eos", False))
+        ref_logit_bias(
+            c,
+            p["logit_bias"].get("bias", {}),
+            p["logit_bias"].get("suppress", []),
+            list(eos),
+            p["logit_bias"].get("ignore_eos", False),
+        )
     if "penalties" in p:
         ref_penalties(c, history, **p["penalties"])
     if "dry" in p:

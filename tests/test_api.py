@@ -13,14 +13,23 @@ from tests.test_cli_run import read_run, run_cli
 
 @pytest.fixture(scope="module")
 def generator(tiny_llama):
-    return load_generator({"model": {"path": str(tiny_llama), "max_context": 128}}, overrides=["decode.max_tokens=8", "decode.ignore_eos=true"])
+    return load_generator(
+        {"model": {"path": str(tiny_llama), "max_context": 128}},
+        overrides=["decode.max_tokens=8", "decode.ignore_eos=true"],
+    )
 
 
 def test_generate_matches_the_cli(generator, tiny_llama, tmp_path):
     out = generator.generate("Hello, world: how are you?")
     assert out.finish_reason == "length" and len(out.token_ids) == 8
     assert generator.stats.generated_tokens == 8 and generator.stats.prompt_tokens == out.prompt_tokens
-    result = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=8", "decode.ignore_eos=true", "prompt.text=Hello, world: how are you?")
+    result = run_cli(
+        tmp_path,
+        f"model.path={tiny_llama}",
+        "decode.max_tokens=8",
+        "decode.ignore_eos=true",
+        "prompt.text=Hello, world: how are you?",
+    )
     assert result.returncode == 0, result.stderr
     assert read_run(tmp_path)[1][0]["token_ids"] == out.token_ids
 
@@ -33,7 +42,11 @@ def test_stream_yields_the_same_text(generator):
 
 
 def test_batches_conversations_and_error_rows(generator):
-    prompts = ["a b c", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], "hello world " * 100]
+    prompts = [
+        "a b c",
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        "hello world " * 100,
+    ]
     outs = generator.generate(prompts, max_tokens=3)
     assert [o.finish_reason for o in outs] == ["length", "length", "error"]
     assert "context of 128" in outs[2].error

@@ -9,7 +9,10 @@ from tests.test_cli_run import assert_one_line_error, run_cli
 
 ROWS = [
     {"id": "capital", "prompt": "What is the capital of France?"},
-    {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]},
+    {
+        "id": "chat",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+    },
     {"prompt": "Numbers 0123456789 and symbols", "max_tokens": 3},
     {"id": "many", "prompt": "def add(a, b):", "n": 2},
     {"id": "too_long", "prompt": "hello world " * 300},
@@ -31,8 +34,15 @@ def by_key(rows: list[dict]) -> dict:
 
 
 def job_args(model: Path, rows_file: Path, *extra: str) -> tuple[str, ...]:
-    return (f"model.path={model}", "prompt=jsonl", f"prompt.file={rows_file}", "model.max_context=256",
-            "decode.max_tokens=6", "decode.ignore_eos=true", *extra)
+    return (
+        f"model.path={model}",
+        "prompt=jsonl",
+        f"prompt.file={rows_file}",
+        "model.max_context=256",
+        "decode.max_tokens=6",
+        "decode.ignore_eos=true",
+        *extra,
+    )
 
 
 def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llama):
@@ -40,7 +50,15 @@ def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llam
     result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.max_rows=2"))
     assert result.returncode == 0, result.stderr
     rows = by_key(read_rows(tmp_path / "run"))
-    assert set(rows) == {("capital", 0), ("chat", 0), ("3", 0), ("many", 0), ("many", 1), ("too_long", 0), ("seeded", 0)}
+    assert set(rows) == {
+        ("capital", 0),
+        ("chat", 0),
+        ("3", 0),
+        ("many", 0),
+        ("many", 1),
+        ("too_long", 0),
+        ("seeded", 0),
+    }
     assert rows[("too_long", 0)]["finish_reason"] == "error" and "context of 256" in rows[("too_long", 0)]["error"]
     assert len(rows[("3", 0)]["token_ids"]) == 3 and rows[("3", 0)]["finish_reason"] == "length"
     assert rows[("chat", 0)]["messages"][0] == {"role": "system", "content": "Be brief."}
@@ -67,11 +85,15 @@ def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llam
 def test_rows_are_the_same_alone_in_batches_and_across_reruns(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", [r for r in ROWS if r.get("id") != "too_long"])
     for run, batch in (("b1", 1), ("b4", 4), ("b4again", 4)):
-        result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, f"runner.max_rows={batch}", "sampler=temperature"), run=run)
+        result = run_cli(
+            tmp_path, *job_args(tiny_llama, rows_file, f"runner.max_rows={batch}", "sampler=temperature"), run=run
+        )
         assert result.returncode == 0, result.stderr
     alone, batched, again = (by_key(read_rows(tmp_path / run)) for run in ("b1", "b4", "b4again"))
     assert {k: r["token_ids"] for k, r in alone.items()} == {k: r["token_ids"] for k, r in batched.items()}
-    assert [r["token_ids"] for r in read_rows(tmp_path / "b4")] == [r["token_ids"] for r in read_rows(tmp_path / "b4again")]
+    assert [r["token_ids"] for r in read_rows(tmp_path / "b4")] == [
+        r["token_ids"] for r in read_rows(tmp_path / "b4again")
+    ]
     assert batched[("many", 0)]["token_ids"] != batched[("many", 1)]["token_ids"]  # samples draw differently
 
 
@@ -79,7 +101,10 @@ def test_row_seed_replaces_the_sampler_seed(tmp_path, tiny_llama):
     seeded = write_rows(tmp_path / "a.jsonl", [{"id": "s", "prompt": "The capital of Italy", "seed": 5}])
     plain = write_rows(tmp_path / "b.jsonl", [{"id": "s", "prompt": "The capital of Italy"}])
     assert run_cli(tmp_path, *job_args(tiny_llama, seeded, "sampler=temperature"), run="a").returncode == 0
-    assert run_cli(tmp_path, *job_args(tiny_llama, plain, "sampler=temperature", "sampler.seed=5"), run="b").returncode == 0
+    assert (
+        run_cli(tmp_path, *job_args(tiny_llama, plain, "sampler=temperature", "sampler.seed=5"), run="b").returncode
+        == 0
+    )
     assert read_rows(tmp_path / "a")[0]["token_ids"] == read_rows(tmp_path / "b")[0]["token_ids"]
 
 
@@ -94,7 +119,9 @@ def test_resume_skips_written_rows_and_appends_the_rest(tmp_path, tiny_llama):
     (crashed / "generations.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])
     fresh = run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="crashed")
     assert_one_line_error(fresh, 2, "runner.resume=true")
-    resumed = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true", "runner.max_rows=3"), run="crashed")
+    resumed = run_cli(
+        tmp_path, *job_args(tiny_llama, rows_file, "runner.resume=true", "runner.max_rows=3"), run="crashed"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "2 row(s) already written, 4 to go" in resumed.stderr
     rows = [json.loads(line) for line in (crashed / "generations.jsonl").read_text().splitlines()]
@@ -131,18 +158,30 @@ def test_resume_with_a_different_config_says_what_differs(tmp_path, tiny_llama):
 
 
 def test_bad_jsonl_lines_are_reported_with_line_numbers(tmp_path, tiny_llama):
-    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": "a", "prompt": "x"}], ("not json", '{"id": "a", "prompt": "y"}', '{"text": "z"}'))
+    rows_file = write_rows(
+        tmp_path / "rows.jsonl",
+        [{"id": "a", "prompt": "x"}],
+        ("not json", '{"id": "a", "prompt": "y"}', '{"text": "z"}'),
+    )
     result = run_cli(tmp_path, *job_args(tiny_llama, rows_file))
     assert_one_line_error(result, 2, "prompt.file line 2: not valid JSON")
-    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": "a", "prompt": "x"}], ('{"id": "a", "prompt": "y"}', '{"text": "z"}'))
+    rows_file = write_rows(
+        tmp_path / "rows.jsonl", [{"id": "a", "prompt": "x"}], ('{"id": "a", "prompt": "y"}', '{"text": "z"}')
+    )
     result = run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="second")
-    assert_one_line_error(result, 2, "prompt.file line 2: duplicate id (first used at line 1) (got 'a')",
-                          "prompt.file line 3: text: unknown key")
+    assert_one_line_error(
+        result,
+        2,
+        "prompt.file line 2: duplicate id (first used at line 1) (got 'a')",
+        "prompt.file line 3: text: unknown key",
+    )
 
 
 def test_inline_rows_and_dry_run(tmp_path, tiny_llama):
     rows = "prompt.rows=[{id: a, prompt: 'Hello, world'}, {messages: [{role: user, content: hi}], n: 2}]"
-    result = run_cli(tmp_path, f"model.path={tiny_llama}", "prompt.text=null", rows, "runner.dry_run=true", "prefill.chunk_size=4")
+    result = run_cli(
+        tmp_path, f"model.path={tiny_llama}", "prompt.text=null", rows, "runner.dry_run=true", "prefill.chunk_size=4"
+    )
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "run"
     prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
@@ -169,10 +208,23 @@ def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
 
     rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": i, "prompt": f"row {i}"} for i in range(6)])
     run_dir = tmp_path / "run"
-    args = [f"model.path={tiny_llama}", "prompt=jsonl", f"prompt.file={rows_file}", "decode.max_tokens=480",
-            "decode.ignore_eos=true", "runner.max_rows=1", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        f"model.path={tiny_llama}",
+        "prompt=jsonl",
+        f"prompt.file={rows_file}",
+        "decode.max_tokens=480",
+        "decode.ignore_eos=true",
+        "runner.max_rows=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     generations = run_dir / "generations.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (generations.exists() and generations.read_text().count("\n") >= 1):
@@ -211,23 +263,39 @@ def test_jsonl_tool_call_conversations_with_row_tools_render_as_transformers(tmp
     from tests.conftest import make_tiny_checkpoint
     from tests.test_template_real import TEMPLATES, TOOLS, WEATHER_TOOL
 
-    tiny_llama = make_tiny_checkpoint(tmp_path / "long_context", "llama", max_position_embeddings=2048)  # tool schemas are long
+    tiny_llama = make_tiny_checkpoint(
+        tmp_path / "long_context", "llama", max_position_embeddings=2048
+    )  # tool schemas are long
 
     template = TEMPLATES / "qwen2.5.jinja"
-    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": "t", "messages": TOOLS, "tools": [WEATHER_TOOL]}, {"id": "plain", "messages": TOOLS[:2]}])
-    result = run_cli(tmp_path, *job_args(tiny_llama, rows_file), f"template.file={template}", "runner.dry_run=true", "model.max_context=2048")
+    rows_file = write_rows(
+        tmp_path / "rows.jsonl",
+        [{"id": "t", "messages": TOOLS, "tools": [WEATHER_TOOL]}, {"id": "plain", "messages": TOOLS[:2]}],
+    )
+    result = run_cli(
+        tmp_path,
+        *job_args(tiny_llama, rows_file),
+        f"template.file={template}",
+        "runner.dry_run=true",
+        "model.max_context=2048",
+    )
     assert result.returncode == 0, result.stderr
     prompts = {p["id"]: p for p in map(json.loads, (tmp_path / "run" / "prompts.jsonl").read_text().splitlines())}
     reference = AutoTokenizer.from_pretrained(str(tiny_llama))
     source = template.read_text(encoding="utf-8")
-    expected = reference.apply_chat_template(TOOLS, chat_template=source, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    expected = reference.apply_chat_template(
+        TOOLS, chat_template=source, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
+    )
     assert prompts["t"]["prompt_text"] == expected and "get_weather" in expected
     plain = reference.apply_chat_template(TOOLS[:2], chat_template=source, tokenize=False, add_generation_prompt=True)
     assert prompts["plain"]["prompt_text"] == plain and "get_weather" not in plain
 
 
 def test_message_checks_name_the_field(tmp_path, tiny_llama):
-    rows_file = write_rows(tmp_path / "rows.jsonl", [{"messages": [{"role": "user"}]}, {"messages": [{"role": "assistant", "content": " "}]}])
+    rows_file = write_rows(
+        tmp_path / "rows.jsonl",
+        [{"messages": [{"role": "user"}]}, {"messages": [{"role": "assistant", "content": " "}]}],
+    )
     result = run_cli(tmp_path, *job_args(tiny_llama, rows_file))
     assert result.returncode == 2
     assert "messages.0.content: required (only an assistant message with tool_calls may omit it)" in result.stderr

@@ -32,7 +32,8 @@ from mlxcel.bench.harness import (
 from tests.conftest import requires_smollm2
 
 requires_mlx_lm = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None, reason="needs mlx-lm, the bench extra (not installed on CI): pip install -e '.[bench]'"
+    importlib.util.find_spec("mlx_lm") is None,
+    reason="needs mlx-lm, the bench extra (not installed on CI): pip install -e '.[bench]'",
 )
 
 
@@ -61,7 +62,9 @@ def test_bench_runs_both_engines_and_they_agree(tiny_llama, tmp_path):
 
 def test_without_mlx_lm_the_bench_says_how_to_install_it(monkeypatch, capsys):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlx_lm" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlx_lm" else real_find_spec(name, *a)
+    )
     assert bench_cli.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install -e '.[bench]'" in err
@@ -69,7 +72,13 @@ def test_without_mlx_lm_the_bench_says_how_to_install_it(monkeypatch, capsys):
 
 def test_cli_defaults_and_explicit_flags():
     args = bench_cli.parse_args(["--quick", "--batch-sizes", "1,4"])
-    assert (args.models, args.prompt_lengths, args.batch_sizes, args.gen, args.reps) == (["smollm2"], [64], [1, 4], 8, 1)
+    assert (args.models, args.prompt_lengths, args.batch_sizes, args.gen, args.reps) == (
+        ["smollm2"],
+        [64],
+        [1, 4],
+        8,
+        1,
+    )
     args = bench_cli.parse_args(["--models", "smollm2, qwen2.5-0.5b", "--gen", "32"])
     assert args.models == ["smollm2", "qwen2.5-0.5b"] and args.gen == 32
     with pytest.raises(SystemExit):
@@ -78,7 +87,9 @@ def test_cli_defaults_and_explicit_flags():
 
 def test_first_token_mismatch_is_located():
     assert compare_token_ids([[1, 2, 3]], [[1, 2, 3]]) == "agree"
-    assert compare_token_ids([[1, 2], [5, 6, 7]], [[1, 2], [5, 9, 7]]) == "row 1 differs at token 1 (mlxcel 6, mlx-lm 9)"
+    assert (
+        compare_token_ids([[1, 2], [5, 6, 7]], [[1, 2], [5, 9, 7]]) == "row 1 differs at token 1 (mlxcel 6, mlx-lm 9)"
+    )
 
 
 def test_unpermute_undoes_llama_cpp_permutation():
@@ -90,7 +101,9 @@ def test_unpermute_undoes_llama_cpp_permutation():
 
 
 def test_random_shapes_have_the_published_parameter_counts():
-    counts = {name: sum(math.prod(s) for s in list_weight_shapes(shape).values()) for name, shape in RANDOM_SHAPES.items()}
+    counts = {
+        name: sum(math.prod(s) for s in list_weight_shapes(shape).values()) for name, shape in RANDOM_SHAPES.items()
+    }
     assert round(counts["qwen2.5-0.5b"] / 1e6) == 494  # Qwen2.5-0.5B: 0.49B
     assert round(counts["llama-3.2-1b"] / 1e6) == 1236  # Llama-3.2-1B: 1.24B
 
@@ -115,10 +128,29 @@ def test_policy_bench_tables_every_dtype_and_chunk(tiny_llama, tmp_path):
     from mlxcel.bench import policy
 
     args = policy.parse_args(
-        ["--model", str(tiny_llama), "--dtypes", "float32,bfloat16", "--dtype-prompt-len", "12", "--chunks", "4,16",
-         "--chunk-prompt-len", "16", "--gen", "3", "--reps", "1", "--work-dir", str(tmp_path)]
+        [
+            "--model",
+            str(tiny_llama),
+            "--dtypes",
+            "float32,bfloat16",
+            "--dtype-prompt-len",
+            "12",
+            "--chunks",
+            "4,16",
+            "--chunk-prompt-len",
+            "16",
+            "--gen",
+            "3",
+            "--reps",
+            "1",
+            "--work-dir",
+            str(tmp_path),
+        ]
     )
-    dtype_table, chunk_table = policy.measure_dtypes(str(tiny_llama), args), policy.measure_chunks(str(tiny_llama), args)
+    dtype_table, chunk_table = (
+        policy.measure_dtypes(str(tiny_llama), args),
+        policy.measure_chunks(str(tiny_llama), args),
+    )
     assert [row.split("|")[1].strip() for row in dtype_table[3:]] == ["float32 (auto)", "bfloat16"]
     chunk_rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in chunk_table[3:]]
     assert [(row[0], row[1]) for row in chunk_rows] == [("4", "4"), ("16", "1")]

@@ -14,14 +14,26 @@ from mlxcel.bench import jobs
 from mlxcel.bench.jobs import METRICS, draw_job
 
 requires_mlx_lm = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None, reason="needs mlx-lm, the bench extra (not installed on CI): pip install -e '.[bench]'"
+    importlib.util.find_spec("mlx_lm") is None,
+    reason="needs mlx-lm, the bench extra (not installed on CI): pip install -e '.[bench]'",
 )
 TINY_JOB = ["--rows", "5", "--prompt-tokens", "3,12", "--output-tokens", "1,6", "--max-rows", "2", "--dtype", "float32"]
 
 
 def run_tiny_job(tiny_llama, tmp_path, capsys, engines: str, *extra: str) -> tuple[dict, list[str]]:
     out = tmp_path / "out.json"
-    argv = ["--models", str(tiny_llama), *TINY_JOB, "--engines", engines, "--work-dir", str(tmp_path), "--json", str(out), *extra]
+    argv = [
+        "--models",
+        str(tiny_llama),
+        *TINY_JOB,
+        "--engines",
+        engines,
+        "--work-dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+        *extra,
+    ]
     assert jobs.main(argv) == 0
     return json.loads(out.read_text()), capsys.readouterr().out.splitlines()
 
@@ -41,7 +53,9 @@ def test_rows_are_drawn_from_the_seed():
 def test_mlxcel_rows_generate_their_drawn_lengths(tiny_llama, tmp_path, capsys):
     report, lines = run_tiny_job(tiny_llama, tmp_path, capsys, "mlxcel")
     (model,) = report["models"]
-    assert model["rows"]["mlxcel"]["generated_tokens"] == report["job"]["output_lengths"]  # no EOS stop, per-row max_tokens
+    assert (
+        model["rows"]["mlxcel"]["generated_tokens"] == report["job"]["output_lengths"]
+    )  # no EOS stop, per-row max_tokens
     assert len(report["job"]["prompt_lengths"]) == 5 and all(t > 0 for t in model["rows"]["mlxcel"]["ttft_s"])
     assert model["ratio"] is None
     scheduler = model["scheduler"]  # the scheduler's own figures: rows decoding, host work, KV
@@ -82,4 +96,7 @@ def test_the_uniform_job_has_the_mean_lengths_and_the_peak_ratio_is_printed(tiny
     report, lines = run_tiny_job(tiny_llama, tmp_path, capsys, "mlxcel", "--uniform")
     (model,) = report["models"]
     ratio = model["metrics"]["mlxcel"]["peak_gb"] / model["uniform"]["peak_gb"]
-    assert any(line.startswith(f"{tiny_llama.name} mlxcel peak memory, ragged / uniform") and line.endswith(f"= {ratio:.2f}") for line in lines), lines
+    assert any(
+        line.startswith(f"{tiny_llama.name} mlxcel peak memory, ragged / uniform") and line.endswith(f"= {ratio:.2f}")
+        for line in lines
+    ), lines

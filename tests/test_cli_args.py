@@ -38,7 +38,7 @@ main()
 TEXTS = [
     "Hello, world: ça va?  ",
     "it's",
-    'say "hi", then \'bye\'',
+    "say \"hi\", then 'bye'",
     "back\\slash and \\' and \\\" ",
     "ends with a backslash\\",
     "ends with two\\\\",
@@ -138,7 +138,7 @@ def run_main(monkeypatch, *args: str) -> int:
 
 def test_run_passes_the_validated_config_and_an_output_dir(stub_runner, monkeypatch, capsys):
     assert run_main(monkeypatch, "prompt.text=Hello, world: ça va?  ", "decode.max_tokens=7", "runner.name=exp") == 0
-    (cfg, out_dir), = stub_runner.calls
+    ((cfg, out_dir),) = stub_runner.calls
     assert cfg.prompt.text == "Hello, world: ça va?  " and cfg.decode.max_tokens == 7
     assert out_dir.parent == stub_runner.cwd / "outputs" / "exp" / "runs"
     assert (out_dir / ".hydra" / "config.yaml").is_file()
@@ -158,7 +158,11 @@ def test_multirun_keeps_free_text_whole(stub_runner, monkeypatch):
     "error, code, line",
     [
         (MlxcelError("prompt too long for the model"), 1, "mlxcel: error: prompt too long for the model"),
-        (RuntimeError("kaboom\ndetail"), 1, "mlxcel: error: RuntimeError: kaboom (set MLXCEL_DEBUG=1 for the traceback)"),
+        (
+            RuntimeError("kaboom\ndetail"),
+            1,
+            "mlxcel: error: RuntimeError: kaboom (set MLXCEL_DEBUG=1 for the traceback)",
+        ),
         (KeyboardInterrupt(), 130, "mlxcel: interrupted"),
     ],
 )
@@ -189,10 +193,22 @@ def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys
 @pytest.mark.parametrize(
     "args, line",
     [
-        (["sampler=nope"], "could not find config 'sampler/nope'; available options in 'sampler': adaptive_p, default, dry, dynatemp, greedy, min_p, mirostat, mirostat_v1, penalties, temperature, top_n_sigma, typical, xtc"),
-        (["decode.max_tokenz=1"], "decode.max_tokenz: unknown key (did you mean decode.max_tokens?); valid keys: max_tokens, stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size"),
-        (["runner.batch_size=4"], "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N"),
-        (["foo=1"], "foo: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner"),  # (no "+foo=1": validation refuses that too)
+        (
+            ["sampler=nope"],
+            "could not find config 'sampler/nope'; available options in 'sampler': adaptive_p, default, dry, dynatemp, greedy, min_p, mirostat, mirostat_v1, penalties, temperature, top_n_sigma, typical, xtc",
+        ),
+        (
+            ["decode.max_tokenz=1"],
+            "decode.max_tokenz: unknown key (did you mean decode.max_tokens?); valid keys: max_tokens, stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size",
+        ),
+        (
+            ["runner.batch_size=4"],
+            "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N",
+        ),
+        (
+            ["foo=1"],
+            "foo: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner",
+        ),  # (no "+foo=1": validation refuses that too)
         (["~sampler.processors.top_p"], "Could not delete from config. 'sampler.processors.top_p' does not exist."),
         (["decode.max_tokens=${oops}"], "decode.max_tokens: Interpolation key 'oops' not found"),
     ],
@@ -208,8 +224,13 @@ def test_user_config_dir_adds_options(stub_runner, monkeypatch):
     mine.mkdir(parents=True)
     (mine / "hot.yaml").write_text("processors:\n  temperature: {value: 1.5}\nselector: {kind: categorical}\n")
     assert run_main(monkeypatch, "--config-dir", "myconf", "sampler=hot") == 0
-    (cfg, _), = stub_runner.calls
-    assert cfg.sampler.effective_chain()[0] == {"stage": "temperature", "value": 1.5, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0}
+    ((cfg, _),) = stub_runner.calls
+    assert cfg.sampler.effective_chain()[0] == {
+        "stage": "temperature",
+        "value": 1.5,
+        "dynatemp_range": 0.0,
+        "dynatemp_exponent": 1.0,
+    }
 
 
 # ---- real processes ----
@@ -277,13 +298,19 @@ def test_installed_package_finds_its_conf_from_any_directory(tmp_path, installed
     assert (target / "mlxcel" / "conf" / "sampler" / "temperature.yaml").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    result = run_cli(["--cfg", "job", "sampler=temperature", "prompt.text=a, b"], elsewhere, stub=False, pythonpath=target)
+    result = run_cli(
+        ["--cfg", "job", "sampler=temperature", "prompt.text=a, b"], elsewhere, stub=False, pythonpath=target
+    )
     assert result.returncode == 0, result.stderr
     shown = yaml.safe_load(result.stdout)
     assert shown["sampler"]["processors"]["temperature"]["value"] == 0.8 and shown["prompt"]["text"] == "a, b"
     where = subprocess.run(
         [sys.executable, "-c", "from mlxcel.cli import find_conf_dir; print(find_conf_dir())"],
-        cwd=elsewhere, env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True, check=True,
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert Path(where.stdout.strip()) == target / "mlxcel" / "conf"
 
@@ -292,7 +319,10 @@ def test_a_given_prompt_input_replaces_the_default_text(tmp_path):
     from mlxcel.cli import compose_config, prefer_given_prompt
 
     assert prefer_given_prompt(["prompt.file=a.jsonl"]) == ["prompt.file=a.jsonl", "prompt.text=null"]
-    assert prefer_given_prompt(["prompt.file=a.jsonl", "prompt.text=hi"]) == ["prompt.file=a.jsonl", "prompt.text=hi"]  # a clash stays one
+    assert prefer_given_prompt(["prompt.file=a.jsonl", "prompt.text=hi"]) == [
+        "prompt.file=a.jsonl",
+        "prompt.text=hi",
+    ]  # a clash stays one
     assert prefer_given_prompt(["decode.max_tokens=3"]) == ["decode.max_tokens=3"]
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "hi"}\n')

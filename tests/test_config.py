@@ -34,7 +34,7 @@ def issue_lines(data: dict, hints: tuple[str, ...] | None = None) -> list[str]:
     lines = info.value.format().splitlines()
     if hints is None:  # the hint names the first bad key
         hints = (make_hint(lines[0].split(":")[0], unknown=lines[0].split(": ", 1)[1].startswith("unknown key")),)
-    assert tuple(lines[-len(hints):]) == hints
+    assert tuple(lines[-len(hints) :]) == hints
     return lines[: -len(hints)]
 
 
@@ -61,64 +61,126 @@ def test_defaults_fill_every_group():
 
 
 def test_processor_params_are_filled_and_chain_is_ordered():
-    sampler = SamplerConfig.model_validate({"processors": {"temperature": {"value": 0.5}}, "selector": {"kind": "categorical"}})
+    sampler = SamplerConfig.model_validate(
+        {"processors": {"temperature": {"value": 0.5}}, "selector": {"kind": "categorical"}}
+    )
     assert sampler.processors == {"temperature": {"value": 0.5, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0}}
     assert sampler.effective_chain() == [
         {"stage": "temperature", "value": 0.5, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0},
         {"stage": "draw", "kind": "categorical"},
     ]
     present = SamplerConfig.model_validate({"processors": {"temperature": None}})  # present = on, defaults
-    assert present.effective_chain()[0] == {"stage": "temperature", "value": 0.8, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0}
+    assert present.effective_chain()[0] == {
+        "stage": "temperature",
+        "value": 0.8,
+        "dynatemp_range": 0.0,
+        "dynatemp_exponent": 1.0,
+    }
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0])
 def test_temperature_at_or_below_zero_is_a_greedy_draw(value):
-    sampler = SamplerConfig.model_validate({"processors": {"temperature": {"value": value}}, "selector": {"kind": "categorical"}})
+    sampler = SamplerConfig.model_validate(
+        {"processors": {"temperature": {"value": value}}, "selector": {"kind": "categorical"}}
+    )
     assert sampler.effective_chain() == [{"stage": "draw", "kind": "greedy"}]
 
 
 def test_prompt_messages_put_system_first():
-    data = with_values(prompt={"text": None, "system": "Be brief.", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    data = with_values(
+        prompt={
+            "text": None,
+            "system": "Be brief.",
+            "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        }
+    )
     assert validate_config(data).prompt.to_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "b"},
     ]
-    assert validate_config(with_values(prompt={"system": ""})).prompt.to_messages()[0] == {"role": "system", "content": ""}
+    assert validate_config(with_values(prompt={"system": ""})).prompt.to_messages()[0] == {
+        "role": "system",
+        "content": "",
+    }
 
 
 ERROR_CASES = [
-    ({"model": {"path": None}}, "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"),
-    ({"model": {"path": None, "families": ["qwen3"], "hub_ids": ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-4B"]}},
-     "model.path: required: a model folder, a .gguf file or a Hub repo id, e.g. model.path=Qwen/Qwen3-0.6B (this family's usual repos: Qwen/Qwen3-0.6B, Qwen/Qwen3-4B)"),
-    ({"model": {"path": "embedded:foo"}}, "model.path: unknown embedded model; known: embedded:smollm2, embedded:gemma3-270m (got 'embedded:foo')"),
+    (
+        {"model": {"path": None}},
+        "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)",
+    ),
+    (
+        {"model": {"path": None, "families": ["qwen3"], "hub_ids": ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-4B"]}},
+        "model.path: required: a model folder, a .gguf file or a Hub repo id, e.g. model.path=Qwen/Qwen3-0.6B (this family's usual repos: Qwen/Qwen3-0.6B, Qwen/Qwen3-4B)",
+    ),
+    (
+        {"model": {"path": "embedded:foo"}},
+        "model.path: unknown embedded model; known: embedded:smollm2, embedded:gemma3-270m (got 'embedded:foo')",
+    ),
     ({"model": {"dtype": "fp8"}}, "model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')"),
     ({"model": {"gguf_weights": "q4"}}, "model.gguf_weights: must be one of: auto, quantized, dequantize (got 'q4')"),
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
-    ({"model": {"colour": 1}}, "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families, hub_ids (got 1)"),
-    ({"runner": {"batch_size": 4}}, "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N (got 4)"),
+    (
+        {"model": {"colour": 1}},
+        "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families, hub_ids (got 1)",
+    ),
+    (
+        {"runner": {"batch_size": 4}},
+        "runner.batch_size: renamed to runner.max_rows (rows decoding at once); fix: runner.max_rows=N (got 4)",
+    ),
     ({"prefill": {"tile_size": 0}}, "prefill.tile_size: must be an integer in [1, 1024], 'auto' or null (got 0)"),
     ({"model": {"quantize": {"bits": 7}}}, "model.quantize.bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
     ({"decode": {"kv_bits": 7}}, "decode.kv_bits: must be one of: 2, 3, 4, 5, 6, 8 (got 7)"),
     ({"decode": {"kv_group_size": 48}}, "decode.kv_group_size: must be one of: 32, 64, 128 (got 48)"),
-    ({"tokenizer": {"kind": "bpe"}}, "tokenizer.kind: must be one of: auto, hf, sentencepiece, tiktoken, gguf (got 'bpe')"),
+    (
+        {"tokenizer": {"kind": "bpe"}},
+        "tokenizer.kind: must be one of: auto, hf, sentencepiece, tiktoken, gguf (got 'bpe')",
+    ),
     ({"template": {"text": "a", "file": "b"}}, "template.file: set template.text or template.file, not both (got 'b')"),
-    ({"template": {"kind": "none", "text": "x"}}, "template.text: must be null with template.kind=none (no template) (got 'x')"),
+    (
+        {"template": {"kind": "none", "text": "x"}},
+        "template.text: must be null with template.kind=none (no template) (got 'x')",
+    ),
     ({"sampler": {"seed": -1}}, "sampler.seed: must be >= 0 (got -1)"),
     ({"sampler": {"min_keep": 1.5}}, "sampler.min_keep: must be an integer >= 0 (got 1.5)"),
     ({"sampler": {"processors": {"top_k": {"k": 4.5}}}}, "sampler.processors.top_k.k: must be an integer (got 4.5)"),
-    ({"sampler": {"processors": {"top_p": {"p": 1.5}}}}, "sampler.processors.top_p.p: must be in [0.0, 1.0]; 1.0 turns top-p off (got 1.5)"),
-    ({"sampler": {"processors": {"penalties": {"repeat": 0.0}}}}, "sampler.processors.penalties.repeat: must be > 0; 1.0 turns it off (got 0.0)"),
-    ({"sampler": {"processors": {"dry": {"last_n": -2}}}}, "sampler.processors.dry.last_n: must be >= -1; -1 = the whole history, 0 = off (got -2)"),
-    ({"sampler": {"processors": {"dry": {"breakers": [""]}}}}, "sampler.processors.dry.breakers: each breaker must be a string of 1 to 40 characters (got '')"),
-    ({"sampler": {"processors": {"logit_bias": {"bias": {"x": 1.0}}}}}, "sampler.processors.logit_bias.bias: keys must be token ids (integers >= 0) (got 'x')"),
-    ({"sampler": {"processors": {"xtc": {"threshold": 2.0}}}}, "sampler.processors.xtc.threshold: must be in [0.0, 1.0]; values above 0.5 turn XTC off (got 2.0)"),
+    (
+        {"sampler": {"processors": {"top_p": {"p": 1.5}}}},
+        "sampler.processors.top_p.p: must be in [0.0, 1.0]; 1.0 turns top-p off (got 1.5)",
+    ),
+    (
+        {"sampler": {"processors": {"penalties": {"repeat": 0.0}}}},
+        "sampler.processors.penalties.repeat: must be > 0; 1.0 turns it off (got 0.0)",
+    ),
+    (
+        {"sampler": {"processors": {"dry": {"last_n": -2}}}},
+        "sampler.processors.dry.last_n: must be >= -1; -1 = the whole history, 0 = off (got -2)",
+    ),
+    (
+        {"sampler": {"processors": {"dry": {"breakers": [""]}}}},
+        "sampler.processors.dry.breakers: each breaker must be a string of 1 to 40 characters (got '')",
+    ),
+    (
+        {"sampler": {"processors": {"logit_bias": {"bias": {"x": 1.0}}}}},
+        "sampler.processors.logit_bias.bias: keys must be token ids (integers >= 0) (got 'x')",
+    ),
+    (
+        {"sampler": {"processors": {"xtc": {"threshold": 2.0}}}},
+        "sampler.processors.xtc.threshold: must be in [0.0, 1.0]; values above 0.5 turn XTC off (got 2.0)",
+    ),
     (
         {"sampler": {"processors": {"top_q": {}}}},
         "sampler.processors.top_q: unknown sampler stage; known: logit_bias, penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature (got {})",
     ),
-    ({"sampler": {"processors": {"temperature": {"value": "hot"}}}}, "sampler.processors.temperature.value: must be a number (got 'hot')"),
-    ({"sampler": {"processors": {"temperature": {"valu": 1.0}}}}, "sampler.processors.temperature.valu: unknown key (did you mean sampler.processors.temperature.value?); valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)"),
+    (
+        {"sampler": {"processors": {"temperature": {"value": "hot"}}}},
+        "sampler.processors.temperature.value: must be a number (got 'hot')",
+    ),
+    (
+        {"sampler": {"processors": {"temperature": {"valu": 1.0}}}},
+        "sampler.processors.temperature.valu: unknown key (did you mean sampler.processors.temperature.value?); valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)",
+    ),
     (
         {"sampler": {"processors": {"temperature": {"dynatemp_range": -0.5}}}},
         "sampler.processors.temperature.dynatemp_range: must be >= 0.0; 0.0 turns dynamic temperature off (got -0.5)",
@@ -130,11 +192,26 @@ ERROR_CASES = [
         "sampler.processors.top_k: cannot be combined with sampler.selector.kind=mirostat_v2 (mirostat does its own truncation); "
         "remove it with '~sampler.processors.top_k' or choose another selector (got {'k': 40})",
     ),
-    ({"sampler": {"selector": {"kind": "mirostat_v2", "tau": -1.0}}}, "sampler.selector.tau: must be >= 0.0 (got -1.0)"),
-    ({"sampler": {"selector": {"kind": "adaptive_p", "decay": 1.0}}}, "sampler.selector.decay: must be in [0.0, 0.99] (got 1.0)"),
-    ({"sampler": {"selector": {"kind": "mirostat_v1", "target": 0.5}}}, "sampler.selector.target: unknown key; valid keys: kind, tau, eta (got 0.5)"),
-    ({"sampler": {"selector": {"kind": "beam"}}}, "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')"),
-    ({"sampler": {"selector": {"kind": "greedy", "tau": 5.0}}}, "sampler.selector.tau: unknown key; valid keys: kind (got 5.0)"),
+    (
+        {"sampler": {"selector": {"kind": "mirostat_v2", "tau": -1.0}}},
+        "sampler.selector.tau: must be >= 0.0 (got -1.0)",
+    ),
+    (
+        {"sampler": {"selector": {"kind": "adaptive_p", "decay": 1.0}}},
+        "sampler.selector.decay: must be in [0.0, 0.99] (got 1.0)",
+    ),
+    (
+        {"sampler": {"selector": {"kind": "mirostat_v1", "target": 0.5}}},
+        "sampler.selector.target: unknown key; valid keys: kind, tau, eta (got 0.5)",
+    ),
+    (
+        {"sampler": {"selector": {"kind": "beam"}}},
+        "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')",
+    ),
+    (
+        {"sampler": {"selector": {"kind": "greedy", "tau": 5.0}}},
+        "sampler.selector.tau: unknown key; valid keys: kind (got 5.0)",
+    ),
     ({"prefill": {"chunk_size": 0}}, "prefill.chunk_size: must be > 0 (got 0)"),
     ({"prefill": {"tile_size": "x"}}, "prefill.tile_size: must be an integer in [1, 1024], 'auto' or null (got 'x')"),
     ({"decode": {"max_tokens": "abc"}}, "decode.max_tokens: must be an integer > 0 (got 'abc')"),
@@ -143,17 +220,35 @@ ERROR_CASES = [
     ({"decode": {"stop_token_ids": 5}}, "decode.stop_token_ids: must be a list (got 5)"),
     ({"decode": {"ignore_eos": "yes"}}, "decode.ignore_eos: must be true or false (got 'yes')"),
     ({"prompt": {"text": "  \n"}}, "prompt.text: must not be empty or only whitespace (got '  \\n')"),
-    ({"prompt": {"text": None}}, "prompt.text: required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows"),
-    ({"prompt": {"messages": [{"role": "user", "content": "x"}]}}, "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got text, messages); give one (prompt.file alone runs a batch job: the default text steps aside)"),
-    ({"prompt": {"text": None, "messages": [{"role": "bot", "content": "x"}]}}, "prompt.messages.0.role: must be one of: system, user, assistant, tool (got 'bot')"),
-    ({"prompt": {"text": None, "messages": [{"role": "user", "content": ""}]}}, "prompt.messages.0.content: must not be empty or only whitespace (got '')"),
-    ({"prompt": {"text": None, "messages": [{"role": "user"}]}}, "prompt.messages.0.content: required (only an assistant message with tool_calls may omit it)"),
+    (
+        {"prompt": {"text": None}},
+        "prompt.text: required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows",
+    ),
+    (
+        {"prompt": {"messages": [{"role": "user", "content": "x"}]}},
+        "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got text, messages); give one (prompt.file alone runs a batch job: the default text steps aside)",
+    ),
+    (
+        {"prompt": {"text": None, "messages": [{"role": "bot", "content": "x"}]}},
+        "prompt.messages.0.role: must be one of: system, user, assistant, tool (got 'bot')",
+    ),
+    (
+        {"prompt": {"text": None, "messages": [{"role": "user", "content": ""}]}},
+        "prompt.messages.0.content: must not be empty or only whitespace (got '')",
+    ),
+    (
+        {"prompt": {"text": None, "messages": [{"role": "user"}]}},
+        "prompt.messages.0.content: required (only an assistant message with tool_calls may omit it)",
+    ),
     (
         {"prompt": {"text": None, "system": "s", "messages": [{"role": "system", "content": "t"}]}},
         "prompt.system: prompt.messages already has a system message; set one or the other (got 's')",
     ),
     ({"runner": {"name": "a/b"}}, "runner.name: must match [A-Za-z0-9._-]+ (got 'a/b')"),
-    ({"runner": {"name": ".."}}, "runner.name: must name a folder: letters, digits, '.', '_', '-', not '.' or '..' (got '..')"),
+    (
+        {"runner": {"name": ".."}},
+        "runner.name: must name a folder: letters, digits, '.', '_', '-', not '.' or '..' (got '..')",
+    ),
     ({"runner": {"device": "tpu"}}, "runner.device: must be one of: auto, cpu, gpu (got 'tpu')"),
     (
         {"extra": {"x": 1}},
@@ -163,7 +258,9 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("groups, line", ERROR_CASES, ids=[line.split(":")[0] + f"-{i}" for i, (_, line) in enumerate(ERROR_CASES)])
+@pytest.mark.parametrize(
+    "groups, line", ERROR_CASES, ids=[line.split(":")[0] + f"-{i}" for i, (_, line) in enumerate(ERROR_CASES)]
+)
 def test_each_error_is_one_exact_line(groups, line):
     data = copy.deepcopy(BASE)
     for group, values in groups.items():
@@ -199,7 +296,9 @@ def test_missing_groups_report_their_fields():
 
 
 def test_named_files_must_exist(tmp_path):
-    assert issue_lines(with_values(model={"path": str(tmp_path / "nope.gguf")}, template={"file": "missing.jinja"})) == [
+    assert issue_lines(
+        with_values(model={"path": str(tmp_path / "nope.gguf")}, template={"file": "missing.jinja"})
+    ) == [
         f"model.path: no such file or directory (got '{tmp_path / 'nope.gguf'}')",
         "template.file: no such file or directory (got 'missing.jinja')",
     ]
@@ -219,7 +318,9 @@ def test_prefill_chunk_comes_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("raw", ["abc", "0", "-5", "1.5"])
 def test_bad_prefill_chunk_env_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv("MLXCEL_PREFILL_CHUNK", raw)
-    assert issue_lines(BASE, (ENV_HINT,)) == [f"MLXCEL_PREFILL_CHUNK: environment variable: must be a positive integer (got {raw!r})"]
+    assert issue_lines(BASE, (ENV_HINT,)) == [
+        f"MLXCEL_PREFILL_CHUNK: environment variable: must be a positive integer (got {raw!r})"
+    ]
     cfg = RunConfig.model_validate(BASE)  # built without validate_config: the method checks too
     with pytest.raises(ConfigError, match="MLXCEL_PREFILL_CHUNK"):
         cfg.prefill.resolved_chunk_size()
@@ -234,7 +335,7 @@ def test_force_sync_turns_the_pipeline_off(monkeypatch):
     assert cfg.decode.use_pipeline() is True
     monkeypatch.setenv("MLXCEL_FORCE_SYNC", "maybe")
     assert issue_lines(BASE, (ENV_HINT,)) == ["MLXCEL_FORCE_SYNC: environment variable: must be 1 or 0 (got 'maybe')"]
-    assert issue_lines(with_values(decode={"max_tokens": 0}), (make_hint('decode.max_tokens'), ENV_HINT)) == [
+    assert issue_lines(with_values(decode={"max_tokens": 0}), (make_hint("decode.max_tokens"), ENV_HINT)) == [
         "decode.max_tokens: must be > 0 (got 0)",
         "MLXCEL_FORCE_SYNC: environment variable: must be 1 or 0 (got 'maybe')",
     ]
@@ -294,7 +395,9 @@ def test_default_composition():
 
 
 def test_temperature_preset_and_overrides():
-    cfg = validate_config(compose_run(["sampler=temperature", "sampler.processors.temperature.value=0.2", "decode.max_tokens=8"]))
+    cfg = validate_config(
+        compose_run(["sampler=temperature", "sampler.processors.temperature.value=0.2", "decode.max_tokens=8"])
+    )
     assert cfg.sampler.effective_chain() == [
         {"stage": "temperature", "value": 0.2, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0},
         {"stage": "draw", "kind": "categorical"},
@@ -305,7 +408,9 @@ def test_temperature_preset_and_overrides():
 
 
 def test_stage_added_with_plus_plus_takes_the_other_defaults():
-    cfg = validate_config(compose_run(["sampler=temperature", "++sampler.processors.top_k.k=5", "++sampler.processors.min_p.p=0.1"]))
+    cfg = validate_config(
+        compose_run(["sampler=temperature", "++sampler.processors.top_k.k=5", "++sampler.processors.min_p.p=0.1"])
+    )
     assert [stage["stage"] for stage in cfg.sampler.effective_chain()] == ["top_k", "min_p", "temperature", "draw"]
     assert cfg.sampler.processors["top_k"] == {"k": 5}
 

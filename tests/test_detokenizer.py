@@ -40,7 +40,9 @@ def make_byte_fallback_folder(folder: Path) -> Path:
     # ASCII-only training text: every non-ASCII character must go to byte tokens. (Capping the
     # alphabet instead is not deterministic: the trainer breaks frequency ties in hash order.)
     ascii_texts = [text for text in CORPUS if text.isascii()]
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, said Hello World."] * 10 + ascii_texts, trainer)
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog, said Hello World."] * 10 + ascii_texts, trainer
+    )
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     for byte in range(256):

@@ -81,14 +81,19 @@ def test_rows_decode_once_only_where_nothing_reads_them(tiny_generator):
     before = pipeline.cfg.decode.stop_strings
     pipeline.cfg.decode.stop_strings = ["x"]
     try:
-        assert isinstance(pipeline.make_text_stream(streaming=False), TextStream)  # a stop string needs the text as it grows
+        assert isinstance(
+            pipeline.make_text_stream(streaming=False), TextStream
+        )  # a stop string needs the text as it grows
     finally:
         pipeline.cfg.decode.stop_strings = before
 
 
 @pytest.fixture(scope="module")
 def tiny_generator(tiny_llama):
-    return load_generator({"model": {"path": str(tiny_llama), "max_context": 128}}, overrides=["decode.max_tokens=12", "decode.ignore_eos=true"])
+    return load_generator(
+        {"model": {"path": str(tiny_llama), "max_context": 128}},
+        overrides=["decode.max_tokens=12", "decode.ignore_eos=true"],
+    )
 
 
 def test_generation_stops_at_a_stop_string(tiny_generator, tiny_llama, tmp_path):
@@ -112,7 +117,11 @@ def test_generation_stops_at_a_stop_string(tiny_generator, tiny_llama, tmp_path)
     assert "".join(stopped.stream(prompt)) == expected and stopped.stats.finish_reasons == {"stop": 1}
 
     result = run_cli(
-        tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", "decode.ignore_eos=true", f"prompt.text={prompt}",
+        tmp_path,
+        f"model.path={tiny_llama}",
+        "decode.max_tokens=12",
+        "decode.ignore_eos=true",
+        f"prompt.text={prompt}",
         f"decode.stop_strings=[{stop!r}]",
     )
     assert result.returncode == 0, result.stderr
@@ -127,7 +136,11 @@ def test_text_held_back_for_a_stop_string_is_kept_once(tiny_generator, tiny_llam
     free = tiny_generator.generate(prompt)
     stop = free.text[-2:] + "\u2603never"  # begins with the text's last two characters, never completes
     result = run_cli(
-        tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", "decode.ignore_eos=true", f"prompt.text={prompt}",
+        tmp_path,
+        f"model.path={tiny_llama}",
+        "decode.max_tokens=12",
+        "decode.ignore_eos=true",
+        f"prompt.text={prompt}",
         f"decode.stop_strings=[{stop!r}]",
     )
     assert result.returncode == 0, result.stderr
@@ -137,4 +150,6 @@ def test_text_held_back_for_a_stop_string_is_kept_once(tiny_generator, tiny_llam
 
 def test_empty_stop_string_is_a_config_error():
     with pytest.raises(ConfigError, match=r"decode.stop_strings: stop strings must not be empty"):
-        validate_config({"model": {"path": "embedded:smollm2"}, "decode": {"stop_strings": ["ok", ""]}, "prompt": {"text": "x"}})
+        validate_config(
+            {"model": {"path": "embedded:smollm2"}, "decode": {"stop_strings": ["ok", ""]}, "prompt": {"text": "x"}}
+        )

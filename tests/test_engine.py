@@ -72,7 +72,9 @@ def test_history_boundary_piece(model):
 
 @pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
 def test_pipelined_matches_synchronous(model, sampler):
-    assert tokens_of(generate(model, PROMPTS, sampler, pipeline=True)) == tokens_of(generate(model, PROMPTS, sampler, pipeline=False))
+    assert tokens_of(generate(model, PROMPTS, sampler, pipeline=True)) == tokens_of(
+        generate(model, PROMPTS, sampler, pipeline=False)
+    )
 
 
 def test_force_sync_env_selects_synchronous_path(model, monkeypatch):
@@ -143,7 +145,9 @@ def test_per_row_max_tokens(model):
 
 
 def test_context_limit(model):
-    state = DirectEngine(model, max_context=40).generate(GenerationRequest([RowRequest(PROMPTS[0])], GREEDY, max_tokens=50))
+    state = DirectEngine(model, max_context=40).generate(
+        GenerationRequest([RowRequest(PROMPTS[0])], GREEDY, max_tokens=50)
+    )
     assert len(state.results[0].token_ids) == 40 - len(PROMPTS[0]) + 1
     assert state.results[0].finish_reason == "length"
     with pytest.raises(PromptTooLongError, match="37 tokens"):

@@ -45,5 +45,7 @@ def test_gemma2_layers_alternate_window_and_cache(gemma2_parity):
 
 
 def test_gemma2_without_softcaps_matches_transformers(tmp_path):
-    folder = make_family_checkpoint(tmp_path / "g", "gemma2", seed=9, attn_logit_softcapping=None, final_logit_softcapping=None)
+    folder = make_family_checkpoint(
+        tmp_path / "g", "gemma2", seed=9, attn_logit_softcapping=None, final_logit_softcapping=None
+    )
     assert_parity(folder)

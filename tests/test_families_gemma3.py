@@ -43,7 +43,9 @@ def test_gemma3_layer_pattern_and_rope_bases(gemma3_parity):
 
 
 def test_gemma3_linear_scaled_global_rope_matches_transformers(tmp_path):
-    folder = make_family_checkpoint(tmp_path / "g", "gemma3_text", seed=11, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    folder = make_family_checkpoint(
+        tmp_path / "g", "gemma3_text", seed=11, rope_scaling={"rope_type": "linear", "factor": 8.0}
+    )
     model = assert_parity(folder)["model"]
     assert [layer.self_attn.rope.scale for layer in model.model.layers] == [1.0, 1.0, 0.125, 1.0]
 
@@ -55,11 +57,18 @@ def test_gemma3_reads_pre_transformers5_rope_keys(tmp_path):
 
     from mlxcel.models import gemma3
 
-    folder = make_family_checkpoint(tmp_path / "g", "gemma3_text", seed=12, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    folder = make_family_checkpoint(
+        tmp_path / "g", "gemma3_text", seed=12, rope_scaling={"rope_type": "linear", "factor": 8.0}
+    )
     new = json.loads((folder / "config.json").read_text())
     old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
-    old.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
-               sliding_window_pattern=6, num_hidden_layers=6)
+    old.update(
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window_pattern=6,
+        num_hidden_layers=6,
+    )
     new_args = gemma3.ModelArgs.from_config({**new, "num_hidden_layers": 6, "layer_types": None})
     old_args = gemma3.ModelArgs.from_config(old)
     for args in (new_args, old_args):

@@ -25,7 +25,14 @@ from tests.family_fixtures import (
 pytest.importorskip("torch")
 
 # tiny SigLIP: 28 / 14 = 2 x 2 patches, pooled to mm_tokens_per_image = 4
-VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+VISION = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
 # transformers < 4.52 (and transformers 5 on save) -> transformers 4.52+ in memory
 OLD_TO_NEW = {
     "language_model.model.": "model.language_model.",
@@ -37,11 +44,18 @@ NEW_TO_OLD = {new: old for old, new in OLD_TO_NEW.items()}
 # google/gemma-3-4b-it's config.json, vision_config left out: the text_config omits what it shares
 # with Gemma3TextConfig's defaults
 HUB_4B_CONFIG = {
-    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
-    "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "mm_tokens_per_image": 256,
     "text_config": {
-        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
-        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
     },
 }
 
@@ -53,7 +67,9 @@ def make_multimodal_checkpoint(folder: Path, seed: int, **overrides) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     text = {**BASE_SHAPE, **FAMILIES["gemma3_text"][2], "vocab_size": write_tiny_tokenizer(folder)}
-    config = transformers.Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4, eos_token_id=2, **overrides)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=VISION, mm_tokens_per_image=4, eos_token_id=2, **overrides
+    )
     torch.manual_seed(seed)
     save_widened(transformers.Gemma3ForConditionalGeneration(config), folder)
     return folder
@@ -133,6 +149,11 @@ def test_dry_run_header_reads_the_language_models_context(tmp_path):
     from mlxcel.models.fingerprint import read_context_length
 
     assert read_context_length(HUB_4B_CONFIG) == 131072  # Gemma3TextConfig's default; text_config omits it
-    assert read_context_length({**HUB_4B_CONFIG, "text_config": {**HUB_4B_CONFIG["text_config"], "max_position_embeddings": 8192}}) == 8192
+    assert (
+        read_context_length(
+            {**HUB_4B_CONFIG, "text_config": {**HUB_4B_CONFIG["text_config"], "max_position_embeddings": 8192}}
+        )
+        == 8192
+    )
     assert read_context_length({"model_type": "llama", "max_position_embeddings": 2048}) == 2048
     assert read_context_length({"model_type": "llava_next", "text_config": {"max_position_embeddings": 32768}}) == 32768

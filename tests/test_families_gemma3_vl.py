@@ -22,22 +22,54 @@ from mlxcel.vision.images import load_image
 from mlxcel.vision.processors import gemma3 as gemma3_processor
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
 from tests.vision_fixtures import build_once
-from tests.family_fixtures import BASE_SHAPE, FAMILIES, LOGIT_TOLERANCE, PROMPT, mlxcel_generate, reference_greedy, save_widened
+from tests.family_fixtures import (
+    BASE_SHAPE,
+    FAMILIES,
+    LOGIT_TOLERANCE,
+    PROMPT,
+    mlxcel_generate,
+    reference_greedy,
+    save_widened,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
 GREEDY = 24
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
-            gemma3_processor.BOI_TOKEN, gemma3_processor.EOI_TOKEN, gemma3_processor.IMAGE_TOKEN]
+SPECIALS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    gemma3_processor.BOI_TOKEN,
+    gemma3_processor.EOI_TOKEN,
+    gemma3_processor.IMAGE_TOKEN,
+]
 # tiny SigLIP: 28 / 14 = 2 x 2 patches, pooled to mm_tokens_per_image = 4
-VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+VISION = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
 PREPROCESSOR = {  # google/gemma-3-4b-it's, at the tiny tower's size
-    "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True, "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor", "image_seq_length": 4,
-    "image_std": [0.5, 0.5, 0.5], "processor_class": "Gemma3Processor", "resample": 2,
-    "rescale_factor": 0.00392156862745098, "size": {"height": 28, "width": 28},
+    "do_convert_rgb": None,
+    "do_normalize": True,
+    "do_pan_and_scan": None,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Gemma3ImageProcessor",
+    "image_seq_length": 4,
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Gemma3Processor",
+    "resample": 2,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"height": 28, "width": 28},
 }
 # Gemma 3's template, cut down: an image part writes <start_of_image>, a text part its text
 TEMPLATE = (
@@ -47,7 +79,8 @@ TEMPLATE = (
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 TRAINING = ["user\n\n\nDescribe this image.\n\nCompare the two pictures. What is shown here?\nmodel\n"] * 8 + [
-    "The capital of France is Paris. The capital of Italy is Rome.", "def add(a, b):\n    return a + b\n"
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "def add(a, b):\n    return a + b\n",
 ]
 WINDOWS = {"window6": 6, "window3": 3}  # both shorter than the prompts; 3 is shorter than an image block
 
@@ -59,11 +92,22 @@ def write_gemma3_tokenizer(folder: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(TRAINING, trainer)
-    special = {"boi_token": gemma3_processor.BOI_TOKEN, "eoi_token": gemma3_processor.EOI_TOKEN, "image_token": gemma3_processor.IMAGE_TOKEN}
+    special = {
+        "boi_token": gemma3_processor.BOI_TOKEN,
+        "eoi_token": gemma3_processor.EOI_TOKEN,
+        "image_token": gemma3_processor.IMAGE_TOKEN,
+    }
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>", extra_special_tokens=special, chat_template=TEMPLATE
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        extra_special_tokens=special,
+        chat_template=TEMPLATE,
     )
     wrapped.save_pretrained(folder)
     return wrapped
@@ -74,8 +118,14 @@ def make_checkpoint(folder: Path, window: int):
     tokenizer = write_gemma3_tokenizer(folder)
     text = {**BASE_SHAPE, **FAMILIES["gemma3_text"][2], "sliding_window": window, "vocab_size": len(tokenizer)}
     config = transformers.Gemma3Config(
-        text_config=text, vision_config=VISION, mm_tokens_per_image=4, eos_token_id=2, pad_token_id=0,
-        image_token_index=tokenizer.image_token_id, boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+        text_config=text,
+        vision_config=VISION,
+        mm_tokens_per_image=4,
+        eos_token_id=2,
+        pad_token_id=0,
+        image_token_index=tokenizer.image_token_id,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
     )
     torch.manual_seed(3)
     model = transformers.Gemma3ForConditionalGeneration(config)
@@ -97,11 +147,15 @@ def images(photo_path, odd_images):
 
 def render(tokenizer, n_images: int) -> str:
     parts = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": "Describe this image."}]
-    return tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def make_processor(tokenizer, preprocessor: dict = PREPROCESSOR):
-    return transformers.Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_dict(preprocessor), tokenizer=tokenizer, image_seq_length=4)
+    return transformers.Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil.from_dict(preprocessor), tokenizer=tokenizer, image_seq_length=4
+    )
 
 
 def ours_inputs(model, tokenizer, text: str, paths: list[str]):
@@ -116,20 +170,32 @@ def theirs_inputs(tokenizer, text: str, paths: list[str], preprocessor: dict = P
     processor = make_processor(tokenizer, preprocessor)
     # Gemma3Processor's own defaults (do_pan_and_scan False) override the image processor's config:
     # a checkpoint's pan-and-scan settings reach it only as call arguments
-    pan_and_scan = {k: v for k, v in preprocessor.items() if k.startswith(("do_pan_and_scan", "pan_and_scan_")) and v is not None}
+    pan_and_scan = {
+        k: v for k, v in preprocessor.items() if k.startswith(("do_pan_and_scan", "pan_and_scan_")) and v is not None
+    }
     return dict(processor(text=[text], images=[[hf_load_image(p) for p in paths]], return_tensors="pt", **pan_and_scan))
 
 
 def reference_generate(reference, ids: list[int], pixel_values, image_token: int, n: int = GREEDY) -> list[int]:
     token_types = (torch.tensor([ids]) == image_token).long()
     with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), pixel_values=pixel_values, token_type_ids=token_types, max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = reference.generate(
+            torch.tensor([ids]),
+            pixel_values=pixel_values,
+            token_type_ids=token_types,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(ids) :].tolist()
 
 
 def prefill_logits(model, ids: list[int], inputs) -> np.ndarray:
-    embedded = merge_embeddings(model.embed_tokens(mx.array([ids])), ids, model.image_token_id, model.encode_images(inputs))
+    embedded = merge_embeddings(
+        model.embed_tokens(mx.array([ids])), ids, model.image_token_id, model.encode_images(inputs)
+    )
     blocks = mx.array([model.image_blocks(ids)], dtype=mx.int32)
     return np.array(model.forward_with_embeddings(embedded, model.make_cache(), image_blocks=blocks)[0])
 
@@ -156,18 +222,26 @@ def test_image_prompt_matches_transformers(checkpoint, images, name, count):
     diff = float(np.abs(got - expected).max())
     assert diff <= LOGIT_TOLERANCE, diff
     # the bidirectional blocks matter: plain causal masks give other logits
-    embedded = merge_embeddings(model.embed_tokens(mx.array([ids])), ids, model.image_token_id, model.encode_images(inputs))
+    embedded = merge_embeddings(
+        model.embed_tokens(mx.array([ids])), ids, model.image_token_id, model.encode_images(inputs)
+    )
     causal = np.array(model.forward_with_embeddings(embedded, model.make_cache())[0])
     assert np.abs(causal - expected).max() > 10 * LOGIT_TOLERANCE
 
     engine = DirectEngine(model, max_context=512)
-    state = engine.generate(GenerationRequest([RowRequest(ids, images=inputs)], Sampler("greedy"), max_tokens=GREEDY, chunk_size=8))
+    state = engine.generate(
+        GenerationRequest([RowRequest(ids, images=inputs)], Sampler("greedy"), max_tokens=GREEDY, chunk_size=8)
+    )
     assert [p["end"] - p["start"] for p in state.timings.prefill_pieces] == [len(ids)]  # one piece, not chunks of 8
-    assert state.results[0].token_ids == reference_generate(reference, ids, theirs["pixel_values"], tokenizer.image_token_id)
+    assert state.results[0].token_ids == reference_generate(
+        reference, ids, theirs["pixel_values"], tokenizer.image_token_id
+    )
     assert len(set(state.results[0].token_ids)) >= 2
     # the scheduler (paged cache: the blocks in its own masks), beside a text row, gives the same tokens
     text = RowRequest(PROMPT[:20], row_id="text")
-    scheduled = BatchScheduler(model, 512, 2, chunk_size=8).generate(GenerationRequest([text, RowRequest(ids, row_id=0, images=inputs)], Sampler("greedy"), max_tokens=GREEDY))
+    scheduled = BatchScheduler(model, 512, 2, chunk_size=8).generate(
+        GenerationRequest([text, RowRequest(ids, row_id=0, images=inputs)], Sampler("greedy"), max_tokens=GREEDY)
+    )
     assert scheduled.results[1].token_ids == state.results[0].token_ids
     assert [p["end"] - p["start"] for p in scheduled.timings.prefill_pieces if p["row"] == 1] == [len(ids)]
 
@@ -211,15 +285,24 @@ def test_prompt_images_through_mlxcel_run(tmp_path, checkpoint, photo_path):
     from tests.test_cli_run import run_cli
 
     folder, reference, tokenizer = checkpoint("window6")
-    args = ("model=gemma3", f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={GREEDY}", "decode.ignore_eos=true",
-            "prompt.text=Describe this image.", f"prompt.images=[{photo_path}]")
+    args = (
+        "model=gemma3",
+        f"model.path={folder}",
+        "model.max_context=512",
+        f"decode.max_tokens={GREEDY}",
+        "decode.ignore_eos=true",
+        "prompt.text=Describe this image.",
+        f"prompt.images=[{photo_path}]",
+    )
     result = run_cli(tmp_path, *args)
     assert result.returncode == 0, result.stderr
     row = read_rows(tmp_path / "run")[0]
     theirs = theirs_inputs(tokenizer, row["prompt"], [str(photo_path)])
     assert row["prompt_token_ids"] == theirs["input_ids"][0].tolist()
     assert row["prompt_token_ids"].count(tokenizer.image_token_id) == 4
-    assert row["token_ids"] == reference_generate(reference, row["prompt_token_ids"], theirs["pixel_values"], tokenizer.image_token_id)
+    assert row["token_ids"] == reference_generate(
+        reference, row["prompt_token_ids"], theirs["pixel_values"], tokenizer.image_token_id
+    )
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 4 and stats["prompt_tokens"] == len(row["prompt_token_ids"])
 
@@ -232,8 +315,13 @@ def test_pan_and_scan_prompt_matches_transformers(checkpoint, photo_path, tmp_pa
     source, reference, tokenizer = checkpoint("window6")
     folder = tmp_path / "pan_and_scan"
     shutil.copytree(source, folder)
-    preprocessor = {**PREPROCESSOR, "do_pan_and_scan": True, "pan_and_scan_min_crop_size": 14, "pan_and_scan_max_num_crops": 3,
-                    "pan_and_scan_min_ratio_to_activate": 1.2}
+    preprocessor = {
+        **PREPROCESSOR,
+        "do_pan_and_scan": True,
+        "pan_and_scan_min_crop_size": 14,
+        "pan_and_scan_max_num_crops": 3,
+        "pan_and_scan_min_ratio_to_activate": 1.2,
+    }
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     wide = tmp_path / "wide.png"
     load_image(photo_path).crop((0, 200, 512, 330)).save(wide)  # 512 x 130: ratio 3.9, three crops
@@ -249,4 +337,6 @@ def test_pan_and_scan_prompt_matches_transformers(checkpoint, photo_path, tmp_pa
     assert np.abs(prefill_logits(model, ids, inputs) - expected).max() <= LOGIT_TOLERANCE
     engine = DirectEngine(model, max_context=512)
     state = engine.generate(GenerationRequest([RowRequest(ids, images=inputs)], Sampler("greedy"), max_tokens=GREEDY))
-    assert state.results[0].token_ids == reference_generate(reference, ids, theirs["pixel_values"], tokenizer.image_token_id)
+    assert state.results[0].token_ids == reference_generate(
+        reference, ids, theirs["pixel_values"], tokenizer.image_token_id
+    )

@@ -39,18 +39,45 @@ from transformers.models.smolvlm.image_processing_pil_smolvlm import (
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 IMAGE = 3  # `<image>`: the first token after the ChatML specials
 IMAGE_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"] + [
-    f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]
+    f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)
+]
 GREEDY = 24
 MAX_TOKENS = 8
 # 56 px tiles of 7 px patches: an 8x8 grid, pixel-shuffled by 2 to 16 tokens a tile
-VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 56, "patch_size": 7}
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": 56,
+    "patch_size": 7,
+}
 SEQ_LEN = 16
-TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "eos_token_id": 2, "bos_token_id": None, "pad_token_id": 0}
+TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "eos_token_id": 2,
+    "bos_token_id": None,
+    "pad_token_id": 0,
+}
 PREPROCESSOR = {  # the keys of Idefics3-8B's preprocessor_config.json, sizes shrunk: the photo splits into 2x2 tiles
-    "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True, "do_rescale": True,
-    "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 56},
-    "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": 112},
+    "do_convert_rgb": True,
+    "do_image_splitting": True,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "max_image_size": {"longest_edge": 56},
+    "resample": 1,
+    "rescale_factor": 1 / 255,
+    "size": {"longest_edge": 112},
 }
 # Idefics3's template, cut down: an image part renders as <image>, a text part as its text
 TEMPLATE = (
@@ -67,10 +94,17 @@ KINDS = {  # model_type -> (config class, model class, image processor class)
 def write_tokenizer(folder: Path, kind: str) -> int:
     extra = {}
     if kind == "smolvlm":  # SmolVLM's tokenizer_config.json names its image tokens
-        extra = {"extra_special_tokens": {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
-                                          "global_image_token": "<global-img>"}}
+        extra = {
+            "extra_special_tokens": {
+                "fake_image_token": "<fake_token_around_image>",
+                "image_token": "<image>",
+                "global_image_token": "<global-img>",
+            }
+        }
     training = TRAINING_TEXT + ["User: Describe this image.\nAssistant: A photo of a woman.\n\n"]
-    size = write_tiny_tokenizer(folder, [*SPECIALS, *IMAGE_TOKENS], TEMPLATE, vocab_size=360, training=training, **extra)
+    size = write_tiny_tokenizer(
+        folder, [*SPECIALS, *IMAGE_TOKENS], TEMPLATE, vocab_size=360, training=training, **extra
+    )
     assert transformers.AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<image>") == IMAGE
     return size
 
@@ -84,12 +118,15 @@ def checkpoint(tmp_path_factory):
 def make_checkpoint(folder: Path, kind: str):
     config_class, model_class, _ = KINDS[kind]
     text_config = {**TEXT, "model_type": "llama", "vocab_size": write_tokenizer(folder, kind)}
-    config = getattr(transformers, config_class)(vision_config=VISION, text_config=text_config, image_token_id=IMAGE,
-                                                 scale_factor=2, pad_token_id=0)
+    config = getattr(transformers, config_class)(
+        vision_config=VISION, text_config=text_config, image_token_id=IMAGE, scale_factor=2, pad_token_id=0
+    )
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config)
     save_widened(model, folder)  # std 0.2 matrices, perturbed norms/biases; eval mode
-    (folder / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "image_processor_type": f"{KINDS[kind][2].__name__[:-3]}"}))
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps({**PREPROCESSOR, "image_processor_type": f"{KINDS[kind][2].__name__[:-3]}"})
+    )
     (folder / "processor_config.json").write_text(json.dumps({"image_seq_len": SEQ_LEN}))
     return model
 
@@ -105,9 +142,13 @@ def make_processor(kind: str, folder: Path, monkeypatch):
     image_processor = KINDS[kind][2].from_dict(PREPROCESSOR)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     if kind == "idefics3":
-        return transformers.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=SEQ_LEN)
+        return transformers.Idefics3Processor(
+            image_processor=image_processor, tokenizer=tokenizer, image_seq_len=SEQ_LEN
+        )
     monkeypatch.setattr(processing_smolvlm, "num2words", str)  # video prompts only; not installed here
-    return NoVideoSmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, image_seq_len=SEQ_LEN)
+    return NoVideoSmolVLMProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, image_seq_len=SEQ_LEN
+    )
 
 
 def transformers_inputs(kind: str, folder: Path, text: str, images, monkeypatch) -> dict:
@@ -116,8 +157,10 @@ def transformers_inputs(kind: str, folder: Path, text: str, images, monkeypatch)
 
 def reference_generate(model, inputs: dict, n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+        out = model.generate(
+            **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +210,18 @@ def test_masked_embeddings_and_tower_match_transformers():
     ours.load_weights(list(ours.sanitize(weights).items()))
     pixels = np.random.default_rng(0).standard_normal((3, 3, 56, 56)).astype(np.float32)
     pixel_mask = np.zeros((3, 56, 56), dtype=bool)
-    pixel_mask[0], pixel_mask[1, :30, :], pixel_mask[2, :56, :17] = True, True, True  # 30 px: 5 rows (the 5th partly real)
+    pixel_mask[0], pixel_mask[1, :30, :], pixel_mask[2, :56, :17] = (
+        True,
+        True,
+        True,
+    )  # 30 px: 5 rows (the 5th partly real)
     patch_mask = idefics3.make_patch_mask(pixel_mask, 7)
     assert patch_mask[1].sum() == 5 * 8 and patch_mask[2].sum() == 8 * 3
     got = np.array(ours.encode(ours.embeddings(mx.array(pixels), patch_mask), mx.array(patch_mask.reshape(3, -1))))
     with torch.no_grad():
-        want = tower(torch.from_numpy(pixels), patch_attention_mask=torch.from_numpy(patch_mask)).last_hidden_state.numpy()
+        want = tower(
+            torch.from_numpy(pixels), patch_attention_mask=torch.from_numpy(patch_mask)
+        ).last_hidden_state.numpy()
     real = patch_mask.reshape(3, -1)
     assert np.abs(got[real] - want[real]).max() <= 1e-4
 
@@ -222,10 +271,14 @@ def test_layouts_load_alike_and_text_prompts_need_no_vision(checkpoint, images, 
     saved = load_file(folder / "model.safetensors")
     renamed = {}
     for key, value in saved.items():
-        for old, new in (("model.text_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-                         ("model.vision_model.", "vision_model."), ("model.connector.", "connector.")):
+        for old, new in (
+            ("model.text_model.", "language_model.model."),
+            ("lm_head.", "language_model.lm_head."),
+            ("model.vision_model.", "vision_model."),
+            ("model.connector.", "connector."),
+        ):
             if key.startswith(old):
-                key = new + key[len(old):]
+                key = new + key[len(old) :]
                 break
         renamed[key] = value
     renamed["vision_model.embeddings.position_ids"] = np.arange(64, dtype=np.int64)[None]  # older saves' buffer
@@ -245,8 +298,17 @@ def test_layouts_load_alike_and_text_prompts_need_no_vision(checkpoint, images, 
 def test_smolvlm_reads_its_image_token_names_from_the_tokenizer_config(checkpoint, images, tmp_path):
     folder, _ = checkpoint("smolvlm")
     model = load_model(str(folder), dtype="float32").model
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"extra_special_tokens": {
-        "fake_image_token": "<fake>", "image_token": "<img>", "global_image_token": "<g>"}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "extra_special_tokens": {
+                    "fake_image_token": "<fake>",
+                    "image_token": "<img>",
+                    "global_image_token": "<g>",
+                }
+            }
+        )
+    )
     (tmp_path / "preprocessor_config.json").write_text((folder / "preprocessor_config.json").read_text())
     model.attach_preprocessor(tmp_path)
     inputs = model.preprocess_images(images[1:], ["strip"])
@@ -260,7 +322,9 @@ def test_smolvlm_reads_its_image_token_names_from_the_tokenizer_config(checkpoin
 def test_tile_size_must_match_the_tower(checkpoint, images, tmp_path):
     folder, _ = checkpoint("idefics3")
     model = load_model(str(folder), dtype="float32").model
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "max_image_size": {"longest_edge": 42}}))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({**PREPROCESSOR, "max_image_size": {"longest_edge": 42}})
+    )
     model.attach_preprocessor(tmp_path)
     with pytest.raises(Exception, match="image_size 56"):
         model.preprocess_images(images[:1], ["photo"])
@@ -272,8 +336,16 @@ def test_tile_size_must_match_the_tower(checkpoint, images, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path, monkeypatch, kind):
     folder, reference = checkpoint(kind)
-    result = run_cli(tmp_path, f"model={kind}", f"model.path={folder}", "model.max_context=1024", f"decode.max_tokens={MAX_TOKENS}",
-                     "decode.ignore_eos=true", "prompt.text=Describe it.", f"prompt.images=[{photo_path}]")
+    result = run_cli(
+        tmp_path,
+        f"model={kind}",
+        f"model.path={folder}",
+        "model.max_context=1024",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+        "prompt.text=Describe it.",
+        f"prompt.images=[{photo_path}]",
+    )
     assert result.returncode == 0, result.stderr
     row = read_rows(tmp_path / "run")[0]
     assert row["prompt"] == "<|im_start|>User:<image>Describe it.<end_of_utterance>\nAssistant:"
@@ -303,7 +375,9 @@ def test_presets_compose_and_name_their_model_type(preset, tmp_path):
     assert f'model_type "{preset}"' in (CONF_DIR / "model" / f"{preset}.yaml").read_text()
 
 
-def test_mixed_batch_of_image_and_text_rows_generates_as_transformers(tmp_path, checkpoint, photo_path, odd_images, monkeypatch):
+def test_mixed_batch_of_image_and_text_rows_generates_as_transformers(
+    tmp_path, checkpoint, photo_path, odd_images, monkeypatch
+):
     from tests.test_batch_jobs import by_key, write_rows
 
     kind = "smolvlm"
@@ -311,18 +385,39 @@ def test_mixed_batch_of_image_and_text_rows_generates_as_transformers(tmp_path, 
     rows = [
         {"id": "photo", "prompt": "Describe it.", "images": [str(photo_path)]},
         {"id": "text", "prompt": "Hello there"},
-        {"id": "two", "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "Compare "}, {"type": "image", "path": str(odd_images["gray"])},
-            {"type": "text", "text": " with "}, {"type": "image", "path": str(photo_path)}]}]},
+        {
+            "id": "two",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Compare "},
+                        {"type": "image", "path": str(odd_images["gray"])},
+                        {"type": "text", "text": " with "},
+                        {"type": "image", "path": str(photo_path)},
+                    ],
+                }
+            ],
+        },
     ]
-    result = run_cli(tmp_path, f"model={kind}", f"model.path={folder}", "model.max_context=1024", f"decode.max_tokens={MAX_TOKENS}",
-                     "decode.ignore_eos=true", "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}",
-                     "runner.max_rows=3")
+    result = run_cli(
+        tmp_path,
+        f"model={kind}",
+        f"model.path={folder}",
+        "model.max_context=1024",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+        "prompt=jsonl",
+        f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}",
+        "runner.max_rows=3",
+    )
     assert result.returncode == 0, result.stderr
     got = by_key(read_rows(tmp_path / "run"))
     for row in rows:
         out = got[(row["id"], 0)]
-        paths = [p["path"] for m in row.get("messages", []) for p in m["content"] if p["type"] == "image"] or row.get("images", [])
+        paths = [p["path"] for m in row.get("messages", []) for p in m["content"] if p["type"] == "image"] or row.get(
+            "images", []
+        )
         if paths:
             theirs = transformers_inputs(kind, folder, out["prompt"], [load_image(p) for p in paths], monkeypatch)
         else:

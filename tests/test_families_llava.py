@@ -38,26 +38,69 @@ from transformers.models.llava_next.image_processing_pil_llava_next import (
 
 IMAGE = 3  # the image token id (the text ids below are all >= 5)
 GREEDY = 24
-VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 56, "patch_size": 14}
-TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "eos_token_id": 2, "bos_token_id": None, "pad_token_id": 0}
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "image_size": 56,
+    "patch_size": 14,
+}
+TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "eos_token_id": 2,
+    "bos_token_id": None,
+    "pad_token_id": 0,
+}
 PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]
 CLIP_PROCESSOR = {  # LLaVA-1.5's preprocessor_config.json at 56 px: resize to 64, centre crop 56
-    "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor", "do_resize": True,
-    "size": {"shortest_edge": 64}, "resample": 3, "do_center_crop": True, "crop_size": {"height": 56, "width": 56},
-    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "CLIPImageProcessor",
+    "processor_class": "LlavaProcessor",
+    "do_resize": True,
+    "size": {"shortest_edge": 64},
+    "resample": 3,
+    "do_center_crop": True,
+    "crop_size": {"height": 56, "width": 56},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
 NEXT_PROCESSOR = {
-    **CLIP_PROCESSOR, "image_processor_type": "LlavaNextImageProcessor", "processor_class": "LlavaNextProcessor",
-    "size": {"shortest_edge": 56}, "image_grid_pinpoints": PINPOINTS, "aspect_ratio_setting": "anyres",
+    **CLIP_PROCESSOR,
+    "image_processor_type": "LlavaNextImageProcessor",
+    "processor_class": "LlavaNextProcessor",
+    "size": {"shortest_edge": 56},
+    "image_grid_pinpoints": PINPOINTS,
+    "aspect_ratio_setting": "anyres",
 }
 CASES = {
     "llava": {"kind": "llava", "text": "llama"},
-    "llava-full": {"kind": "llava", "text": "llama", "vision_feature_layer": [-3, -1], "vision_feature_select_strategy": "full"},
-    "llava-qwen2": {"kind": "llava", "text": "qwen2", "text_overrides": {"tie_word_embeddings": True}},  # tied in text_config only
+    "llava-full": {
+        "kind": "llava",
+        "text": "llama",
+        "vision_feature_layer": [-3, -1],
+        "vision_feature_select_strategy": "full",
+    },
+    "llava-qwen2": {
+        "kind": "llava",
+        "text": "qwen2",
+        "text_overrides": {"tie_word_embeddings": True},
+    },  # tied in text_config only
     "next": {"kind": "llava_next", "text": "llama"},
-    "next-mistral": {"kind": "llava_next", "text": "mistral", "text_overrides": {"sliding_window": 64}},  # < the image prompt
+    "next-mistral": {
+        "kind": "llava_next",
+        "text": "mistral",
+        "text_overrides": {"sliding_window": 64},
+    },  # < the image prompt
 }
 
 
@@ -65,11 +108,17 @@ def make_checkpoint(folder: Path, kind: str, text: str, text_overrides: dict | N
     vocab = write_tiny_tokenizer(folder)
     text_config = {**TEXT, "model_type": text, "vocab_size": vocab, **(text_overrides or {})}
     if kind == "llava":
-        config = transformers.LlavaConfig(vision_config=VISION, text_config=text_config, image_token_index=IMAGE, **config)
+        config = transformers.LlavaConfig(
+            vision_config=VISION, text_config=text_config, image_token_index=IMAGE, **config
+        )
         model_class, processor = transformers.LlavaForConditionalGeneration, CLIP_PROCESSOR
     else:
         config = transformers.LlavaNextConfig(
-            vision_config=VISION, text_config=text_config, image_token_index=IMAGE, image_grid_pinpoints=PINPOINTS, **config
+            vision_config=VISION,
+            text_config=text_config,
+            image_token_index=IMAGE,
+            image_grid_pinpoints=PINPOINTS,
+            **config,
         )
         model_class, processor = transformers.LlavaNextForConditionalGeneration, NEXT_PROCESSOR
     torch.manual_seed(0)
@@ -98,13 +147,23 @@ def make_processor(kind: str, strategy: str):
 
     tok = Tokenizer(models.WordLevel({"<unk>": 0, "<image>": 1, "describe": 2}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=["<image>"])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=["<image>"]
+    )
     if kind == "llava":
         processor_class, image_processor = transformers.LlavaProcessor, CLIPImageProcessorPil.from_dict(CLIP_PROCESSOR)
     else:
-        processor_class, image_processor = transformers.LlavaNextProcessor, LlavaNextImageProcessorPil.from_dict(NEXT_PROCESSOR)
-    return processor_class(image_processor=image_processor, tokenizer=tokenizer, patch_size=VISION["patch_size"],
-                           vision_feature_select_strategy=strategy, num_additional_image_tokens=1)
+        processor_class, image_processor = (
+            transformers.LlavaNextProcessor,
+            LlavaNextImageProcessorPil.from_dict(NEXT_PROCESSOR),
+        )
+    return processor_class(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=VISION["patch_size"],
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=1,
+    )
 
 
 def image_runs(ids: np.ndarray, token: int) -> list[int]:
@@ -126,7 +185,9 @@ def mlxcel_image_prefill(model, ids: list[int], images) -> tuple[list[int], np.n
     """Expanded ids, logits over them and the cache: embed -> merge(encode(preprocess)) -> forward."""
     inputs = model.preprocess_images(images, ["photo", "strip"])
     expanded = expand_placeholders(ids, model.image_token_id, inputs.token_counts)
-    embeddings = merge_embeddings(model.embed_tokens(mx.array([expanded])), expanded, model.image_token_id, model.encode_images(inputs))
+    embeddings = merge_embeddings(
+        model.embed_tokens(mx.array([expanded])), expanded, model.image_token_id, model.encode_images(inputs)
+    )
     cache = model.make_cache()
     return expanded, np.array(model.forward_with_embeddings(embeddings, cache)[0]), cache
 
@@ -156,9 +217,16 @@ def test_two_image_prompt_matches_transformers(checkpoint, images, name):
 
     greedy = mlxcel_greedy_after(model, got, cache, GREEDY)
     with torch.no_grad():
-        out = reference.generate(input_ids=torch.tensor([expanded]), **pixels, max_new_tokens=GREEDY, min_new_tokens=GREEDY,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert greedy == out[0, len(expanded):].tolist()
+        out = reference.generate(
+            input_ids=torch.tensor([expanded]),
+            **pixels,
+            max_new_tokens=GREEDY,
+            min_new_tokens=GREEDY,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert greedy == out[0, len(expanded) :].tolist()
     assert len(set(greedy)) >= 3  # a varied continuation, not one repeated token
 
 
@@ -168,7 +236,10 @@ def test_text_prompt_through_loader_and_engine_matches_transformers(checkpoint, 
     loaded = load_model(str(folder), dtype="float32")
     model = loaded.model
     assert model.args.vocab_size == reference.config.text_config.vocab_size
-    assert model.args.tie_word_embeddings == (name == "llava-qwen2") and ("lm_head" in model) != model.args.tie_word_embeddings
+    assert (
+        model.args.tie_word_embeddings == (name == "llava-qwen2")
+        and ("lm_head" in model) != model.args.tie_word_embeddings
+    )
     got = np.array(model(mx.array([PROMPT]), model.make_cache())[0])
     assert np.abs(got - reference_logits(reference, PROMPT)).max() <= LOGIT_TOLERANCE
     assert mlxcel_generate(model, [PROMPT], GREEDY)[0] == reference_greedy(reference, PROMPT, GREEDY)
@@ -187,7 +258,9 @@ def test_checkpoint_layouts_give_the_same_logits(checkpoint, images, tmp_path, n
     folder, reference = checkpoint(name)
     if layout == "hub":
         weights = {rename_to_hub(k): v for k, v in load_file(folder / "model.safetensors").items()}
-        weights["vision_tower.vision_model.embeddings.position_ids"] = np.arange(17, dtype=np.int64)[None]  # older saves' buffer
+        weights["vision_tower.vision_model.embeddings.position_ids"] = np.arange(17, dtype=np.int64)[
+            None
+        ]  # older saves' buffer
         assert "language_model.lm_head.weight" in weights and "vision_tower.vision_model.pre_layrnorm.weight" in weights
     else:  # transformers' module names: model.language_model.*, model.vision_tower.*, lm_head.*
         weights = {k: v.detach().numpy().copy() for k, v in reference.state_dict().items()}
@@ -209,7 +282,9 @@ def test_images_need_a_matching_preprocessor_config(checkpoint, images, tmp_path
     model(mx.array([PROMPT[:4]]), model.make_cache())
     with pytest.raises(MlxcelError, match="no preprocessor_config.json"):
         model.preprocess_images(images, ["photo", "strip"])
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**NEXT_PROCESSOR, "image_grid_pinpoints": [[56, 112]]}))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({**NEXT_PROCESSOR, "image_grid_pinpoints": [[56, 112]]})
+    )
     model.attach_preprocessor(tmp_path)
     with pytest.raises(MlxcelError, match="image_grid_pinpoints"):
         model.preprocess_images(images, ["photo", "strip"])
@@ -221,25 +296,74 @@ def test_images_need_a_matching_preprocessor_config(checkpoint, images, tmp_path
 
 # The llava-hf config.json files (text_config saved as its difference from the defaults).
 LLAVA_15_7B = {
-    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000, "model_type": "llava",
-    "pad_token_id": 32001, "projector_hidden_act": "gelu",
-    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
-                    "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
-    "tie_word_embeddings": False, "torch_dtype": "float16", "vision_config": {
-        "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
-        "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
-    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+    "architectures": ["LlavaForConditionalGeneration"],
+    "ignore_index": -100,
+    "image_token_index": 32000,
+    "model_type": "llava",
+    "pad_token_id": 32001,
+    "projector_hidden_act": "gelu",
+    "text_config": {
+        "_name_or_path": "lmsys/vicuna-7b-v1.5",
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "rms_norm_eps": 1e-05,
+        "torch_dtype": "float16",
+        "vocab_size": 32064,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vision_config": {
+        "hidden_size": 1024,
+        "image_size": 336,
+        "intermediate_size": 4096,
+        "model_type": "clip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "projection_dim": 768,
+        "vocab_size": 32000,
+    },
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "vocab_size": 32064,
 }
 LLAVA_NEXT_MISTRAL_7B = {
-    "architectures": ["LlavaNextForConditionalGeneration"], "ignore_index": -100, "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
-    "image_token_index": 32000, "model_type": "llava_next", "projector_hidden_act": "gelu",
-    "text_config": {"_name_or_path": "mistralai/Mistral-7B-Instruct-v0.2", "architectures": ["MistralForCausalLM"], "intermediate_size": 14336,
-                    "max_position_embeddings": 32768, "model_type": "mistral", "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-                    "rope_theta": 1000000.0, "sliding_window": None, "torch_dtype": "bfloat16", "vocab_size": 32064},
-    "torch_dtype": "float16", "use_image_newline_parameter": True, "vision_config": {
-        "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
-        "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
-    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+    "architectures": ["LlavaNextForConditionalGeneration"],
+    "ignore_index": -100,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "image_token_index": 32000,
+    "model_type": "llava_next",
+    "projector_hidden_act": "gelu",
+    "text_config": {
+        "_name_or_path": "mistralai/Mistral-7B-Instruct-v0.2",
+        "architectures": ["MistralForCausalLM"],
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mistral",
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 32064,
+    },
+    "torch_dtype": "float16",
+    "use_image_newline_parameter": True,
+    "vision_config": {
+        "hidden_size": 1024,
+        "image_size": 336,
+        "intermediate_size": 4096,
+        "model_type": "clip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "projection_dim": 768,
+        "vocab_size": 32000,
+    },
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "vocab_size": 32064,
 }
 
 
@@ -248,14 +372,26 @@ def test_hub_configs_read_as_transformers_reads_them(raw):
     ours = llava.ModelArgs.from_config(raw)
     theirs = getattr(transformers, "LlavaConfig" if raw["model_type"] == "llava" else "LlavaNextConfig").from_dict(raw)
     text = theirs.text_config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    ):
         assert getattr(ours.text, key) == getattr(text, key), key
     assert ours.text.rope_theta == text.rope_parameters["rope_theta"]
     assert getattr(ours.text, "sliding_window", None) == getattr(text, "sliding_window", None)
     assert ours.text.tie_word_embeddings == theirs.tie_word_embeddings is False
     assert ours.text.eos_token_ids == [text.eos_token_id]
     assert ours.image_token_id == theirs.image_token_id == 32000
-    assert (ours.vision_feature_layer, ours.vision_feature_select_strategy) == (theirs.vision_feature_layer, theirs.vision_feature_select_strategy)
+    assert (ours.vision_feature_layer, ours.vision_feature_select_strategy) == (
+        theirs.vision_feature_layer,
+        theirs.vision_feature_select_strategy,
+    )
     if raw["model_type"] == "llava_next":
         assert ours.image_grid_pinpoints == theirs.image_grid_pinpoints

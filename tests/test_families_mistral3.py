@@ -42,18 +42,51 @@ GREEDY = 24
 MAX_TOKENS = 8
 LAYOUT = ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]
 IMG, BREAK, END = 3, 4, 5  # their ids: after the three ChatML specials
-VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "patch_size": 14,
-          "image_size": 168, "hidden_act": "silu"}
-TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "eos_token_id": 2, "bos_token_id": None, "pad_token_id": 0}
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "patch_size": 14,
+    "image_size": 168,
+    "hidden_act": "silu",
+}
+TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "eos_token_id": 2,
+    "bos_token_id": None,
+    "pad_token_id": 0,
+}
 MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 PREPROCESSOR = {  # Mistral-Small-3.1's, with a smaller longest edge
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": MEAN, "image_std": STD,
-    "image_processor_type": "PixtralImageProcessor", "patch_size": 14, "processor_class": "PixtralProcessor", "resample": 3,
-    "rescale_factor": 1 / 255, "size": {"longest_edge": 168},
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": MEAN,
+    "image_std": STD,
+    "image_processor_type": "PixtralImageProcessor",
+    "patch_size": 14,
+    "processor_class": "PixtralProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"longest_edge": 168},
 }
-PROCESSOR = {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", "image_token": "[IMG]", "patch_size": 14,
-             "processor_class": "PixtralProcessor", "spatial_merge_size": 2}
+PROCESSOR = {
+    "image_break_token": "[IMG_BREAK]",
+    "image_end_token": "[IMG_END]",
+    "image_token": "[IMG]",
+    "patch_size": 14,
+    "processor_class": "PixtralProcessor",
+    "spatial_merge_size": 2,
+}
 # Mistral's format, cut down: [INST]...[/INST]; an image part renders as [IMG] where it stands
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}[INST]{% if m['content'] is string %}{{ m['content'] }}"
@@ -61,7 +94,11 @@ TEMPLATE = (
     "{% endif %}[/INST]{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
 )
 CASES = {
-    "mistral": {"text": "mistral", "text_overrides": {"sliding_window": 64}, "tie_word_embeddings": False},  # window < the image prompt
+    "mistral": {
+        "text": "mistral",
+        "text_overrides": {"sliding_window": 64},
+        "tie_word_embeddings": False,
+    },  # window < the image prompt
     "llama-tied": {"text": "llama", "text_overrides": {}},  # Mistral3Config's default: tied, no head saved
 }
 
@@ -74,7 +111,9 @@ def write_tokenizer(folder: Path) -> int:
 
 def make_checkpoint(folder: Path, text: str, text_overrides: dict, **config):
     text_config = {**TEXT, "model_type": text, "vocab_size": write_tokenizer(folder), **text_overrides}
-    config = transformers.Mistral3Config(vision_config=VISION, text_config=text_config, image_token_index=IMG, spatial_merge_size=2, **config)
+    config = transformers.Mistral3Config(
+        vision_config=VISION, text_config=text_config, image_token_index=IMG, spatial_merge_size=2, **config
+    )
     torch.manual_seed(0)
     model = transformers.Mistral3ForConditionalGeneration(config)
     save_widened(model, folder)  # std 0.2 matrices, perturbed norms; eval mode
@@ -118,8 +157,10 @@ def pixtral_processor_class():
 def transformers_inputs(folder: Path, text: str, images) -> dict:
     """input_ids, pixel_values, image_sizes as PixtralProcessor (patch 14, merge 2) makes them."""
     processor = pixtral_processor_class()(
-        image_processor=pixtral_pil.PixtralImageProcessorPil(**PREPROCESSOR), tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
-        patch_size=14, spatial_merge_size=2,
+        image_processor=pixtral_pil.PixtralImageProcessorPil(**PREPROCESSOR),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
+        patch_size=14,
+        spatial_merge_size=2,
     )
     return dict(processor(text=text, images=images or None, return_tensors="pt"))
 
@@ -147,7 +188,10 @@ def test_two_image_prompt_matches_transformers(checkpoint, images, name):
     folder, reference = checkpoint(name)
     model = load_model(str(folder), dtype="float32").model
     assert is_vision_model(model) and model.image_token_id == IMG
-    assert model.args.tie_word_embeddings == (name == "llama-tied") and ("lm_head" in model) != model.args.tie_word_embeddings
+    assert (
+        model.args.tie_word_embeddings == (name == "llama-tied")
+        and ("lm_head" in model) != model.args.tie_word_embeddings
+    )
     expanded, got, cache = mlxcel_image_prefill(model, tokenize(folder, TWO_IMAGES), images)
 
     theirs = transformers_inputs(folder, TWO_IMAGES, images)
@@ -162,9 +206,16 @@ def test_two_image_prompt_matches_transformers(checkpoint, images, name):
 
     greedy = mlxcel_greedy_after(model, got, cache, GREEDY)
     with torch.no_grad():
-        out = reference.generate(input_ids=torch.tensor([expanded]), **pixels, max_new_tokens=GREEDY, min_new_tokens=GREEDY,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert greedy == out[0, len(expanded):].tolist()
+        out = reference.generate(
+            input_ids=torch.tensor([expanded]),
+            **pixels,
+            max_new_tokens=GREEDY,
+            min_new_tokens=GREEDY,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert greedy == out[0, len(expanded) :].tolist()
     assert len(set(greedy)) >= 3  # a varied continuation, not one repeated token
 
 
@@ -180,10 +231,14 @@ def test_text_prompt_through_loader_and_engine_matches_transformers(checkpoint, 
 
 def rename_to_hub(key: str) -> str:
     """transformers 5's saved names -> the Hub files' (language_model.model.*, language_model.lm_head.*)."""
-    for ours, hub in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-                      ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")):
+    for ours, hub in (
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    ):
         if key.startswith(ours):
-            return hub + key[len(ours):]
+            return hub + key[len(ours) :]
     return key
 
 
@@ -197,11 +252,19 @@ def test_checkpoint_layouts_give_the_same_logits(checkpoint, images, tmp_path, l
     if layout != "in_memory":
         weights = {rename_to_hub(k): v for k, v in weights.items()}
     if layout == "mlx_vlm":  # a vision_model level, channels-last conv kernel
-        weights = {(k.replace("vision_tower.", "vision_tower.vision_model.", 1) if k.startswith("vision_tower.") else k): v
-                   for k, v in weights.items()}
+        weights = {
+            (k.replace("vision_tower.", "vision_tower.vision_model.", 1) if k.startswith("vision_tower.") else k): v
+            for k, v in weights.items()
+        }
         conv = "vision_tower.vision_model.patch_conv.weight"
         weights[conv] = weights[conv].transpose(0, 2, 3, 1).copy()
-    for file in ("config.json", "preprocessor_config.json", "processor_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for file in (
+        "config.json",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         shutil.copy(folder / file, tmp_path / file)
     save_file(weights, str(tmp_path / "model.safetensors"))
     ids = tokenize(folder, TWO_IMAGES)
@@ -241,14 +304,42 @@ def test_images_need_the_processor_and_tokenizer_files(checkpoint, images, tmp_p
 
 # Mistral-Small-3.1-24B-Instruct-2503's config.json (the head is not tied: the Hub files carry one).
 MISTRAL_SMALL_3_1 = {
-    "architectures": ["Mistral3ForConditionalGeneration"], "image_token_index": 10, "model_type": "mistral3",
-    "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
-    "text_config": {"head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
-                    "max_position_embeddings": 131072, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 40,
-                    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072},
-    "torch_dtype": "bfloat16", "vision_config": {
-        "attention_dropout": 0.0, "head_dim": 64, "hidden_act": "silu", "hidden_size": 1024, "image_size": 1540, "intermediate_size": 4096,
-        "model_type": "pixtral", "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 24, "patch_size": 14, "rope_theta": 10000.0},
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "image_token_index": 10,
+    "model_type": "mistral3",
+    "multimodal_projector_bias": False,
+    "projector_hidden_act": "gelu",
+    "spatial_merge_size": 2,
+    "text_config": {
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "max_position_embeddings": 131072,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000000.0,
+        "sliding_window": None,
+        "vocab_size": 131072,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {
+        "attention_dropout": 0.0,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "image_size": 1540,
+        "intermediate_size": 4096,
+        "model_type": "pixtral",
+        "num_attention_heads": 16,
+        "num_channels": 3,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "rope_theta": 10000.0,
+    },
     "vision_feature_layer": -1,
 }
 
@@ -257,8 +348,17 @@ def test_hub_config_reads_as_transformers_reads_it():
     ours = mistral3.ModelArgs.from_config(MISTRAL_SMALL_3_1)
     theirs = transformers.Mistral3Config.from_dict(MISTRAL_SMALL_3_1)
     text = theirs.text_config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    ):
         assert getattr(ours.text, key) == getattr(text, key), key
     assert ours.text.rope_theta == text.rope_parameters["rope_theta"] and ours.text.sliding_window is None
     assert ours.image_token_id == theirs.image_token_id == 10 and ours.vision_feature_layer == -1
@@ -271,8 +371,16 @@ def test_hub_config_reads_as_transformers_reads_it():
 
 def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path):
     folder, reference = checkpoint("mistral")
-    result = run_cli(tmp_path, "model=mistral3", f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={MAX_TOKENS}",
-                     "decode.ignore_eos=true", "prompt.text=Describe it.", f"prompt.images=[{photo_path}]")
+    result = run_cli(
+        tmp_path,
+        "model=mistral3",
+        f"model.path={folder}",
+        "model.max_context=512",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+        "prompt.text=Describe it.",
+        f"prompt.images=[{photo_path}]",
+    )
     assert result.returncode == 0, result.stderr
     row = read_rows(tmp_path / "run")[0]
     assert row["prompt"] == "[INST][IMG]Describe it.[/INST]"
@@ -282,9 +390,17 @@ def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path
     assert ids.count(IMG) == 36 and ids.count(BREAK) == 5 and ids.count(END) == 1
 
     with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), pixel_values=theirs["pixel_values"], image_sizes=theirs["image_sizes"],
-                                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert row["token_ids"] == out[0, len(ids):].tolist()
+        out = reference.generate(
+            torch.tensor([ids]),
+            pixel_values=theirs["pixel_values"],
+            image_sizes=theirs["image_sizes"],
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert row["token_ids"] == out[0, len(ids) :].tolist()
     assert len(set(row["token_ids"])) >= 2
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 36 and stats["prompt_tokens"] == len(ids)
@@ -298,10 +414,27 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
     rows = [
         {"id": "photo", "prompt": "Describe it.", "images": [str(photo_path)]},
         {"id": "text", "prompt": "Hello there"},
-        {"id": "two", "messages": [{"role": "user", "content": [
-            {"type": "image", "path": str(odd_images["gray"])}, {"type": "text", "text": "and"}, {"type": "image", "path": str(photo_path)}]}]},
+        {
+            "id": "two",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "path": str(odd_images["gray"])},
+                        {"type": "text", "text": "and"},
+                        {"type": "image", "path": str(photo_path)},
+                    ],
+                }
+            ],
+        },
         {"id": "missing", "prompt": "Describe it.", "images": [str(tmp_path / "nope.png")]},
     ]
-    args = ("model=mistral3", f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true")
+    args = (
+        "model=mistral3",
+        f"model.path={folder}",
+        "model.max_context=512",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+    )
     got = assert_batch_rows_equal_their_runs_alone(tmp_path, args, rows, {"missing": "nope.png: no such file"})
     assert got[("two", 0)]["prompt_token_ids"].count(IMG) > 36  # both images expanded

@@ -130,7 +130,12 @@ def test_qwen3_moe_dense_layers_and_unnormalised_routing_match_transformers(tmp_
     """decoder_sparse_step=2 makes layers 1 and 3 sparse, mlp_only_layers=[3] turns 3 dense
     again; norm_topk_prob=False (Qwen3-30B-A3B's own setting is True) keeps the raw top-k probabilities."""
     folder = make_family_checkpoint(
-        tmp_path / "q", "qwen3_moe", seed=12, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3],
+        tmp_path / "q",
+        "qwen3_moe",
+        seed=12,
+        num_hidden_layers=4,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
         norm_topk_prob=False,
     )
     model = assert_parity(folder)["model"]
@@ -196,7 +201,9 @@ def test_route_top_k_softmax_then_top_k_then_optional_renormalisation():
     picked = dict(zip(indices[0].tolist(), weights[0].tolist()))
     assert picked == pytest.approx({0: probs[0], 2: probs[2]})
     _, normalised = route_top_k(logits, 2, normalize=True)
-    assert sorted(normalised[0].tolist()) == pytest.approx(sorted([probs[2] / (probs[0] + probs[2]), probs[0] / (probs[0] + probs[2])]))
+    assert sorted(normalised[0].tolist()) == pytest.approx(
+        sorted([probs[2] / (probs[0] + probs[2]), probs[0] / (probs[0] + probs[2])])
+    )
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -38,7 +38,12 @@ def phi4_mini_parity(tmp_path_factory):
     """Phi-4-mini's shape: partial rotary (here half the head) and longrope whose long factors
     start mid-decode (40 prompt + 32 generated > 64 positions), as transformers switches."""
     folder = make_family_checkpoint(
-        tmp_path_factory.mktemp("tiny_phi4_mini"), "phi3", seed=14, partial_rotary_factor=0.5, tie_word_embeddings=True, **longrope(4, 64)
+        tmp_path_factory.mktemp("tiny_phi4_mini"),
+        "phi3",
+        seed=14,
+        partial_rotary_factor=0.5,
+        tie_word_embeddings=True,
+        **longrope(4, 64),
     )
     return assert_parity(folder)
 
@@ -92,8 +97,14 @@ def test_phi3_longrope_without_factors_is_a_clear_error():
     from mlxcel.errors import MlxcelError
     from mlxcel.models import phi3
 
-    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
-              "vocab_size": 300, "rope_scaling": {"type": "su", "short_factor": [1.0] * 8}}
+    config = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 8},
+    }
     with pytest.raises(MlxcelError, match="long_factor"):
         phi3.ModelArgs.from_config(config)
 
@@ -109,7 +120,9 @@ def test_longrope_rows_run_through_the_scheduler_across_the_switch(tmp_path):
     from mlxcel.models.loader import load_model
     from mlxcel.sampling import Sampler
 
-    folder = make_family_checkpoint(tmp_path / "p", "phi3", seed=14, partial_rotary_factor=0.5, tie_word_embeddings=True, **longrope(4, 64))
+    folder = make_family_checkpoint(
+        tmp_path / "p", "phi3", seed=14, partial_rotary_factor=0.5, tie_word_embeddings=True, **longrope(4, 64)
+    )
     model = load_model(str(folder), dtype="float32").model
     long_prompt = (PROMPT * 3)[:100]
     # (prompt, max_tokens): crosses mid-decode; stays short; crosses in its prefill pieces; starts long
@@ -118,7 +131,9 @@ def test_longrope_rows_run_through_the_scheduler_across_the_switch(tmp_path):
     greedy = Sampler("greedy")
     assert supports_scheduling(model, GenerationRequest(rows, greedy))
     with mx.stream(mx.cpu):
-        alone = [DirectEngine(model, 256).generate(GenerationRequest([row], greedy)).results[0].token_ids for row in rows]
+        alone = [
+            DirectEngine(model, 256).generate(GenerationRequest([row], greedy)).results[0].token_ids for row in rows
+        ]
         for max_rows, chunk in [(2, 16), (5, None), (3, 7)]:
             scheduled = BatchScheduler(model, 256, max_rows, chunk_size=chunk).generate(GenerationRequest(rows, greedy))
             assert [r.token_ids for r in scheduled.results] == alone, (max_rows, chunk)

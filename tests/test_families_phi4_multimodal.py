@@ -42,26 +42,62 @@ LAYOUT = ["<|image|>", "<|user|>", "<|assistant|>", "<|end|>"]
 IMAGE = 3  # after the three ChatML specials
 ROTARY = 12  # head_dim 16 * partial_rotary_factor 0.75
 TEXT = {
-    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
     "rope_parameters": {
-        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-        "short_factor": [1.0 + 0.1 * i for i in range(ROTARY // 2)], "long_factor": [2.0 + 0.5 * i for i in range(ROTARY // 2)],
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(ROTARY // 2)],
+        "long_factor": [2.0 + 0.5 * i for i in range(ROTARY // 2)],
     },
 }
-VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2, "image_size": 448,
-          "patch_size": 14, "crop_size": 448, "image_token_id": IMAGE}
-AUDIO = {"hidden_size": 32, "intermediate_size": 32, "num_blocks": 1, "num_attention_heads": 2, "ext_pw_out_channel": 32,
-         "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32, "audio_token_id": 300}
-PREPROCESSOR = {"dynamic_hd": 36, "image_processor_type": "Phi4MultimodalImageProcessor", "patch_size": 14,
-                "size": {"height": 448, "width": 448}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "image_size": 448,
+    "patch_size": 14,
+    "crop_size": 448,
+    "image_token_id": IMAGE,
+}
+AUDIO = {
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_blocks": 1,
+    "num_attention_heads": 2,
+    "ext_pw_out_channel": 32,
+    "depthwise_separable_out_channel": 32,
+    "nemo_conv_channels": 32,
+    "audio_token_id": 300,
+}
+PREPROCESSOR = {
+    "dynamic_hd": 36,
+    "image_processor_type": "Phi4MultimodalImageProcessor",
+    "patch_size": 14,
+    "size": {"height": 448, "width": 448},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<|image|>{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
     "{% endif %}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-LORA_TARGETS = r"model\.layers\.\d+\.((self_attn\.(qkv|o)_proj)|(mlp\.(gate_up|down)_proj))"  # transformers' conversion's
+LORA_TARGETS = (
+    r"model\.layers\.\d+\.((self_attn\.(qkv|o)_proj)|(mlp\.(gate_up|down)_proj))"  # transformers' conversion's
+)
 
 
 def write_tokenizer(folder: Path) -> int:
@@ -127,7 +163,9 @@ def tokenize(folder: Path, text: str) -> list[int]:
 def mlxcel_image_prefill(model, ids: list[int], images):
     inputs = model.preprocess_images(images, [f"image{i}" for i in range(len(images))])
     expanded = expand_placeholders(ids, IMAGE, inputs.token_counts)
-    embeddings = merge_embeddings(model.embed_tokens(mx.array([expanded])), expanded, IMAGE, model.encode_images(inputs))
+    embeddings = merge_embeddings(
+        model.embed_tokens(mx.array([expanded])), expanded, IMAGE, model.encode_images(inputs)
+    )
     cache = model.make_cache()
     vision_rows = mx.ones((1, len(expanded)), dtype=mx.bool_)
     logits = model.forward_with_embeddings(embeddings, cache, vision_rows=vision_rows)
@@ -144,19 +182,28 @@ def test_two_image_prompt_matches_transformers_with_the_vision_adapter(checkpoin
     ids = tokenize(folder, TWO_IMAGES)
     expanded, inputs, logits, cache = mlxcel_image_prefill(loaded, ids, images)
     counts = inputs.token_counts
-    assert expanded == tokenize(folder, TWO_IMAGES.replace("<|image|>", "{}").format(*("<|image|>" * n for n in counts)))
+    assert expanded == tokenize(
+        folder, TWO_IMAGES.replace("<|image|>", "{}").format(*("<|image|>" * n for n in counts))
+    )
     assert len(counts) == 2 and all(n > 273 for n in counts)  # 16x16 global + 16 separators + 1, plus the crops
     ours = mlxcel_greedy_after(loaded, logits, cache, GREEDY)
     pixels = reference_image_inputs(inputs)
     with torch.no_grad():
         expected = reference(input_ids=torch.tensor([expanded]), **pixels).logits[0].numpy()
-        out = reference.generate(input_ids=torch.tensor([expanded]), **pixels, max_new_tokens=GREEDY, min_new_tokens=GREEDY,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = reference.generate(
+            input_ids=torch.tensor([expanded]),
+            **pixels,
+            max_new_tokens=GREEDY,
+            min_new_tokens=GREEDY,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         with reference.disable_adapter():  # the adapter must matter, or this test proves nothing about it
             without = reference(input_ids=torch.tensor([expanded]), **pixels).logits[0].numpy()
     assert np.abs(logits - expected).max() <= LOGIT_TOLERANCE
     assert np.abs(without - expected).max() > 0.05
-    assert ours == out[0, len(expanded):].tolist()
+    assert ours == out[0, len(expanded) :].tolist()
     assert len(set(ours)) >= 3
 
 
@@ -165,11 +212,17 @@ def test_text_prompt_runs_the_base_model(checkpoint, loaded):
     ids = tokenize(folder, "<|user|>Hello, world! How are you today?<|end|><|assistant|>")
     with torch.no_grad(), reference.disable_adapter():
         expected = reference(input_ids=torch.tensor([ids])).logits[0].numpy()
-        out = reference.generate(input_ids=torch.tensor([ids]), max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+        out = reference.generate(
+            input_ids=torch.tensor([ids]),
+            max_new_tokens=GREEDY,
+            min_new_tokens=GREEDY,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     got = np.array(loaded(mx.array([ids]), loaded.make_cache())[0])
     assert np.abs(got - expected).max() <= LOGIT_TOLERANCE
-    assert mlxcel_generate(loaded, [ids], GREEDY)[0] == out[0, len(ids):].tolist()
+    assert mlxcel_generate(loaded, [ids], GREEDY)[0] == out[0, len(ids) :].tolist()
 
 
 def test_vision_stage_is_not_read_for_text(checkpoint):
@@ -184,8 +237,11 @@ def test_vision_stage_is_not_read_for_text(checkpoint):
 
 def make_adapted_layer(control: LoRAControl, in_dims: int = 64, out_dims: int = 96) -> nn.Module:
     layer = make_lora_linear(in_dims, out_dims, True, control)
-    layer.lora = LoRAWeights(mx.random.normal((8, in_dims), key=mx.random.key(1)) * 0.1,
-                             mx.random.normal((out_dims, 8), key=mx.random.key(2)) * 0.1, 2.0)
+    layer.lora = LoRAWeights(
+        mx.random.normal((8, in_dims), key=mx.random.key(1)) * 0.1,
+        mx.random.normal((out_dims, 8), key=mx.random.key(2)) * 0.1,
+        2.0,
+    )
     return layer
 
 
@@ -211,7 +267,9 @@ def test_merge_only_where_it_is_cheaper():
     from mlxcel.models.lora import is_merge_cheaper
 
     assert is_merge_cheaper(40, 96, 64) and not is_merge_cheaper(38, 96, 64)  # 96 * 64 / 160 = 38.4
-    assert not is_merge_cheaper(1, 5120, 3072) and is_merge_cheaper(2048, 5120, 3072)  # Phi-4's qkv: decode vs a 2k piece
+    assert not is_merge_cheaper(1, 5120, 3072) and is_merge_cheaper(
+        2048, 5120, 3072
+    )  # Phi-4's qkv: decode vs a 2k piece
 
 
 def test_quantized_lora_layer_keeps_its_adapter_and_runs_unfused():
@@ -290,8 +348,16 @@ def test_adapter_for_another_model_is_refused(checkpoint, images, tmp_path):
 
 def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path):
     folder, reference = checkpoint
-    result = run_cli(tmp_path, "model=phi4_multimodal", f"model.path={folder}", "model.max_context=4096", f"decode.max_tokens={MAX_TOKENS}",
-                     "decode.ignore_eos=true", "prompt.text=Describe it.", f"prompt.images=[{photo_path}]")
+    result = run_cli(
+        tmp_path,
+        "model=phi4_multimodal",
+        f"model.path={folder}",
+        "model.max_context=4096",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+        "prompt.text=Describe it.",
+        f"prompt.images=[{photo_path}]",
+    )
     assert result.returncode == 0, result.stderr
     row = read_rows(tmp_path / "run")[0]
     assert row["prompt"] == "<|user|><|image|>Describe it.<|end|><|assistant|>"
@@ -300,9 +366,16 @@ def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path
     inputs = model.preprocess_images([load_image(photo_path)], [str(photo_path)])
     assert ids == expand_placeholders(tokenize(folder, row["prompt"]), IMAGE, inputs.token_counts)
     with torch.no_grad():
-        out = reference.generate(input_ids=torch.tensor([ids]), **reference_image_inputs(inputs), max_new_tokens=MAX_TOKENS,
-                                 min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert row["token_ids"] == out[0, len(ids):].tolist()
+        out = reference.generate(
+            input_ids=torch.tensor([ids]),
+            **reference_image_inputs(inputs),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert row["token_ids"] == out[0, len(ids) :].tolist()
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == inputs.token_counts[0] and stats["prompt_tokens"] == len(ids)
     assert stats["image_preprocess_ms"] > 0 and stats["vision_encode_ms"] > 0
@@ -315,11 +388,28 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
     rows = [
         {"id": "photo", "prompt": "Describe it.", "images": [str(photo_path)]},
         {"id": "text", "prompt": "Hello there"},
-        {"id": "two", "messages": [{"role": "user", "content": [
-            {"type": "image", "path": str(odd_images["gray"])}, {"type": "text", "text": "and"}, {"type": "image", "path": str(photo_path)}]}]},
+        {
+            "id": "two",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "path": str(odd_images["gray"])},
+                        {"type": "text", "text": "and"},
+                        {"type": "image", "path": str(photo_path)},
+                    ],
+                }
+            ],
+        },
         {"id": "missing", "prompt": "Describe it.", "images": [str(tmp_path / "nope.png")]},
     ]
-    args = ("model=phi4_multimodal", f"model.path={folder}", "model.max_context=4096", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true")
+    args = (
+        "model=phi4_multimodal",
+        f"model.path={folder}",
+        "model.max_context=4096",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+    )
     assert_batch_rows_equal_their_runs_alone(tmp_path, args, rows, {"missing": "nope.png: no such file"})
     stats = json.loads((tmp_path / "batch" / "run" / "stats.json").read_text())
     assert stats["occupancy"] > 0  # the scheduler ran them, the adapter set per call
@@ -359,7 +449,9 @@ def test_image_prompt_in_pieces_equals_one_piece(checkpoint, loaded, images):
     engine = DirectEngine(loaded, max_context=4096)
     results = {}
     for chunk in (256, 4096):
-        state = engine.generate(GenerationRequest([RowRequest(expanded, images=inputs)], Sampler("greedy"), max_tokens=12, chunk_size=chunk))
+        state = engine.generate(
+            GenerationRequest([RowRequest(expanded, images=inputs)], Sampler("greedy"), max_tokens=12, chunk_size=chunk)
+        )
         results[chunk] = state.results[0].token_ids
         assert len(state.timings.prefill_pieces) == (-(-len(expanded) // chunk))
     assert results[256] == results[4096] and len(set(results[256])) >= 2
@@ -377,11 +469,16 @@ def test_image_row_across_the_longrope_switch_in_the_scheduler(checkpoint, loade
     ids = tokenize(folder, "<|user|><|image|>Describe it.<|end|><|assistant|>")
     inputs = loaded.preprocess_images(images[:1], ["photo"])
     expanded = expand_placeholders(ids, IMAGE, inputs.token_counts)
-    rows = [RowRequest(expanded, row_id=0, images=inputs, max_tokens=12), RowRequest(tokenize(folder, "<|user|>Hello there<|end|><|assistant|>"), row_id=1, max_tokens=12)]
+    rows = [
+        RowRequest(expanded, row_id=0, images=inputs, max_tokens=12),
+        RowRequest(tokenize(folder, "<|user|>Hello there<|end|><|assistant|>"), row_id=1, max_tokens=12),
+    ]
     greedy = Sampler("greedy")
 
     def alone() -> list[list[int]]:
-        return [DirectEngine(loaded, 4096).generate(GenerationRequest([row], greedy)).results[0].token_ids for row in rows]
+        return [
+            DirectEngine(loaded, 4096).generate(GenerationRequest([row], greedy)).results[0].token_ids for row in rows
+        ]
 
     limit = len(expanded) + 4  # the image row's 6th generated token passes it
     monkeypatch.setattr(loaded, "longrope_limit", limit)
@@ -390,7 +487,9 @@ def test_image_row_across_the_longrope_switch_in_the_scheduler(checkpoint, loade
     expected = alone()
     crossed = []
     find = BatchScheduler.find_longrope_crossings
-    monkeypatch.setattr(BatchScheduler, "find_longrope_crossings", lambda self, batch: crossed.append(find(self, batch)) or crossed[-1])
+    monkeypatch.setattr(
+        BatchScheduler, "find_longrope_crossings", lambda self, batch: crossed.append(find(self, batch)) or crossed[-1]
+    )
     scheduled = BatchScheduler(loaded, 4096, 2).generate(GenerationRequest(rows, greedy))
     assert [r.token_ids for r in scheduled.results] == expected
     assert sum(int(c.sum()) for c in crossed) == 1  # the image row passed the switch once, mid-decode

@@ -15,10 +15,21 @@ from mlxcel.models.loader import FAMILIES, list_supported_families
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # preset -> the model_type it documents
 FAMILY_PRESETS = {
-    "mistral": "mistral", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
-    "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-    "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "llava": "llava", "llava_next": "llava_next", "mistral3": "mistral3",
-    "idefics3": "idefics3", "smolvlm": "smolvlm",
+    "mistral": "mistral",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "llava": "llava",
+    "llava_next": "llava_next",
+    "mistral3": "mistral3",
+    "idefics3": "idefics3",
+    "smolvlm": "smolvlm",
 }
 LANDED = [name for name in FAMILY_PRESETS if (CONF_DIR / "model" / f"{name}.yaml").exists()]
 
@@ -44,12 +55,16 @@ def test_family_preset_validates_with_a_path_and_its_family_is_supported(preset,
     assert f'model_type "{model_type}"' in (CONF_DIR / "model" / f"{preset}.yaml").read_text()
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "model").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "preset", sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "model").glob("*.yaml"))
+)
 def test_every_model_preset_takes_every_model_key(preset):
     """The presets share one base through Hydra defaults: model.quantize once failed on 16 of 18."""
     from mlxcel.cli import compose_config
 
-    model = compose_config([f"model={preset}", "model.quantize={bits: 4, group_size: 64}", "model.max_context=512"])["model"]
+    model = compose_config([f"model={preset}", "model.quantize={bits: 4, group_size: 64}", "model.max_context=512"])[
+        "model"
+    ]
     assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize", "families", "hub_ids"}
     # a family preset names its usual repos when model.path is missing (model=hf and smollm2 need none)
     assert bool(model["hub_ids"]) == bool(model["families"]) and all("/" in repo for repo in model["hub_ids"] or [])
@@ -65,7 +80,9 @@ def test_a_family_preset_refuses_another_familys_checkpoint(tmp_path):
 
     header = read_model_header(resolve_model_path("embedded:smollm2"))
     wrong = load_config({"model": {"path": "embedded:smollm2"}}, ["model=qwen2_vl", "model.path=embedded:smollm2"])
-    with pytest.raises(ConfigError, match=r"model: embedded:smollm2 is a 'llama' checkpoint, and this model preset is for qwen2_vl"):
+    with pytest.raises(
+        ConfigError, match=r"model: embedded:smollm2 is a 'llama' checkpoint, and this model preset is for qwen2_vl"
+    ):
         check_before_loading(wrong, header)
     check_before_loading(load_config(None, ["model=hf", "model.path=embedded:smollm2"]), header)  # hf: any family
     check_before_loading(load_config(None, []), header)  # the default preset (smollm2) takes any path given to it

@@ -12,21 +12,39 @@ from mlxcel.models.cache import make_kv_caches
 from mlxcel.models.loader import load_model
 from mlxcel.models.mrope import make_mrope_positions
 from tests.conftest import write_tiny_tokenizer
-from tests.family_fixtures import GREEDY_TOKENS, LOGIT_TOLERANCE, PROMPT, mlxcel_generate, mlxcel_logits, reference_greedy, reference_logits
+from tests.family_fixtures import (
+    GREEDY_TOKENS,
+    LOGIT_TOLERANCE,
+    PROMPT,
+    mlxcel_generate,
+    mlxcel_logits,
+    reference_greedy,
+    reference_logits,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 IMAGE = 5
-TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512,
+    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+}
 VISION = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen2_vl")
-    config = transformers.Qwen2VLConfig(text_config={**TEXT, "vocab_size": write_tiny_tokenizer(folder)}, vision_config=VISION, image_token_id=IMAGE)
+    config = transformers.Qwen2VLConfig(
+        text_config={**TEXT, "vocab_size": write_tiny_tokenizer(folder)}, vision_config=VISION, image_token_id=IMAGE
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
     with torch.no_grad():  # wider weights than the init's 0.02: logits far enough apart to compare
@@ -51,9 +69,13 @@ def test_explicit_positions_prefill_and_shifted_decode_match_transformers(checkp
     grids = [(1, 4, 6)]
     ids = PROMPT[:7] + [IMAGE] * 6 + PROMPT[7:20]
     positions, delta = make_mrope_positions(ids, grids, IMAGE, merge_size=2)
-    embeddings = np.random.default_rng(1).standard_normal((1, len(ids), 64)).astype(np.float32)  # stand-in image features
+    embeddings = (
+        np.random.default_rng(1).standard_normal((1, len(ids), 64)).astype(np.float32)
+    )  # stand-in image features
     with torch.no_grad():
-        want = reference.model.language_model(inputs_embeds=torch.tensor(embeddings), position_ids=torch.tensor(positions)[:, None])
+        want = reference.model.language_model(
+            inputs_embeds=torch.tensor(embeddings), position_ids=torch.tensor(positions)[:, None]
+        )
         want = reference.lm_head(want.last_hidden_state).numpy()
     cache = make_kv_caches(2)
     got = model.forward_with_embeddings(mx.array(embeddings), cache, positions=mx.array(positions)[:, None])
@@ -64,8 +86,14 @@ def test_explicit_positions_prefill_and_shifted_decode_match_transformers(checkp
         layer_cache.position_shift = mx.array([delta], dtype=mx.int32)
     token = 42
     with torch.no_grad():
-        everything = torch.cat([torch.tensor(embeddings), reference.model.language_model.embed_tokens(torch.tensor([[token]]))], dim=1)
+        everything = torch.cat(
+            [torch.tensor(embeddings), reference.model.language_model.embed_tokens(torch.tensor([[token]]))], dim=1
+        )
         next_positions = np.concatenate([positions, np.full((3, 1), len(ids) + delta)], axis=1)
-        want_next = reference.lm_head(reference.model.language_model(inputs_embeds=everything, position_ids=torch.tensor(next_positions)[:, None]).last_hidden_state)
+        want_next = reference.lm_head(
+            reference.model.language_model(
+                inputs_embeds=everything, position_ids=torch.tensor(next_positions)[:, None]
+            ).last_hidden_state
+        )
     got_next = model(mx.array([[token]]), cache)
     np.testing.assert_allclose(np.array(got_next)[0, -1], want_next[0, -1].numpy(), atol=1e-3)

@@ -29,15 +29,29 @@ GREEDY = 24
 VISION = {
     "qwen2_vl": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
     # window 56 px = 2x2 merge units: the photo's 8x7 merged grid needs padded windows
-    "qwen2_5_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
-                   "window_size": 56, "fullatt_block_indexes": [1]},
+    "qwen2_5_vl": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    },
 }
-CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
-           "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")}
+CLASSES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+}
 # Qwen2-VL-2B's preprocessor_config.json with a small max_pixels: the photo becomes 16x14 patches.
 PREPROCESSOR = {
-    "min_pixels": 3136, "max_pixels": 50_000, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "min_pixels": 3136,
+    "max_pixels": 50_000,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
     "image_processor_type": "Qwen2VLImageProcessor",
 }
 
@@ -49,8 +63,11 @@ def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(variant)
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[variant])
     config = config_class(
-        text_config={**TEXT, "vocab_size": write_tiny_tokenizer(folder)}, vision_config=VISION[variant],
-        image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        text_config={**TEXT, "vocab_size": write_tiny_tokenizer(folder)},
+        vision_config=VISION[variant],
+        image_token_id=IMAGE,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
     )
     torch.manual_seed(0)
     model = model_class(config).eval()
@@ -82,7 +99,9 @@ def run_ours(model, prompt: list[int], images, sources) -> tuple[list[int], np.n
     inputs = model.preprocess_images(images, sources)
     ids = expand_placeholders(prompt, model.image_token_id, inputs.token_counts)
     positions, shift = model.make_positions(ids, inputs)
-    embeddings = merge_embeddings(model.embed_tokens(mx.array([ids])), ids, model.image_token_id, model.encode_images(inputs))
+    embeddings = merge_embeddings(
+        model.embed_tokens(mx.array([ids])), ids, model.image_token_id, model.encode_images(inputs)
+    )
     cache = model.make_cache()
     logits = model.forward_with_embeddings(embeddings, cache, positions=positions[:, None])
     for layer_cache in cache:
@@ -99,11 +118,21 @@ def run_theirs(folder, reference, ids: list[int], images) -> tuple[dict, np.ndar
     pixels = processor(images, return_tensors="pt")
     input_ids = torch.tensor([ids])
     # transformers needs mm_token_type_ids (1 at image tokens) to compute M-RoPE positions
-    kwargs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": (input_ids == IMAGE).int()}
+    kwargs = {
+        "pixel_values": pixels["pixel_values"],
+        "image_grid_thw": pixels["image_grid_thw"],
+        "mm_token_type_ids": (input_ids == IMAGE).int(),
+    }
     with torch.no_grad():
         logits = reference(input_ids=input_ids, **kwargs).logits[0].numpy()
         out = reference.generate(
-            input_ids, **kwargs, max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False, eos_token_id=None, pad_token_id=0
+            input_ids,
+            **kwargs,
+            max_new_tokens=GREEDY,
+            min_new_tokens=GREEDY,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     return pixels, logits, out[0, len(ids) :].tolist()
 
@@ -181,7 +210,11 @@ def test_every_weight_layout_sanitizes_alike(checkpoint):
     assert any(k.startswith("visual.") for k in saved)
     renames = {
         "memory": {"visual.": "model.visual.", "model.": "model.language_model.", "lm_head.": "lm_head."},
-        "mlx-vlm": {"visual.": "vision_tower.", "model.": "language_model.model.", "lm_head.": "language_model.lm_head."},
+        "mlx-vlm": {
+            "visual.": "vision_tower.",
+            "model.": "language_model.model.",
+            "lm_head.": "language_model.lm_head.",
+        },
     }
     want = model.sanitize(saved)
     assert any(k.startswith("visual.") for k in want)

@@ -20,15 +20,25 @@ torch = pytest.importorskip("torch")
 
 PROMPT = [(13 * i + 5) % 300 + 3 for i in range(40)]
 TENSOR_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 
 
 def permute_for_llama_cpp(weights: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half layout -> interleaved pairs."""
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def gguf_name(hf_name: str) -> str:
@@ -105,7 +115,9 @@ def test_f32_gguf_matches_the_hf_checkpoint(arch, tiny_llama, tiny_qwen2, tmp_pa
     # transformers' own GGUF reader agrees that the file says what the checkpoint says
     import transformers
 
-    ref_gguf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    ref_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
     with torch.no_grad():
         assert np.abs(ref_gguf(torch.tensor([PROMPT])).logits[0].numpy() - expected).max() <= 1e-3
     tokenizer = load_tokenizer(path)
@@ -121,7 +133,9 @@ def test_q8_0_gguf_loads_natively_and_matches_transformers(arch, tiny_llama, tin
     dequantized, _ = mlxcel_logits(path, "dequantize")
     import transformers
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
     assert np.abs(dequantized - expected).max() <= 1e-3

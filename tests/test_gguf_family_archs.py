@@ -23,18 +23,38 @@ torch = pytest.importorskip("torch")
 PROMPT = [(11 * i + 7) % 300 + 3 for i in range(40)]
 ARCHS = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 # GGUF cannot say query_pre_attn_scalar (llama.cpp derives head_dim) nor a free layer pattern
-OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3_text": {"query_pre_attn_scalar": 16, "num_hidden_layers": 7, "layer_types": None}}
-COMMON = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+OVERRIDES = {
+    "gemma2": {"query_pre_attn_scalar": 16},
+    "gemma3_text": {"query_pre_attn_scalar": 16, "num_hidden_layers": 7, "layer_types": None},
 }
-FOUR_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+COMMON = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+FOUR_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def gguf_name(name: str, arch: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in top:
         return top[name]
     _, _, layer, rest = name.split(".", 3)
@@ -114,7 +134,9 @@ def test_f32_gguf_matches_the_checkpoint(family_gguf, tmp_path):
     if family == "phi3":  # transformers' GGUF loader reads its config whole (not qwen3's head_dim, gemma's scalar)
         import transformers
 
-        reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path), gguf_file=path.name, dtype=torch.float32
+        )
         with torch.no_grad():
             assert np.abs(reference(torch.tensor([PROMPT])).logits[0].numpy() - got).max() <= 1e-3
 
@@ -162,7 +184,9 @@ def test_unsupported_architecture_is_one_clear_error(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(MlxcelError, match=r"m\.gguf: GGUF architecture 'mamba' is not supported \(supported: gemma, gemma2, gemma3"):
+    with pytest.raises(
+        MlxcelError, match=r"m\.gguf: GGUF architecture 'mamba' is not supported \(supported: gemma, gemma2, gemma3"
+    ):
         load_model(str(tmp_path / "m.gguf"), dtype="float32")
 
 
@@ -171,10 +195,20 @@ def test_phi3_longrope_from_gguf_factor_tensors(tmp_path):
     factors within the original context, long past it (an 80-token prompt past 64)."""
     import math
 
-    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)], "long_factor": [2.0 + 1.5 * i for i in range(4)]}
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(4)],
+        "long_factor": [2.0 + 1.5 * i for i in range(4)],
+    }
     folder = make_family_checkpoint(
-        tmp_path / "phi4", "phi3", seed=14, partial_rotary_factor=0.5, tie_word_embeddings=True,
-        rope_scaling=scaling, original_max_position_embeddings=64, max_position_embeddings=256,
+        tmp_path / "phi4",
+        "phi3",
+        seed=14,
+        partial_rotary_factor=0.5,
+        tie_word_embeddings=True,
+        rope_scaling=scaling,
+        original_max_position_embeddings=64,
+        max_position_embeddings=256,
     )
 
     def add_longrope(writer):

@@ -84,7 +84,9 @@ def test_logits_match_transformers_gguf_loader(gemma):
 
     loaded, _ = gemma
     ids = prompt_ids(gemma)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(loaded.path.parent), gguf_file=loaded.path.name, dtype=torch.float32
+    )
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].numpy()
     got = np.array(loaded.model(mx.array([ids]), loaded.model.make_cache())[0])

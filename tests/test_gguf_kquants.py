@@ -14,7 +14,16 @@ from mlxcel.models.gguf_reader import DEQUANTIZERS, load_gguf_numpy, read_gguf_h
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
 # byte offsets of each block's fp16 scales (random bytes there could be inf/nan)
-FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+FP16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -23,7 +32,9 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     block, size = gguf.GGML_QUANT_SIZES[T[type_name]]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     for start in FP16_FIELDS[type_name]:
-        raw[..., start : start + 2] = rng.normal(0, 0.05, size=raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        raw[..., start : start + 2] = (
+            rng.normal(0, 0.05, size=raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        )
     return raw.reshape(rows, -1)
 
 
@@ -73,7 +84,10 @@ def test_reader_reads_metadata_and_mixed_types(tmp_path):
     assert metadata["test.name"] == "x" and metadata["test.count"] == 7
     assert metadata["tokenizer.ggml.tokens"] == ["a", "b", "c"] and metadata["test.floats"] == [0.5, 1.5]
     assert {i.name: (i.type_name, i.shape) for i in infos} == {
-        "a.weight": ("Q4_K", (3, 512)), "b.weight": ("Q6_K", (2, 256)), "c.weight": ("Q8_0", (5, 64)), "d.weight": ("F32", (2, 3)),
+        "a.weight": ("Q4_K", (3, 512)),
+        "b.weight": ("Q6_K", (2, 256)),
+        "c.weight": ("Q8_0", (5, 64)),
+        "d.weight": ("F32", (2, 3)),
     }
     arrays = load_gguf_numpy(path, infos)
     reader = gguf.GGUFReader(str(path))
@@ -131,9 +145,16 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     sc = np.clip(np.round(scale / np.where(d == 0, 1, d.astype(np.float32))), 0, 63).astype(np.uint8)
     m = np.clip(np.round(mins / np.where(dmin == 0, 1, dmin.astype(np.float32))), 0, 63).astype(np.uint8)
     eff = (d.astype(np.float32) * sc)[..., None]
-    q = np.clip(np.round((sub + (dmin.astype(np.float32) * m)[..., None]) / np.where(eff == 0, 1, eff)), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((sub + (dmin.astype(np.float32) * m)[..., None]) / np.where(eff == 0, 1, eff)), 0, 15).astype(
+        np.uint8
+    )
     scales = np.concatenate(
-        [sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6), (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], -1
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            m[:, :4] | ((m[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+        ],
+        -1,
     )
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)
     return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], -1).reshape(x.shape[0], -1)
@@ -160,7 +181,12 @@ def test_k_quant_model_matches_transformers_gguf_loader(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "hf", "llama", **shape)
     state = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="float32").state_dict()
     writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
-    for key, value in [("context_length", 512), ("embedding_length", 256), ("block_count", 2), ("feed_forward_length", 512)]:
+    for key, value in [
+        ("context_length", 512),
+        ("embedding_length", 256),
+        ("block_count", 2),
+        ("feed_forward_length", 512),
+    ]:
         getattr(writer, f"add_{key}")(value)
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
@@ -175,7 +201,9 @@ def test_k_quant_model_matches_transformers_gguf_loader(tmp_path):
             data = permute_for_llama_cpp(data, 4 if "q_proj" in name else 2)
         if data.ndim == 2:
             six = name.endswith(("down_proj.weight", "lm_head.weight"))
-            writer.add_tensor(gguf_name(name), (quantize_q6_k if six else quantize_q4_k)(data), raw_dtype=T.Q6_K if six else T.Q4_K)
+            writer.add_tensor(
+                gguf_name(name), (quantize_q6_k if six else quantize_q4_k)(data), raw_dtype=T.Q6_K if six else T.Q4_K
+            )
         else:
             writer.add_tensor(gguf_name(name), data)
     writer.write_header_to_file()
@@ -185,10 +213,16 @@ def test_k_quant_model_matches_transformers_gguf_loader(tmp_path):
     loaded = load_model(str(tmp_path / "k.gguf"), dtype="float32")
     assert loaded.info["gguf_types"] == {"Q4_K": 13, "Q6_K": 3, "F32": 5} and loaded.info["weights"] == "dequantized"
     got = np.array(loaded.model(mx.array([PROMPT]), loaded.model.make_cache())[0])
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="k.gguf", dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="k.gguf", dtype=torch.float32
+    )
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
     assert np.abs(got - expected).max() <= 1e-3
     with torch.no_grad():
-        original = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="float32")(torch.tensor([PROMPT])).logits[0].numpy()
+        original = (
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="float32")(torch.tensor([PROMPT]))
+            .logits[0]
+            .numpy()
+        )
     assert 1e-3 < np.abs(got - original).max()  # the file really is quantized

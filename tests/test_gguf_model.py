@@ -30,7 +30,12 @@ def prompt_ids(smollm2):
 
 def test_metadata_read_into_llama_args(smollm2):
     args = smollm2.model.args
-    assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads) == (576, 30, 9, 3)
+    assert (args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads) == (
+        576,
+        30,
+        9,
+        3,
+    )
     assert args.rope_theta == 100000.0 and args.rope_traditional and args.tie_word_embeddings
     assert smollm2.model.eos_token_ids() == [2]
     assert smollm2.info["params"] == pytest.approx(134.5e6, rel=0.01)
@@ -44,7 +49,9 @@ def test_logits_match_transformers_gguf_loader(smollm2, prompt_ids):
     import transformers
 
     path = find_smollm2_gguf()
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     with torch.no_grad():
         expected = reference(torch.tensor([prompt_ids])).logits[0].numpy()
     got = np.array(smollm2.model(mx.array([prompt_ids]), smollm2.model.make_cache())[0])
@@ -65,7 +72,9 @@ def test_native_quantized_weights_agree_with_dequantized(smollm2, prompt_ids):
 
 def test_greedy_answer_names_paris(smollm2, prompt_ids):
     tokenizer = load_tokenizer(smollm2.path, gguf_metadata=smollm2.gguf_metadata)
-    request = GenerationRequest([RowRequest(prompt_ids)], Sampler("greedy"), max_tokens=20, stop_token_ids=frozenset([2]))
+    request = GenerationRequest(
+        [RowRequest(prompt_ids)], Sampler("greedy"), max_tokens=20, stop_token_ids=frozenset([2])
+    )
     state = DirectEngine(smollm2.model, 8192).generate(request)
     assert "Paris" in tokenizer.decode(state.results[0].token_ids)
     assert state.results[0].finish_reason == "stop"

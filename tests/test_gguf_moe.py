@@ -40,11 +40,22 @@ MOE_BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
 # checkpoint projection names -> llama.cpp's ffn_{name}_exps
 EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 TENSOR_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm", "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.gate": "ffn_gate_inp",
 }
-TOP_LEVEL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+TOP_LEVEL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 EXPERT = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight")
 
 
@@ -99,16 +110,26 @@ def make_metadata(config: dict, arch: str) -> dict[str, int | float]:
     """The `{arch}.*` keys convert_hf_to_gguf.py writes for these models (LlamaModel adds the
     vocabulary size and RoPE width, Qwen2MoeModel the expert width)."""
     keys = {
-        "context_length": config["max_position_embeddings"], "embedding_length": config["hidden_size"],
-        "block_count": config["num_hidden_layers"], "feed_forward_length": config["intermediate_size"],
-        "attention.head_count": config["num_attention_heads"], "attention.head_count_kv": config["num_key_value_heads"],
-        "rope.freq_base": float(config["rope_parameters"]["rope_theta"]), "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
-        "expert_count": config["num_local_experts"], "expert_used_count": config["num_experts_per_tok"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "block_count": config["num_hidden_layers"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "rope.freq_base": float(config["rope_parameters"]["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "expert_count": config["num_local_experts"],
+        "expert_used_count": config["num_experts_per_tok"],
     }
     if config.get("head_dim"):
         keys.update({"attention.key_length": config["head_dim"], "attention.value_length": config["head_dim"]})
     if arch == "llama":
-        keys.update({"vocab_size": config["vocab_size"], "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"]})
+        keys.update(
+            {
+                "vocab_size": config["vocab_size"],
+                "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"],
+            }
+        )
     else:
         keys["expert_feed_forward_length"] = config["moe_intermediate_size"]
     return keys
@@ -157,7 +178,9 @@ def checkpoints(tmp_path_factory):
 
     def get(family: str) -> Path:
         if family not in folders:
-            folders[family] = make_family_checkpoint(tmp_path_factory.mktemp(family), family, seed=11, **OVERRIDES.get(family, {}))
+            folders[family] = make_family_checkpoint(
+                tmp_path_factory.mktemp(family), family, seed=11, **OVERRIDES.get(family, {})
+            )
         return folders[family]
 
     return get
@@ -208,7 +231,9 @@ def test_quantized_moe_gguf_packed_experts_match_dequantized(moe_case, type_name
     assert isinstance(switch.gate_up_proj, QuantizedSwitchLinear) and switch.gate_up_proj.bits == bits
     assert isinstance(switch.down_proj, SwitchLinear if family == "qwen3_moe" else QuantizedSwitchLinear)
     assert np.abs(packed - dense).max() <= 1e-3
-    assert mlxcel_generate(loaded.model, [PROMPT], GREEDY_TOKENS) == mlxcel_generate(dense_loaded.model, [PROMPT], GREEDY_TOKENS)
+    assert mlxcel_generate(loaded.model, [PROMPT], GREEDY_TOKENS) == mlxcel_generate(
+        dense_loaded.model, [PROMPT], GREEDY_TOKENS
+    )
     reference = load_reference(folder)
     round_trip(reference, encode)
     assert np.abs(dense - reference_logits(reference, PROMPT)).max() <= 1e-3
@@ -246,10 +271,26 @@ def test_k_quant_experts_are_dequantized(tmp_path, monkeypatch):
     "family,edits,message",
     [
         ("qwen3_moe", {"expert_count": None}, r"GGUF metadata lacks 'qwen3moe\.expert_count'"),
-        ("mixtral", {"expert_count": None}, r"tensor 'blk\.0\.ffn_down_exps\.weight' belongs to a mixture of experts, but the GGUF metadata lacks 'llama\.expert_count'"),
-        ("mixtral", {"blk.1.ffn_up_exps.weight": None}, r"MoE GGUF \('llama\.expert_count' = 4\) lacks tensor 'blk\.1\.ffn_up_exps\.weight'"),
-        ("qwen3_moe", {"blk.0.ffn_gate_inp.weight": None}, r"MoE GGUF \('qwen3moe\.expert_count' = 4\) lacks tensor 'blk\.0\.ffn_gate_inp\.weight'"),
-        ("mixtral", {"expert_count": 8}, r"tensor 'blk\.0\.ffn_gate_inp\.weight' holds 4 experts, but 'llama\.expert_count' says 8"),
+        (
+            "mixtral",
+            {"expert_count": None},
+            r"tensor 'blk\.0\.ffn_down_exps\.weight' belongs to a mixture of experts, but the GGUF metadata lacks 'llama\.expert_count'",
+        ),
+        (
+            "mixtral",
+            {"blk.1.ffn_up_exps.weight": None},
+            r"MoE GGUF \('llama\.expert_count' = 4\) lacks tensor 'blk\.1\.ffn_up_exps\.weight'",
+        ),
+        (
+            "qwen3_moe",
+            {"blk.0.ffn_gate_inp.weight": None},
+            r"MoE GGUF \('qwen3moe\.expert_count' = 4\) lacks tensor 'blk\.0\.ffn_gate_inp\.weight'",
+        ),
+        (
+            "mixtral",
+            {"expert_count": 8},
+            r"tensor 'blk\.0\.ffn_gate_inp\.weight' holds 4 experts, but 'llama\.expert_count' says 8",
+        ),
     ],
 )
 def test_bad_moe_gguf_is_one_clear_error(checkpoints, family, edits, message, tmp_path):

@@ -33,7 +33,9 @@ def test_cached_repo_runs_offline(tmp_path, tiny_llama):
     cache = tmp_path / "hub"
     make_hub_cache(cache, "tiny-org/tiny-llama", tiny_llama)
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    result = run_cli(tmp_path, "model.path=tiny-org/tiny-llama", "decode.max_tokens=4", "decode.ignore_eos=true", env=env)
+    result = run_cli(
+        tmp_path, "model.path=tiny-org/tiny-llama", "decode.max_tokens=4", "decode.ignore_eos=true", env=env
+    )
     assert result.returncode == 0, result.stderr
     assert "loaded llama" in result.stderr
 

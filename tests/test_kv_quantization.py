@@ -40,7 +40,9 @@ def decode_logits(model, prompt: list[int], follow: list[int], kv_bits: int | No
 
 def generate(model, prompts, kv_bits=None, group_size=32, n=24, chunk_size=2048):
     rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
-    request = GenerationRequest(rows, Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size, chunk_size=chunk_size)
+    request = GenerationRequest(
+        rows, Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size, chunk_size=chunk_size
+    )
     return [r.token_ids for r in DirectEngine(model, max_context=512).generate(request).results]
 
 
@@ -103,7 +105,9 @@ def schedule(model, prompts, kv_bits, max_rows, chunk_size=None, n=24, group_siz
     rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
     request = GenerationRequest(rows, Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size)
     with mx.stream(mx.cpu):  # exactness is promised in fp32 on the CPU
-        return [r.token_ids for r in BatchScheduler(model, 512, max_rows, chunk_size=chunk_size).generate(request).results]
+        return [
+            r.token_ids for r in BatchScheduler(model, 512, max_rows, chunk_size=chunk_size).generate(request).results
+        ]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -147,4 +151,6 @@ def test_pieces_with_a_quantized_cache_are_the_rows_own(model, monkeypatch):
         alone = [generate(model, [row.prompt_ids], kv_bits=2, n=row.max_tokens, chunk_size=16)[0] for row in rows]
         state = scheduler.BatchScheduler(model, 512, 2).generate(request)
     assert [r.token_ids for r in state.results] == alone
-    assert any(p["end"] - p["start"] == 16 and p["step"] > 0 for p in state.timings.prefill_pieces)  # pieces ran beside decoding rows
+    assert any(
+        p["end"] - p["start"] == 16 and p["step"] > 0 for p in state.timings.prefill_pieces
+    )  # pieces ran beside decoding rows

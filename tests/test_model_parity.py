@@ -26,8 +26,10 @@ def mlxcel_logits(folder, ids):
 
 def reference_greedy(model, ids, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def mlxcel_greedy(loaded, ids, n):
@@ -52,8 +54,14 @@ def test_logits_and_greedy_match_transformers(family, tiny_llama, tiny_qwen2):
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 500000.0,
+    }
     folder = make_tiny_checkpoint(tmp_path / "llama3", "llama", seed=2, rope_scaling=scaling, tie_word_embeddings=True)
     check_parity(folder)
 
@@ -115,9 +123,17 @@ def test_import_sets_the_cuda_graph_size_unless_the_user_did():
 
     code = "import os, mlxcel; print(os.environ.get('MLX_MAX_OPS_PER_BUFFER'))"
     env = {k: v for k, v in os.environ.items() if k != "MLX_MAX_OPS_PER_BUFFER"}
-    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    default = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert default == ("100" if sys.platform == "linux" else "None")
-    kept = subprocess.run([sys.executable, "-c", code], env={**env, "MLX_MAX_OPS_PER_BUFFER": "7"}, capture_output=True, text=True, check=True).stdout.strip()
+    kept = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "MLX_MAX_OPS_PER_BUFFER": "7"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert kept == "7"
 
 
@@ -134,7 +150,9 @@ def test_fused_qkv_prefill_peak_memory_is_no_higher_than_separate(tmp_path, monk
     """A prefill's peak memory with fused QKV stays at the unfused level (V stored into the cache
     as a view of the fused output once kept every layer's QKV buffer alive: deep and
     attention-heavy here, so that would show)."""
-    folder = make_tiny_checkpoint(tmp_path / "deep", "llama", num_hidden_layers=12, hidden_size=128, intermediate_size=128)
+    folder = make_tiny_checkpoint(
+        tmp_path / "deep", "llama", num_hidden_layers=12, hidden_size=128, intermediate_size=128
+    )
 
     def prefill_peak(fuse: str) -> int:
         monkeypatch.setenv("MLXCEL_FUSE", fuse)

@@ -19,19 +19,32 @@ SECTIONS = [2, 3, 3]  # head_dim 16
 
 
 def make_reference_model():
-    text = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50,
-            "rope_scaling": {"type": "mrope", "mrope_section": SECTIONS}}
-    config = transformers.Qwen2VLConfig(text_config=text, vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2}, image_token_id=IMAGE)
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 50,
+        "rope_scaling": {"type": "mrope", "mrope_section": SECTIONS},
+    }
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+        image_token_id=IMAGE,
+    )
     return qwen2_vl.Qwen2VLModel(config).eval()
 
 
 def prompt_with_images(grids, merge=2, text=(3, 5, 2)):
     ids, types = [], []
     for n, grid in zip(text, [*grids, None]):
-        ids += list(range(10, 10 + n)); types += [0] * n
+        ids += list(range(10, 10 + n))
+        types += [0] * n
         if grid is not None:
             count = grid[0] * grid[1] * grid[2] // merge**2
-            ids += [IMAGE] * count; types += [1] * count
+            ids += [IMAGE] * count
+            types += [1] * count
     return ids, types
 
 
@@ -40,7 +53,9 @@ def test_positions_match_get_rope_index(grids):
     model = make_reference_model()
     ids, types = prompt_with_images(grids)
     want, want_delta = model.get_rope_index(
-        torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]), image_grid_thw=torch.tensor(grids) if grids else None
+        torch.tensor([ids]),
+        mm_token_type_ids=torch.tensor([types]),
+        image_grid_thw=torch.tensor(grids) if grids else None,
     )
     got, delta = make_mrope_positions(ids, grids, IMAGE, merge_size=2)
     np.testing.assert_array_equal(got, want[:, 0].numpy())

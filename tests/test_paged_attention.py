@@ -32,8 +32,14 @@ def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
     positions, kv_heads, head_dim = keys.shape
     pool = paged_attention.PoolLayer(positions, kv_heads, head_dim, keys.dtype)
     k_out, v_out = paged_attention.write_and_gather(
-        pool, keys.transpose(1, 0, 2)[None], values.transpose(1, 0, 2)[None],
-        mx.arange(positions, dtype=mx.int32), mx.zeros((1, positions), mx.int32), mx.array([0], mx.int32), mx.array([0], mx.int32))
+        pool,
+        keys.transpose(1, 0, 2)[None],
+        values.transpose(1, 0, 2)[None],
+        mx.arange(positions, dtype=mx.int32),
+        mx.zeros((1, positions), mx.int32),
+        mx.array([0], mx.int32),
+        mx.array([0], mx.int32),
+    )
     assert mx.array_equal(k_out[0], keys.transpose(1, 0, 2)) and mx.array_equal(v_out[0], values.transpose(1, 0, 2))
     return pool
 
@@ -41,7 +47,14 @@ def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(
     ("rows", "heads", "kv_heads", "head_dim", "longest", "window"),
-    [(1, 32, 8, 64, 3000, 0), (3, 14, 2, 64, 700, 0), (64, 8, 8, 128, 300, 0), (256, 32, 8, 64, 90, 0), (5, 8, 2, 256, 900, 200), (1, 32, 8, 64, 3000, 1000)],
+    [
+        (1, 32, 8, 64, 3000, 0),
+        (3, 14, 2, 64, 700, 0),
+        (64, 8, 8, 128, 300, 0),
+        (256, 32, 8, 64, 90, 0),
+        (5, 8, 2, 256, 900, 200),
+        (1, 32, 8, 64, 3000, 1000),
+    ],
 )
 def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest, window):
     rng = np.random.default_rng(rows)
@@ -60,7 +73,9 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
     q = normal(rows, heads, 1, head_dim)
     scale = head_dim**-0.5
     attended = min(longest, window) if window else longest
-    got = paged_attention.paged_decode_attention(q, new_keys, new_values, pool, mx.array(blocks), mx.array(lengths), attended, scale, BLOCK_SIZE, window)
+    got = paged_attention.paged_decode_attention(
+        q, new_keys, new_values, pool, mx.array(blocks), mx.array(lengths), attended, scale, BLOCK_SIZE, window
+    )
     # the reference: each row's new key and value at its last position, then gather + mask
     last = mx.array(flat_positions(blocks, (lengths - 1)[:, None])[:, 0])
     keys[last], values[last] = new_keys[:, :, 0], new_values[:, :, 0]
@@ -92,7 +107,14 @@ def test_write_and_gather_equals_numpy(leads):
     gather = flat_positions(blocks, np.where(key_pos < ends[:, None], key_pos, 0))
     write = flat_positions(blocks, np.maximum(starts[:, None] - leads[:, None] + np.arange(new)[None, :], 0))
     k_out, v_out = paged_attention.write_and_gather(
-        pool, mx.array(new_keys), mx.array(new_values), mx.array(write.reshape(-1)), mx.array(gather), mx.array(starts), mx.array(leads))
+        pool,
+        mx.array(new_keys),
+        mx.array(new_values),
+        mx.array(write.reshape(-1)),
+        mx.array(gather),
+        mx.array(starts),
+        mx.array(leads),
+    )
     own = np.arange(new)[None, :] >= leads[:, None]  # [B, new]: the rows' own tokens, stored; leads are not
     keys[write[own]] = new_keys.transpose(0, 2, 1, 3)[own]
     values[write[own]] = new_values.transpose(0, 2, 1, 3)[own]
@@ -112,10 +134,18 @@ def test_scheduler_with_the_kernel_equals_it_without(tiny_llama, monkeypatch):
 
     model = load_model(str(tiny_llama), dtype="float32").model
     rng = np.random.default_rng(0)
-    rows = [RowRequest(rng.integers(3, 300, size=int(n)).tolist(), row_id=i, max_tokens=24) for i, n in enumerate(rng.integers(1, 200, size=8))]
+    rows = [
+        RowRequest(rng.integers(3, 300, size=int(n)).tolist(), row_id=i, max_tokens=24)
+        for i, n in enumerate(rng.integers(1, 200, size=8))
+    ]
 
     def run():
-        return [r.token_ids for r in BatchScheduler(model, 512, 4).generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=24)).results]
+        return [
+            r.token_ids
+            for r in BatchScheduler(model, 512, 4)
+            .generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=24))
+            .results
+        ]
 
     with_kernel = run()
     monkeypatch.setenv("MLXCEL_PAGED_KERNEL", "0")

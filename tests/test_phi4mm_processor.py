@@ -62,7 +62,9 @@ def tv_resize_uint8_bilinear(image: torch.Tensor, size: tuple[int, int], native_
         return image
     if native_uint8:
         return F.interpolate(image[None], size=list(size), mode="bilinear", align_corners=False, antialias=True)[0]
-    out = F.interpolate(image[None].to(torch.float32), size=list(size), mode="bilinear", align_corners=False, antialias=True)
+    out = F.interpolate(
+        image[None].to(torch.float32), size=list(size), mode="bilinear", align_corners=False, antialias=True
+    )
     return out.round_().to(torch.uint8)[0]
 
 
@@ -112,7 +114,9 @@ def dynamic_preprocess(image, image_size, patch_size, mask_size, max_num, native
             if i * j <= max_num and i * j >= min_num
         }
         target_ratios = sorted(target_ratios, key=lambda x: x[0] * x[1])
-        target_aspect_ratio = find_closest_aspect_ratio(aspect_ratio, target_ratios, orig_width, orig_height, image_size)
+        target_aspect_ratio = find_closest_aspect_ratio(
+            aspect_ratio, target_ratios, orig_width, orig_height, image_size
+        )
         target_width = image_size * target_aspect_ratio[0]
         target_height = image_size * target_aspect_ratio[1]
     else:
@@ -147,8 +151,16 @@ def rescale_and_normalize(images, rescale_factor, image_mean, image_std):
     return (images.to(torch.float32) - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
 
 
-def reference_preprocess(pil_image, size=448, patch_size=14, dynamic_hd=36, rescale_factor=1 / 255,
-                         image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), native_uint8=True):
+def reference_preprocess(
+    pil_image,
+    size=448,
+    patch_size=14,
+    dynamic_hd=36,
+    rescale_factor=1 / 255,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+    native_uint8=True,
+):
     """One image through transformers' _preprocess (batch of one, so no crop padding). Also returns the
     intermediate uint8 HD image and the normalized HD image for stage-wise checks."""
     image = torch.from_numpy(convert_to_rgb(pil_image, return_numpy=True)).permute(2, 0, 1).contiguous()
@@ -161,19 +173,25 @@ def reference_preprocess(pil_image, size=448, patch_size=14, dynamic_hd=36, resc
     global_attention_mask = torch.ones((1, mask_size, mask_size))
     hd_image_reshape = processed_image.reshape(1, 3, height // size, size, width // size, size)
     hd_image_reshape = hd_image_reshape.permute(0, 2, 4, 1, 3, 5).reshape(-1, 3, size, size).contiguous()
-    attention_mask_reshape = attention_mask.reshape(mask_height // mask_size, mask_size, mask_width // mask_size, mask_size)
+    attention_mask_reshape = attention_mask.reshape(
+        mask_height // mask_size, mask_size, mask_width // mask_size, mask_size
+    )
     attention_mask_reshape = attention_mask_reshape.transpose(1, 2).reshape(-1, mask_size, mask_size).contiguous()
     downsample_attention_mask = attention_mask_reshape[:, 0::2, 0::2]
     downsample_attention_mask = downsample_attention_mask.reshape(
-        mask_height // mask_size, mask_width // mask_size, mask_size // 2 + mask_size % 2, mask_size // 2 + mask_size % 2
+        mask_height // mask_size,
+        mask_width // mask_size,
+        mask_size // 2 + mask_size % 2,
+        mask_size // 2 + mask_size % 2,
     )
     downsample_attention_mask = downsample_attention_mask.transpose(1, 2)
     downsample_attention_mask = downsample_attention_mask.reshape(
         downsample_attention_mask.size(0) * downsample_attention_mask.size(1),
         downsample_attention_mask.size(2) * downsample_attention_mask.size(3),
     )
-    num_img_tokens = (256 + 1 + int(downsample_attention_mask.sum().item())
-                      + int(downsample_attention_mask[:, 0].sum().item()) + 16)
+    num_img_tokens = (
+        256 + 1 + int(downsample_attention_mask.sum().item()) + int(downsample_attention_mask[:, 0].sum().item()) + 16
+    )
     return {
         "pixel_values": torch.cat([global_image.unsqueeze(0), hd_image_reshape], dim=0).numpy(),
         "attention_mask": torch.cat([global_attention_mask, attention_mask_reshape], dim=0).numpy(),
@@ -268,8 +286,8 @@ def test_hd_resize_within_measured_levels(case):
     plan = plan_hd(*array.shape[:2], config)
     region = (slice(None), slice(0, plan.resized_height), slice(0, plan.resized_width))  # the padding is exact
     diff = np.abs(hd - ref["hd_uint8"])[region]
-    np.testing.assert_array_equal(hd[:, plan.resized_height:], ref["hd_uint8"][:, plan.resized_height:])
-    np.testing.assert_array_equal(hd[:, :, plan.resized_width:], ref["hd_uint8"][:, :, plan.resized_width:])
+    np.testing.assert_array_equal(hd[:, plan.resized_height :], ref["hd_uint8"][:, plan.resized_height :])
+    np.testing.assert_array_equal(hd[:, :, plan.resized_width :], ref["hd_uint8"][:, :, plan.resized_width :])
     assert diff.max() <= MAX_LEVELS and (diff > 0).mean() <= MAX_DIFF_FRACTION, (name, diff.max(), (diff > 0).mean())
     float_path = reference_preprocess(image, dynamic_hd=config.dynamic_hd, native_uint8=False)["hd_uint8"]
     assert np.abs(hd - float_path).max() <= 1, name
@@ -306,19 +324,33 @@ def test_bicubic_matches_torch(in_size, out_size):
 def test_grid_choice_matches_transformers():
     """The closest-aspect search (with its tie rule) over many sizes and crop limits, no pixels."""
     for max_crops in (1, 2, 3, 4, 6, 9, 12, 36):
-        targets = sorted({(i, j) for n in range(1, max_crops + 1) for i in range(1, n + 1) for j in range(1, n + 1)
-                          if i * j <= max_crops}, key=lambda x: x[0] * x[1])
+        targets = sorted(
+            {
+                (i, j)
+                for n in range(1, max_crops + 1)
+                for i in range(1, n + 1)
+                for j in range(1, n + 1)
+                if i * j <= max_crops
+            },
+            key=lambda x: x[0] * x[1],
+        )
         for width in (10, 224, 448, 633, 700, 896, 1400, 2000, 5000):
             for height in (10, 224, 448, 633, 700, 896, 1400, 2000, 5000):
                 expected = find_closest_aspect_ratio(width / height, targets, width, height, 448)
-                assert phi4mm.find_closest_aspect_ratio(width, height, max_crops, 448) == expected, (width, height, max_crops)
+                assert phi4mm.find_closest_aspect_ratio(width, height, max_crops, 448) == expected, (
+                    width,
+                    height,
+                    max_crops,
+                )
 
 
 def test_other_mean_std_and_rescale_only():
     array = np.array(smooth(64, 48))
     clip = {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
     ours = apply_rescale_normalize(array, Phi4ImageConfig.from_dict(clip))
-    expected = rescale_and_normalize(torch.from_numpy(array).permute(2, 0, 1), 1 / 255, clip["image_mean"], clip["image_std"])
+    expected = rescale_and_normalize(
+        torch.from_numpy(array).permute(2, 0, 1), 1 / 255, clip["image_mean"], clip["image_std"]
+    )
     np.testing.assert_array_equal(ours, expected.numpy())
     ours = apply_rescale_normalize(array, Phi4ImageConfig.from_dict({"do_normalize": False}))
     np.testing.assert_array_equal(ours, (torch.from_numpy(array).permute(2, 0, 1) * (1 / 255)).numpy())
@@ -334,8 +366,16 @@ def test_token_count_general_form_for_other_grids():
 
 def test_config_errors_reported_together():
     with pytest.raises(ConfigError) as error:
-        Phi4ImageConfig.from_dict({"size": {"height": 448, "width": 336}, "dynamic_hd": 0, "patch_size": -1,
-                                   "resample": 2, "image_std": [0.5, 0, 0.5], "do_convert_rgb": "yes"})
+        Phi4ImageConfig.from_dict(
+            {
+                "size": {"height": 448, "width": 336},
+                "dynamic_hd": 0,
+                "patch_size": -1,
+                "resample": 2,
+                "image_std": [0.5, 0, 0.5],
+                "do_convert_rgb": "yes",
+            }
+        )
     text = str(error.value)
     for key in ("size", "dynamic_hd", "patch_size", "resample", "image_std", "do_convert_rgb"):
         assert f"preprocessor_config.{key}" in text

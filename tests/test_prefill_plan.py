@@ -28,7 +28,9 @@ def test_rule2_the_history_span_is_never_padded_even_at_the_end_of_the_prompt():
     plan = plan_prefill(100, chunk_size=64, history_boundary=70, tile_size=32)
     assert spans(plan) == [(0, 64, 0), (64, 70, 0), (70, 100, 2)]
     assert spans(plan_prefill(70, chunk_size=64, history_boundary=70, tile_size=32)) == [(0, 64, 0), (64, 70, 0)]
-    assert spans(plan_prefill(70, chunk_size=64, history_boundary=70, tile_size=32, supports_multi_piece=False)) == [(0, 70, 0)]
+    assert spans(plan_prefill(70, chunk_size=64, history_boundary=70, tile_size=32, supports_multi_piece=False)) == [
+        (0, 70, 0)
+    ]
 
 
 def test_rule2_history_boundary_after_adopted_prefix():
@@ -100,7 +102,9 @@ def test_auto_tile_size_follows_the_device(monkeypatch):
     assert choose_tile_size("auto") is None
 
 
-@pytest.mark.parametrize("kwargs", [dict(total_tokens=0), dict(total_tokens=10, chunk_size=0), dict(total_tokens=10, adopted_prefix=10)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(total_tokens=0), dict(total_tokens=10, chunk_size=0), dict(total_tokens=10, adopted_prefix=10)]
+)
 def test_invalid_inputs_raise(kwargs):
     total = kwargs.pop("total_tokens")
     with pytest.raises(ValueError):

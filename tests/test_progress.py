@@ -29,7 +29,9 @@ def test_log_lines_when_not_a_terminal():
     for _ in range(3):
         progress.update(rows=1, tokens=5)
     lines = stream.getvalue().splitlines()
-    assert progress.mode == "log" and lines == [lines[0]] and lines[0].startswith("mlxcel: 3/3 rows")  # throttled, last always shown
+    assert (
+        progress.mode == "log" and lines == [lines[0]] and lines[0].startswith("mlxcel: 3/3 rows")
+    )  # throttled, last always shown
 
 
 def test_off_prints_nothing_and_eta_formats():

@@ -14,7 +14,15 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxcel.cli import find_conf_dir, find_recipe, find_recipes_dir, list_recipes, read_job_config, register_resolvers, use_recipe
+from mlxcel.cli import (
+    find_conf_dir,
+    find_recipe,
+    find_recipes_dir,
+    list_recipes,
+    read_job_config,
+    register_resolvers,
+    use_recipe,
+)
 from mlxcel.config import PromptRow, validate_config
 from mlxcel.errors import ConfigError
 from tests.conftest import find_smollm2_gguf, requires_smollm2
@@ -26,7 +34,9 @@ RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.yaml"))
 def run_cli(args: list[str], cwd: Path, pythonpath: Path = REPO) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("MLXCEL_DEBUG", "HYDRA_FULL_ERROR")}
     env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([sys.executable, "-m", "mlxcel", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def compose_recipe(name: str, overrides: list[str] = ()) -> OmegaConf:
@@ -117,7 +127,9 @@ def test_two_recipes_or_a_config_name_are_refused():
 def test_unknown_recipe_exits_2_with_one_line(tmp_path):
     result = run_cli(["recipe=nope"], tmp_path)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"mlxcel: config error: recipe: unknown recipe; available: {', '.join(RECIPES)} (got 'nope')"]
+    assert result.stderr.splitlines() == [
+        f"mlxcel: config error: recipe: unknown recipe; available: {', '.join(RECIPES)} (got 'nope')"
+    ]
 
 
 @pytest.mark.slow
@@ -125,10 +137,16 @@ def test_unknown_recipe_exits_2_with_one_line(tmp_path):
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_dry_runs_through_the_cli(name, tmp_path):
     run_dir, sweep_dir = tmp_path / "run", tmp_path / "sweep"
-    result = run_cli([f"recipe={name}", "runner.dry_run=true", f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={sweep_dir}"], tmp_path)
+    result = run_cli(
+        [f"recipe={name}", "runner.dry_run=true", f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={sweep_dir}"], tmp_path
+    )
     assert result.returncode == 0, result.stderr
     cfg = compose_recipe(name)
-    job_dirs = [sweep_dir / str(i) for i in range(len(sweep_points(cfg)))] if OmegaConf.select(cfg, "hydra.sweeper.params") else [run_dir]
+    job_dirs = (
+        [sweep_dir / str(i) for i in range(len(sweep_points(cfg)))]
+        if OmegaConf.select(cfg, "hydra.sweeper.params")
+        else [run_dir]
+    )
     prompts = []
     for job_dir in job_dirs:
         assert json.loads((job_dir / "stats.json").read_text())["status"] == "dry_run"
@@ -152,7 +170,10 @@ def test_recipe_dry_runs_through_the_cli(name, tmp_path):
 @requires_smollm2
 def test_command_line_sweep_replaces_the_recipes_sweep_of_that_key(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    result = run_cli(["recipe=chunk_sweep", "prefill.chunk_size=32,128", "runner.dry_run=true", f"hydra.sweep.dir={sweep_dir}"], tmp_path)
+    result = run_cli(
+        ["recipe=chunk_sweep", "prefill.chunk_size=32,128", "runner.dry_run=true", f"hydra.sweep.dir={sweep_dir}"],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     summary = [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
     assert [row["params"]["prefill.chunk_size"] for row in summary] == [32, 128]
@@ -160,7 +181,9 @@ def test_command_line_sweep_replaces_the_recipes_sweep_of_that_key(tmp_path):
 
 @pytest.mark.slow
 def test_a_users_own_job_file_extends_the_base_config(tmp_path):
-    (tmp_path / "my_job.yaml").write_text("defaults:\n  - config\n  - override /sampler: temperature\n  - _self_\ndecode:\n  max_tokens: 3\n")
+    (tmp_path / "my_job.yaml").write_text(
+        "defaults:\n  - config\n  - override /sampler: temperature\n  - _self_\ndecode:\n  max_tokens: 3\n"
+    )
     (tmp_path / "config.yaml").write_text("decode:\n  max_tokens: 999\n")  # a stray file beside it changes nothing
     result = run_cli(["recipe=./my_job.yaml", "--cfg", "job", "sampler.seed=5"], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -169,7 +192,8 @@ def test_a_users_own_job_file_extends_the_base_config(tmp_path):
     assert shown["sampler"]["selector"]["kind"] == "categorical" and shown["model"]["path"] == "embedded:smollm2"
     missing = run_cli(["recipe=./nope.yaml"], tmp_path)
     assert missing.returncode == 2 and missing.stderr.splitlines() == [
-        f"mlxcel: config error: recipe: no such file: {tmp_path / 'nope.yaml'} (got './nope.yaml')"]
+        f"mlxcel: config error: recipe: no such file: {tmp_path / 'nope.yaml'} (got './nope.yaml')"
+    ]
 
 
 @pytest.mark.slow
@@ -197,10 +221,16 @@ def test_installed_package_finds_its_recipes_from_any_directory(tmp_path, instal
     assert unknown.returncode == 2 and f"available: {', '.join(RECIPES)}" in unknown.stderr
     if find_smollm2_gguf() is not None:
         run_dir = elsewhere / "run"
-        dry = run_cli(["recipe=batch_jsonl", "runner.dry_run=true", f"hydra.run.dir={run_dir}"], elsewhere, pythonpath=target)
+        dry = run_cli(
+            ["recipe=batch_jsonl", "runner.dry_run=true", f"hydra.run.dir={run_dir}"], elsewhere, pythonpath=target
+        )
         assert dry.returncode == 0, dry.stderr
         assert len((run_dir / "prompts.jsonl").read_text().splitlines()) >= 6
         sweep_dir = elsewhere / "sweep"  # the summary callback and the plot, from the installed package
-        sweep = run_cli(["recipe=chunk_sweep", "runner.dry_run=true", f"hydra.sweep.dir={sweep_dir}"], elsewhere, pythonpath=target)
+        sweep = run_cli(
+            ["recipe=chunk_sweep", "runner.dry_run=true", f"hydra.sweep.dir={sweep_dir}"], elsewhere, pythonpath=target
+        )
         assert sweep.returncode == 0, sweep.stderr
-        assert len((sweep_dir / "summary.jsonl").read_text().splitlines()) == 3 and (sweep_dir / "summary.png").is_file()
+        assert (
+            len((sweep_dir / "summary.jsonl").read_text().splitlines()) == 3 and (sweep_dir / "summary.png").is_file()
+        )

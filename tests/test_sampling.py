@@ -74,7 +74,9 @@ def xtc_gates(chain, batch: int, position: int = 0) -> list[float]:
 def assert_same_distribution(got: np.ndarray, want: np.ndarray, at_cut: int = 0) -> None:
     """at_cut: how many tokens at a float-sensitive cut may differ (see the module docstring)."""
     differ = np.isfinite(got) != np.isfinite(want)
-    assert differ.sum() <= at_cut, f"kept sets differ in {differ.sum()} tokens: {np.isfinite(got).sum()} vs {np.isfinite(want).sum()}"
+    assert differ.sum() <= at_cut, (
+        f"kept sets differ in {differ.sum()} tokens: {np.isfinite(got).sum()} vs {np.isfinite(want).sum()}"
+    )
     mass = np.exp(np.where(np.isfinite(got), got, np.where(np.isfinite(want), want, -np.inf))[differ]).sum()
     assert mass <= 2e-3
     both = np.isfinite(got) & np.isfinite(want)
@@ -106,7 +108,9 @@ def test_each_stage_matches_the_reference(case):
     name = {"penalties_whole": "penalties", "dry_whole": "dry", "dynatemp": "temperature"}.get(case, case)
     processors = filled({name: STAGES[case]})
     histories = random_histories(1) if name in ("penalties", "dry") else None
-    chain = make_sampler_chain({"processors": processors, "selector": {"kind": "categorical"}}, VOCAB, eos_token_ids=[2])
+    chain = make_sampler_chain(
+        {"processors": processors, "selector": {"kind": "categorical"}}, VOCAB, eos_token_ids=[2]
+    )
     logits = random_logits(7)
     got = np.array(chain.logprobs(mx.array(logits), histories))
     for row in range(BATCH):
@@ -120,14 +124,38 @@ def test_penalties_and_dry_change_the_logits():
     logits, histories = random_logits(7), random_histories(1)
     for name in ("penalties", "dry"):
         chain = make_sampler_chain({"processors": filled({name: STAGES[name]})}, VOCAB)
-        changed = np.abs(np.array(chain.logprobs(mx.array(logits), histories)) - ref_chain(logits[0], {})[None]).max(axis=-1)
+        changed = np.abs(np.array(chain.logprobs(mx.array(logits), histories)) - ref_chain(logits[0], {})[None]).max(
+            axis=-1
+        )
         assert (changed > 1e-2).all()
 
 
 WHOLE_CHAINS = [
-    ({"penalties": STAGES["penalties"], "dry": STAGES["dry"], "top_k": {"k": 200}, "top_p": {"p": 0.95}, "min_p": {"p": 0.02}, "temperature": {"value": 0.8}}, 0),
-    ({"logit_bias": STAGES["logit_bias"], "top_n_sigma": {"n": 2.0}, "typical_p": {"p": 0.9}, "min_p": {"p": 0.01}, "temperature": STAGES["dynatemp"]}, 0),
-    ({"top_k": {"k": 3}, "top_p": {"p": 0.5}, "min_p": {"p": 0.9}, "temperature": {"value": 1.5}}, 25),  # min_keep wins everywhere
+    (
+        {
+            "penalties": STAGES["penalties"],
+            "dry": STAGES["dry"],
+            "top_k": {"k": 200},
+            "top_p": {"p": 0.95},
+            "min_p": {"p": 0.02},
+            "temperature": {"value": 0.8},
+        },
+        0,
+    ),
+    (
+        {
+            "logit_bias": STAGES["logit_bias"],
+            "top_n_sigma": {"n": 2.0},
+            "typical_p": {"p": 0.9},
+            "min_p": {"p": 0.01},
+            "temperature": STAGES["dynatemp"],
+        },
+        0,
+    ),
+    (
+        {"top_k": {"k": 3}, "top_p": {"p": 0.5}, "min_p": {"p": 0.9}, "temperature": {"value": 1.5}},
+        25,
+    ),  # min_keep wins everywhere
     ({"top_k": {"k": 60_000}, "typical_p": {"p": 0.2}, "top_p": {"p": 0.3}, "temperature": {"value": 1.0}}, 4),
 ]
 
@@ -136,7 +164,9 @@ WHOLE_CHAINS = [
 def test_whole_chains_match_the_reference(processors, min_keep):
     processors = filled(processors)
     histories = random_histories(3)
-    chain = make_sampler_chain({"min_keep": min_keep, "processors": processors, "selector": {"kind": "categorical"}}, VOCAB, eos_token_ids=[2])
+    chain = make_sampler_chain(
+        {"min_keep": min_keep, "processors": processors, "selector": {"kind": "categorical"}}, VOCAB, eos_token_ids=[2]
+    )
     logits = random_logits(11)
     got = np.array(chain.logprobs(mx.array(logits), histories))
     for row in range(BATCH):
@@ -147,7 +177,9 @@ def test_whole_chains_match_the_reference(processors, min_keep):
 
 
 def test_xtc_in_a_chain_matches_the_reference_with_each_rows_gate():
-    processors = filled({"min_p": {"p": 0.001}, "xtc": {"probability": 0.5, "threshold": 0.05}, "temperature": {"value": 1.0}})
+    processors = filled(
+        {"min_p": {"p": 0.001}, "xtc": {"probability": 0.5, "threshold": 0.05}, "temperature": {"value": 1.0}}
+    )
     chain = make_sampler_chain({"processors": processors}, 400)
     logits = random_logits(5, batch=16, vocab=400, scale=3.0)
     _, got = chain_step(chain, logits)
@@ -192,7 +224,10 @@ def test_all_but_one_removed_keeps_that_one_through_every_stage():
     logits = np.full((2, 300), -np.inf, np.float32)
     logits[0, 17], logits[1, 250] = 1.5, -3.0
     names = ("top_n_sigma", "top_k", "typical_p", "top_p", "min_p")
-    processors = filled({name: STAGES[name] for name in names} | {"xtc": {"probability": 1.0, "threshold": 0.1}, "temperature": STAGES["dynatemp"]})
+    processors = filled(
+        {name: STAGES[name] for name in names}
+        | {"xtc": {"probability": 1.0, "threshold": 0.1}, "temperature": STAGES["dynatemp"]}
+    )
     chain = make_sampler_chain({"min_keep": 3, "processors": processors}, 300)
     tokens, lp = chain_step(chain, logits)
     assert tokens.tolist() == [17, 250]
@@ -201,7 +236,10 @@ def test_all_but_one_removed_keeps_that_one_through_every_stage():
 
 def test_temperature_at_or_below_zero_is_greedy_after_the_filters():
     logits = random_logits(2, batch=4, vocab=1000)
-    chain = make_sampler_chain({"processors": {"typical_p": {"p": 0.5}, "temperature": {"value": 0.0}}, "selector": {"kind": "categorical"}}, 1000)
+    chain = make_sampler_chain(
+        {"processors": {"typical_p": {"p": 0.5}, "temperature": {"value": 0.0}}, "selector": {"kind": "categorical"}},
+        1000,
+    )
     assert chain.draw == {"stage": "draw", "kind": "greedy"}
     tokens, lp = chain_step(chain, logits)
     assert tokens.tolist() == np.argmax(lp, axis=-1).tolist()
@@ -287,7 +325,9 @@ def test_categorical_frequencies_follow_the_softmax():
 def test_xtc_gate_fires_with_its_probability():
     """4000 rows: the top token is removed in 30% of them (4 sigma = 0.029)."""
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.06, 0.04], np.float32))
-    chain = make_sampler_chain({"processors": {"xtc": {"probability": 0.3, "threshold": 0.1}}, "selector": {"kind": "greedy"}}, 5)
+    chain = make_sampler_chain(
+        {"processors": {"xtc": {"probability": 0.3, "threshold": 0.1}}, "selector": {"kind": "greedy"}}, 5
+    )
     tokens = np.array(chain(mx.broadcast_to(mx.array(logits), (4000, 5)), [RowKey(i) for i in range(4000)], [0] * 4000))
     assert set(tokens.tolist()) == {0, 2}  # fired: 0.4 and 0.3 removed, 0.2 (the least above 0.1) kept
     assert abs((tokens == 2).mean() - 0.3) < 0.029
@@ -388,16 +428,31 @@ def test_cuda_gumbel_max_draws_the_graph_tokens(dtype):
 def test_make_sampler_chain_errors_name_the_key_and_range():
     with pytest.raises(ConfigError) as info:
         make_sampler_chain({"processors": {"min_p": {"p": 2.0}}}, 100)
-    assert info.value.issues[0].format() == "sampler.processors.min_p.p: must be in [0.0, 1.0]; 0.0 turns min-p off (got 2.0)"
+    assert (
+        info.value.issues[0].format()
+        == "sampler.processors.min_p.p: must be in [0.0, 1.0]; 0.0 turns min-p off (got 2.0)"
+    )
     with pytest.raises(ConfigError) as info:
         make_sampler_chain({"processors": {"logit_bias": {"bias": {150: 1.0}, "suppress": [7]}}}, 100)
-    assert info.value.issues[0].format() == "sampler.processors.logit_bias.bias.150: token id must be in [0, 100) for this model (got 150)"
+    assert (
+        info.value.issues[0].format()
+        == "sampler.processors.logit_bias.bias.150: token id must be in [0, 100) for this model (got 150)"
+    )
 
 
 def test_effective_chain_order_and_special_cases():
-    chain = make_sampler_chain({"processors": {"temperature": {}, "min_p": {}, "logit_bias": {"suppress": [1]}, "top_p": {"p": 1.0}}}, 10)
-    assert [s["stage"] for s in chain.chain] == ["logit_bias", "min_p", "temperature", "draw"]  # code order; top_p 1.0 is off
-    miro = make_sampler_chain({"processors": {"penalties": {"repeat": 1.1}, "temperature": {}}, "selector": {"kind": "mirostat_v2"}}, 10)
+    chain = make_sampler_chain(
+        {"processors": {"temperature": {}, "min_p": {}, "logit_bias": {"suppress": [1]}, "top_p": {"p": 1.0}}}, 10
+    )
+    assert [s["stage"] for s in chain.chain] == [
+        "logit_bias",
+        "min_p",
+        "temperature",
+        "draw",
+    ]  # code order; top_p 1.0 is off
+    miro = make_sampler_chain(
+        {"processors": {"penalties": {"repeat": 1.1}, "temperature": {}}, "selector": {"kind": "mirostat_v2"}}, 10
+    )
     assert [s["stage"] for s in miro.chain] == ["penalties", "temperature", "draw"] and miro.draw["tau"] == 5.0
     off = make_sampler_chain({"selector": {"kind": "adaptive_p"}}, 10)  # target -1: a plain draw
     assert off.draw == {"stage": "draw", "kind": "categorical"}
@@ -437,9 +492,18 @@ def test_cpu_compile_needs_a_cpu_compiler(monkeypatch):
 @pytest.mark.parametrize(
     "processors",
     [
-        {"top_k": {"k": 300}, "top_p": {"p": 0.9}, "min_p": {"p": 0.02}, "xtc": {"probability": 1.0, "threshold": 0.01}, "temperature": {"value": 0.8}},
+        {
+            "top_k": {"k": 300},
+            "top_p": {"p": 0.9},
+            "min_p": {"p": 0.02},
+            "xtc": {"probability": 1.0, "threshold": 0.01},
+            "temperature": {"value": 0.8},
+        },
         {"top_n_sigma": {"n": 1.5}, "typical_p": {"p": 0.8}, "temperature": STAGES["dynatemp"]},
-        {"logit_bias": {"bias": {5: 3.0, 17: -2.5}, "suppress": [3, 4]}, "top_p": {"p": 0.5}},  # bias first: everything after runs in float32
+        {
+            "logit_bias": {"bias": {5: 3.0, 17: -2.5}, "suppress": [3, 4]},
+            "top_p": {"p": 0.5},
+        },  # bias first: everything after runs in float32
     ],
     ids=["truncations", "sigma+typical+dynatemp", "bias-then-top-p"],
 )
@@ -448,10 +512,15 @@ def test_half_precision_logits_sample_as_their_float32_values(processors, dtype)
     draws as the float32 copy of the same values (exact: they only compare and select values)."""
     half = mx.array(random_logits(5, batch=4)).astype(dtype)
     full = half.astype(mx.float32)
-    chain = make_sampler_chain({"processors": processors, "selector": {"kind": "categorical"}}, VOCAB, eos_token_ids=[2])
+    chain = make_sampler_chain(
+        {"processors": processors, "selector": {"kind": "categorical"}}, VOCAB, eos_token_ids=[2]
+    )
     got, want = np.array(chain.logprobs(half)), np.array(chain.logprobs(full))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], atol=1e-6)
     assert 1 < np.isfinite(got).sum(axis=-1).min() < VOCAB  # the chain really cut something
     for position in range(4):
-        assert chain_step(chain, half, position=position)[0].tolist() == chain_step(chain, full, position=position)[0].tolist()
+        assert (
+            chain_step(chain, half, position=position)[0].tolist()
+            == chain_step(chain, full, position=position)[0].tolist()
+        )

@@ -38,8 +38,17 @@ CHAINS = {
         "selector": {"kind": "categorical"},
     },
     # bounded windows: the compiled path
-    "penalties": {"processors": {"penalties": {"repeat": 1.5, "last_n": 8}, "dry": {"multiplier": 1.0, "last_n": 32, "breakers": []}, "temperature": {"value": 1.0}}},
-    "mirostat": {"processors": {"penalties": {"repeat": 1.2}, "temperature": {"value": 1.0}}, "selector": {"kind": "mirostat_v2", "tau": 3.0}},
+    "penalties": {
+        "processors": {
+            "penalties": {"repeat": 1.5, "last_n": 8},
+            "dry": {"multiplier": 1.0, "last_n": 32, "breakers": []},
+            "temperature": {"value": 1.0},
+        }
+    },
+    "mirostat": {
+        "processors": {"penalties": {"repeat": 1.2}, "temperature": {"value": 1.0}},
+        "selector": {"kind": "mirostat_v2", "tau": 3.0},
+    },
     "adaptive_p": {"processors": {"min_p": {"p": 0.02}}, "selector": {"kind": "adaptive_p", "target": 0.3}},
 }
 
@@ -72,7 +81,9 @@ def test_a_rows_tokens_do_not_depend_on_its_batch_chunking_or_pipelining(model, 
     assert tokens_of(generate(model, chain, PROMPTS[::-1], [2, 1, 0])) == alone[::-1]
     assert tokens_of(generate(model, chain, PROMPTS[:2], [0, 1], chunk_size=5)) == alone[:2]
     assert tokens_of(generate(model, chain, PROMPTS, [0, 1, 2], pipeline=False)) == batched
-    assert tokens_of(generate(model, make_chain(model, name), PROMPTS, [0, 1, 2])) == batched  # a fresh chain, same seed
+    assert (
+        tokens_of(generate(model, make_chain(model, name), PROMPTS, [0, 1, 2])) == batched
+    )  # a fresh chain, same seed
     assert tokens_of(generate(model, make_chain(model, name, seed=7), PROMPTS, [0, 1, 2])) != batched
 
 
@@ -87,7 +98,10 @@ def test_compiled_step_gives_the_eager_tokens(model):
 
 def test_penalties_see_the_prompt_and_the_generated_tokens(model):
     """A strong repetition penalty over the whole history never lets greedy repeat a token."""
-    chain = make_sampler_chain({"processors": {"penalties": {"repeat": 1e6, "presence": 1e3, "last_n": -1}}, "selector": {"kind": "greedy"}}, model.args.vocab_size)
+    chain = make_sampler_chain(
+        {"processors": {"penalties": {"repeat": 1e6, "presence": 1e3, "last_n": -1}}, "selector": {"kind": "greedy"}},
+        model.args.vocab_size,
+    )
     tokens = tokens_of(generate(model, chain, PROMPTS[:1], [0], max_tokens=20))[0]
     assert len(set(tokens)) == len(tokens) and not set(tokens) & set(PROMPTS[0])
 
@@ -99,13 +113,18 @@ def test_logprobs_of_each_token_and_its_alternatives(model):
         assert [entry["token"] for entry in result.logprobs] == result.token_ids
         for entry in result.logprobs:
             assert len(entry["top"]) == 3 and entry["top"][0][0] == entry["token"]
-            assert entry["logprob"] == entry["top"][0][1] and [v for _, v in entry["top"]] == sorted((v for _, v in entry["top"]), reverse=True)
+            assert entry["logprob"] == entry["top"][0][1] and [v for _, v in entry["top"]] == sorted(
+                (v for _, v in entry["top"]), reverse=True
+            )
     logits = model(mx.array([PROMPTS[0]]), model.make_cache())[:, -1, :]
     expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
     first = state.results[0].logprobs[0]
     assert abs(first["logprob"] - expected[first["token"]]) < 1e-4
     sampled = generate(model, make_chain(model, "full"), PROMPTS[:1], [0], max_tokens=6, logprobs=2)
-    assert all(entry["logprob"] <= entry["top"][0][1] + 1e-6 and np.isfinite(entry["logprob"]) for entry in sampled.results[0].logprobs)
+    assert all(
+        entry["logprob"] <= entry["top"][0][1] + 1e-6 and np.isfinite(entry["logprob"])
+        for entry in sampled.results[0].logprobs
+    )
     assert tokens_of(sampled) == tokens_of(generate(model, make_chain(model, "full"), PROMPTS[:1], [0], max_tokens=6))
 
 
@@ -116,7 +135,10 @@ def test_decode_logprobs_are_written_to_generations_jsonl(tiny_llama, tmp_path):
             "template": {"kind": "none"},
             "prompt": {"text": "Hello there"},
             "decode": {"max_tokens": 4, "ignore_eos": True, "logprobs": 2},
-            "sampler": {"processors": {"min_p": {}, "temperature": {"value": 0.9}}, "selector": {"kind": "categorical"}},
+            "sampler": {
+                "processors": {"min_p": {}, "temperature": {"value": 0.9}},
+                "selector": {"kind": "categorical"},
+            },
         }
     )
     run(cfg, tmp_path / "run", stream=None, log=None)

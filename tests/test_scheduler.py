@@ -42,11 +42,25 @@ def make_prompts(seed: int, count: int) -> list[list[int]]:
 
 
 def alone(model, sampler, prompt, row_id, max_tokens, **kwargs):
-    request = GenerationRequest([RowRequest(prompt, row_id=row_id, max_tokens=max_tokens)], sampler, max_tokens=64, **kwargs)
+    request = GenerationRequest(
+        [RowRequest(prompt, row_id=row_id, max_tokens=max_tokens)], sampler, max_tokens=64, **kwargs
+    )
     return DirectEngine(model, 512).generate(request).results[0]
 
 
-def schedule(model, sampler, prompts, row_ids, max_tokens, max_rows=4, chunk_size=None, pipeline=True, on_token=None, ragged=None, **kwargs):
+def schedule(
+    model,
+    sampler,
+    prompts,
+    row_ids,
+    max_tokens,
+    max_rows=4,
+    chunk_size=None,
+    pipeline=True,
+    on_token=None,
+    ragged=None,
+    **kwargs,
+):
     rows = [RowRequest(p, row_id=i, max_tokens=m) for p, i, m in zip(prompts, row_ids, max_tokens)]
     request = GenerationRequest(rows, sampler, max_tokens=64, **kwargs)
     scheduler = BatchScheduler(model, 512, max_rows, chunk_size=chunk_size, pipeline=pipeline)
@@ -73,7 +87,17 @@ def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
         rng = random.Random(seed)
         order = rng.sample(range(9), 9)
         max_rows, chunk, pipeline = rng.choice([1, 2, 3, 9]), rng.choice([None, 1, 7, 32]), rng.random() < 0.7
-        state = schedule(model, sampler, [prompts[i] for i in order], order, [lengths[i] for i in order], max_rows, chunk, pipeline, ragged=ragged)
+        state = schedule(
+            model,
+            sampler,
+            [prompts[i] for i in order],
+            order,
+            [lengths[i] for i in order],
+            max_rows,
+            chunk,
+            pipeline,
+            ragged=ragged,
+        )
         got = {order[k]: r.token_ids for k, r in enumerate(state.results)}
         assert got == dict(enumerate(expected)), (seed, max_rows, chunk, pipeline)
         assert all(r.finish_reason == "length" for r in state.results)
@@ -103,7 +127,17 @@ def test_cancellations_and_stop_ids_mid_row(model):
         seen[row] = seen.get(row, 0) + 1
         return seen[row] < cancel_after.get(row, 99)
 
-    state = schedule(model, CATEGORICAL, prompts, range(6), [20] * 6, max_rows=3, chunk_size=8, on_token=on_token, stop_token_ids=frozenset([stop]))
+    state = schedule(
+        model,
+        CATEGORICAL,
+        prompts,
+        range(6),
+        [20] * 6,
+        max_rows=3,
+        chunk_size=8,
+        on_token=on_token,
+        stop_token_ids=frozenset([stop]),
+    )
     for i, result in enumerate(state.results):
         if i in cancel_after:
             assert result.finish_reason == "cancelled" and result.token_ids == full[i][: cancel_after[i]]
@@ -132,7 +166,12 @@ def test_logprobs_equal_each_row_alone(model):
 @pytest.mark.parametrize("ragged", [False, True], ids=["equal-pieces", "ragged-pieces"])
 def test_reruns_form_the_same_batches(model, ragged):
     prompts = make_prompts(4, 8)
-    runs = [schedule(model, CATEGORICAL, prompts, range(8), [5, 9, 2, 14, 7, 1, 11, 3], max_rows=3, chunk_size=16, ragged=ragged) for _ in range(3)]
+    runs = [
+        schedule(
+            model, CATEGORICAL, prompts, range(8), [5, 9, 2, 14, 7, 1, 11, 3], max_rows=3, chunk_size=16, ragged=ragged
+        )
+        for _ in range(3)
+    ]
     pieces = [[(p["row"], p["start"], p["end"]) for p in run.timings.prefill_pieces] for run in runs]
     assert pieces[0] == pieces[1] == pieces[2]
     assert len({(run.decode_steps, run.rows_decoding_sum) for run in runs}) == 1
@@ -147,7 +186,9 @@ def test_prefill_interleaves_with_decode_in_chunks(model):
     long_pieces = [p for p in state.timings.prefill_pieces if p["row"] == 2]
     assert all(p["end"] - p["start"] <= 32 for p in long_pieces) and long_pieces[-1]["end"] == 480
     pieces_per_step = [sum(p["step"] == step for p in long_pieces) for step in {p["step"] for p in long_pieces}]
-    assert max(pieces_per_step) <= PIECES_PER_STEP and len(pieces_per_step) >= 480 // (PIECES_PER_STEP * 32)  # spread over decode steps
+    assert max(pieces_per_step) <= PIECES_PER_STEP and len(pieces_per_step) >= 480 // (
+        PIECES_PER_STEP * 32
+    )  # spread over decode steps
 
 
 def test_rows_that_cannot_run_are_error_rows(model):
@@ -160,7 +201,9 @@ def test_rows_that_cannot_run_are_error_rows(model):
     # a KV budget that holds the small row but not the large one
     per_block = kv_bytes_per_position(model) * BLOCK_SIZE
     request = GenerationRequest([RowRequest([5] * 20), RowRequest([6] * 200, row_id=1)], GREEDY, max_tokens=4)
-    state = BatchScheduler(model, 512, 4, kv_budget_bytes=2 * per_block).generate(request, on_row_done=lambda i, r: done.append(i))
+    state = BatchScheduler(model, 512, 4, kv_budget_bytes=2 * per_block).generate(
+        request, on_row_done=lambda i, r: done.append(i)
+    )
     assert [r.finish_reason for r in state.results] == ["length", "error"]
     assert "runner.kv_budget_gb" in state.results[1].error and sorted(done) == [0, 1]
 
@@ -181,12 +224,16 @@ def test_the_segmented_decode_step_gives_the_eager_tokens(model, monkeypatch):
     forced here on the CPU, every row's tokens stay those of the eager step."""
     prompts = make_prompts(4, 6)
     lengths = [random.Random(i).randint(1, 20) for i in range(6)]
-    eager = [r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results]
+    eager = [
+        r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results
+    ]
     from mlxcel.engine import scheduler
 
     used = []
     get_decoder = scheduler.get_decoder
     monkeypatch.setattr(scheduler, "get_decoder", lambda m, kind: used.append(kind) or get_decoder(m, kind))
     monkeypatch.setenv("MLXCEL_DECODE_STEP", "segmented")
-    assert [r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results] == eager
+    assert [
+        r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results
+    ] == eager
     assert used and set(used) == {"segmented"}  # the segmented step ran the decode steps

@@ -42,7 +42,9 @@ def decode_both_ways(model, prompts: list[list[int]]) -> tuple[float, list, list
     return worst, eager_ids, segmented_ids
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe"])
+@pytest.fixture(
+    scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe"]
+)
 def family_model(request, tmp_path_factory):
     from tests.conftest import make_tiny_checkpoint
 

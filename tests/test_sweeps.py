@@ -25,7 +25,9 @@ PROMPT = "The capital of France is Paris. The capital of Italy is Rome. Hello, w
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("MLXCEL_DEBUG", "HYDRA_FULL_ERROR")}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "mlxcel", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -39,8 +41,17 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
     # chunk_size=0 fails validation: jobs 4 and 5 fail, the other four must still run.
     result = run_cli(
         # template=none: a chat prompt up to its generation prompt is one piece whatever the chunk size
-        ["-m", f"model.path={tiny_llama}", "template=none", "decode.max_tokens=4", "decode.ignore_eos=true", f"prompt.text={PROMPT}",
-         "prefill.chunk_size=4,16,0", "sampler.seed=1,2", f"hydra.sweep.dir={sweep}"],
+        [
+            "-m",
+            f"model.path={tiny_llama}",
+            "template=none",
+            "decode.max_tokens=4",
+            "decode.ignore_eos=true",
+            f"prompt.text={PROMPT}",
+            "prefill.chunk_size=4,16,0",
+            "sampler.seed=1,2",
+            f"hydra.sweep.dir={sweep}",
+        ],
         tmp_path,
     )
     assert result.returncode == 1, result.stderr
@@ -50,7 +61,13 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
     rows = read_jsonl(sweep / "summary.jsonl")
     assert [r["job"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert [(r["params"]["prefill.chunk_size"], r["params"]["sampler.seed"]) for r in rows] == [
-        (4, 1), (4, 2), (16, 1), (16, 2), (0, 1), (0, 2)]
+        (4, 1),
+        (4, 2),
+        (16, 1),
+        (16, 2),
+        (0, 1),
+        (0, 2),
+    ]
     assert all(r["swept"] == ["prefill.chunk_size", "sampler.seed"] for r in rows)
     for row in rows[:4]:
         assert row["status"] == "completed" and row["error"] is None
@@ -90,12 +107,36 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
 def test_a_sweep_that_changed_nothing_says_so(tiny_llama, tmp_path):
     """Pipelined or not, the plan and the tokens are the same: the figures differ by noise only."""
     sweep = tmp_path / "sweep"
-    result = run_cli(["-m", f"model.path={tiny_llama}", "template=none", "decode.max_tokens=4", "decode.ignore_eos=true",
-                      f"prompt.text={PROMPT}", "decode.pipeline=true,false", f"hydra.sweep.dir={sweep}"], tmp_path)
+    result = run_cli(
+        [
+            "-m",
+            f"model.path={tiny_llama}",
+            "template=none",
+            "decode.max_tokens=4",
+            "decode.ignore_eos=true",
+            f"prompt.text={PROMPT}",
+            "decode.pipeline=true,false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
-    assert "mlxcel: warning: the swept decode.pipeline changed neither the prefill plan nor the tokens of 2 jobs" in result.stderr
-    changed = run_cli(["-m", f"model.path={tiny_llama}", "template=none", "decode.ignore_eos=true", f"prompt.text={PROMPT}",
-                       "decode.max_tokens=3,4", f"hydra.sweep.dir={tmp_path / 'other'}"], tmp_path)
+    assert (
+        "mlxcel: warning: the swept decode.pipeline changed neither the prefill plan nor the tokens of 2 jobs"
+        in result.stderr
+    )
+    changed = run_cli(
+        [
+            "-m",
+            f"model.path={tiny_llama}",
+            "template=none",
+            "decode.ignore_eos=true",
+            f"prompt.text={PROMPT}",
+            "decode.max_tokens=3,4",
+            f"hydra.sweep.dir={tmp_path / 'other'}",
+        ],
+        tmp_path,
+    )
     assert changed.returncode == 0 and "warning" not in changed.stderr, changed.stderr
     with open(tmp_path / "other" / "summary.csv", newline="", encoding="utf-8") as f:
         assert [t["tokens_as_first"] for t in csv.DictReader(f)] == ["same", "differ"]
@@ -118,25 +159,47 @@ def test_single_run_writes_no_summary(tiny_llama, tmp_path):
 
 # ---- the callback's pieces ----
 def test_swept_keys_come_from_the_sweeper_params_then_the_command_line():
-    config = OmegaConf.create({"hydra": {
-        "sweeper": {"params": {"sampler.processors.temperature.value": "0.2,0.7"}},
-        "overrides": {"task": ["model.path=/m", "prefill.chunk_size=16,64", "sampler=greedy,temperature", "+x=1"]},
-    }})
+    config = OmegaConf.create(
+        {
+            "hydra": {
+                "sweeper": {"params": {"sampler.processors.temperature.value": "0.2,0.7"}},
+                "overrides": {
+                    "task": ["model.path=/m", "prefill.chunk_size=16,64", "sampler=greedy,temperature", "+x=1"]
+                },
+            }
+        }
+    )
     assert read_swept_keys(config) == ["sampler.processors.temperature.value", "prefill.chunk_size", "sampler"]
 
 
 def test_overrides_are_parsed_with_hydra_types():
-    params = parse_overrides(["prefill.chunk_size=16", "decode.pipeline=false", "prompt.text='a, b'", "++sampler.seed=3", "model.path=null"])
-    assert params == {"prefill.chunk_size": 16, "decode.pipeline": False, "prompt.text": "a, b", "sampler.seed": 3, "model.path": None}
+    params = parse_overrides(
+        ["prefill.chunk_size=16", "decode.pipeline=false", "prompt.text='a, b'", "++sampler.seed=3", "model.path=null"]
+    )
+    assert params == {
+        "prefill.chunk_size": 16,
+        "decode.pipeline": False,
+        "prompt.text": "a, b",
+        "sampler.seed": 3,
+        "model.path": None,
+    }
 
 
 def make_job_config(tmp_path: Path, num: int, mode: str = "MULTIRUN") -> OmegaConf:
     job_dir = tmp_path / "sweep" / str(num)
     job_dir.mkdir(parents=True, exist_ok=True)
-    return OmegaConf.create({"hydra": {
-        "mode": mode, "sweep": {"dir": str(tmp_path / "sweep")}, "runtime": {"output_dir": str(job_dir)},
-        "job": {"num": num}, "overrides": {"task": [f"prefill.chunk_size={16 * (num + 1)}"]}, "sweeper": {"params": {}},
-    }})
+    return OmegaConf.create(
+        {
+            "hydra": {
+                "mode": mode,
+                "sweep": {"dir": str(tmp_path / "sweep")},
+                "runtime": {"output_dir": str(job_dir)},
+                "job": {"num": num},
+                "overrides": {"task": [f"prefill.chunk_size={16 * (num + 1)}"]},
+                "sweeper": {"params": {}},
+            }
+        }
+    )
 
 
 def test_callback_adds_a_row_per_job_also_without_stats(tmp_path):
@@ -144,14 +207,20 @@ def test_callback_adds_a_row_per_job_also_without_stats(tmp_path):
 
     callback = SweepSummary()
     ok = make_job_config(tmp_path, 0)
-    (tmp_path / "sweep" / "0" / "stats.json").write_text(json.dumps({"status": "completed", "prefill_tok_per_sec": 10.0, "ttft_ms": 5.0}))
+    (tmp_path / "sweep" / "0" / "stats.json").write_text(
+        json.dumps({"status": "completed", "prefill_tok_per_sec": 10.0, "ttft_ms": 5.0})
+    )
     callback.on_job_end(ok, JobReturn(status=JobStatus.COMPLETED))
     quiet = make_job_config(tmp_path, 2)  # completed without a stats.json (a stubbed runner)
     callback.on_job_end(quiet, JobReturn(status=JobStatus.COMPLETED))
     crashed = make_job_config(tmp_path, 1)  # no stats.json: the exception Hydra caught says why
     callback.on_job_end(crashed, JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("boom")))
     rows = sweep_summary.read_summary_rows(tmp_path / "sweep")
-    assert [(r["job"], r["status"], r["error"]) for r in rows] == [(0, "completed", None), (1, "failed", "boom"), (2, "completed", None)]
+    assert [(r["job"], r["status"], r["error"]) for r in rows] == [
+        (0, "completed", None),
+        (1, "failed", "boom"),
+        (2, "completed", None),
+    ]
     assert rows[1]["error_type"] == "RuntimeError"
     assert (tmp_path / "sweep" / "summary.csv").is_file() and (tmp_path / "sweep" / "summary.png").is_file()
 
@@ -176,7 +245,9 @@ def test_a_new_sweep_in_the_same_folder_starts_a_new_summary(tmp_path):
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "summary.jsonl").write_text('{"job": 0, "status": "completed"}\n')
-    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}, "sweeper": {"params": {}}, "overrides": {"task": ["a=1,2"]}}})
+    config = OmegaConf.create(
+        {"hydra": {"sweep": {"dir": str(sweep)}, "sweeper": {"params": {}}, "overrides": {"task": ["a=1,2"]}}}
+    )
     callback = SweepSummary()
     callback.on_multirun_start(config)
     assert callback.swept == ["a"] and not (sweep / "summary.jsonl").exists()
@@ -187,12 +258,27 @@ def make_rows() -> list[dict]:
     rows = []
     for job, (chunk, seed) in enumerate([(c, s) for s in (1, 2, 3) for c in (16, 64, 2048)]):
         failed = (chunk, seed) == (64, 2)
-        stats = None if failed else {"status": "completed", "prefill_tok_per_sec": 100.0 + chunk / 10 + seed,
-                                     "decode_tok_per_sec": 50.0 + seed, "ttft_ms": 4000.0 / (1 + chunk / 64)}
-        rows.append(sweep_summary.make_summary_row(
-            job, [f"prefill.chunk_size={chunk}", f"sampler.seed={seed}", "model.path=/m"],
-            {"prefill.chunk_size": chunk, "sampler.seed": seed, "model.path": "/m"}, ["prefill.chunk_size", "sampler.seed"],
-            Path(f"/s/{job}"), stats, job_error=ValueError("bad\nsecond line") if failed else None))
+        stats = (
+            None
+            if failed
+            else {
+                "status": "completed",
+                "prefill_tok_per_sec": 100.0 + chunk / 10 + seed,
+                "decode_tok_per_sec": 50.0 + seed,
+                "ttft_ms": 4000.0 / (1 + chunk / 64),
+            }
+        )
+        rows.append(
+            sweep_summary.make_summary_row(
+                job,
+                [f"prefill.chunk_size={chunk}", f"sampler.seed={seed}", "model.path=/m"],
+                {"prefill.chunk_size": chunk, "sampler.seed": seed, "model.path": "/m"},
+                ["prefill.chunk_size", "sampler.seed"],
+                Path(f"/s/{job}"),
+                stats,
+                job_error=ValueError("bad\nsecond line") if failed else None,
+            )
+        )
     return rows
 
 
@@ -226,7 +312,7 @@ def test_csv_has_every_job_with_swept_columns_and_errors(tmp_path):
 
 
 def count_color(image: Image.Image, hex_color: str) -> int:
-    rgb = tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    rgb = tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return sum(count for count, color in image.getcolors(maxcolors=1 << 20) if color == rgb)
 
 
@@ -262,8 +348,17 @@ def test_x_axis_numeric_log_linear_and_categorical():
 
 
 def test_categorical_sweep_plot(tmp_path):
-    rows = [{"job": i, "status": "completed", "params": {"sampler": s, "decode.pipeline": p}, "prefill_tok_per_sec": 10.0 + i,
-             "decode_tok_per_sec": 5.0, "ttft_ms": 100.0} for i, (p, s) in enumerate([(p, s) for p in (True, False) for s in ("greedy", "temperature")])]
+    rows = [
+        {
+            "job": i,
+            "status": "completed",
+            "params": {"sampler": s, "decode.pipeline": p},
+            "prefill_tok_per_sec": 10.0 + i,
+            "decode_tok_per_sec": 5.0,
+            "ttft_ms": 100.0,
+        }
+        for i, (p, s) in enumerate([(p, s) for p in (True, False) for s in ("greedy", "temperature")])
+    ]
     sweep_summary.append_summary_row(tmp_path, rows[0])
     for row in rows[1:]:
         sweep_summary.append_summary_row(tmp_path, row)

@@ -144,7 +144,9 @@ def test_render_errors_name_the_source(hf_pair):
     ours, _ = hf_pair
     with pytest.raises(MlxcelError, match=r"template.text: invalid Jinja template at line 2: .*endfor"):
         render_prompt(load_template_source(ours, text="ok\n{% for m in messages %}"), CONVERSATIONS[0], ours)
-    with pytest.raises(MlxcelError, match="tokenizer's chat template: the template refused this conversation: unknown role tool"):
+    with pytest.raises(
+        MlxcelError, match="tokenizer's chat template: the template refused this conversation: unknown role tool"
+    ):
         render_prompt(load_template_source(ours), [{"role": "tool", "content": "x"}], ours)
     with pytest.raises(MlxcelError, match="template.text: failed to render at line 2: UndefinedError"):
         render_prompt(load_template_source(ours, text="ok\n{{ messages[5].content.x }}"), CONVERSATIONS[0], ours)
@@ -161,7 +163,10 @@ def test_template_file_syntax_error_names_file_and_line(hf_pair, tmp_path):
 @pytest.mark.parametrize(
     "messages,expected",
     [
-        ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], r"message 1 \(counting from 0\): unknown role 'bot'; use one of system, user"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}],
+            r"message 1 \(counting from 0\): unknown role 'bot'; use one of system, user",
+        ),
         ([{"role": "user"}], r"message 0 \(counting from 0\) \(role 'user'\): missing 'content'"),
         ([{"role": "user", "content": "a"}, "hello"], r"message 1 \(counting from 0\): must be a mapping"),
         ([], "the conversation has no messages"),
@@ -182,7 +187,10 @@ def test_named_templates_and_builtins(tmp_path):
     assert load_template_source(ours) == ref.get_chat_template() == HF_TEMPLATE
     assert load_template_source(ours, tools=tools) == ref.get_chat_template(tools=tools) == "TOOLS"
     assert load_template_source(ours, name="tool_use") == ref.get_chat_template("tool_use")
-    with pytest.raises(MlxcelError, match=r"template.name: the model has no chat template of that name \(it has: default, tool_use\) \(got 'nope'\)"):
+    with pytest.raises(
+        MlxcelError,
+        match=r"template.name: the model has no chat template of that name \(it has: default, tool_use\) \(got 'nope'\)",
+    ):
         load_template_source(ours, name="nope")
     chatml = load_template_source(ours, kind="chatml")
     assert render_prompt(chatml, CONVERSATIONS[0], ours) == (
@@ -212,5 +220,7 @@ def test_no_template_available(tmp_path):
     ours, ref = load_hf_pair(str(make_hf_folder(tmp_path, template="none")))
     assert ours.chat_template is None and ref.chat_template is None
     assert load_template_source(ours) is None
-    with pytest.raises(MlxcelError, match="no chat template.*template=none.*template=chatml.*template.text=.*template.file="):
+    with pytest.raises(
+        MlxcelError, match="no chat template.*template=none.*template=chatml.*template.text=.*template.file="
+    ):
         build_prompt(ours, CONVERSATIONS[0], load_template_source(ours))

@@ -30,15 +30,25 @@ WEATHER_TOOL = {
         "description": "Current weather in a city.",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "description": "City name, e.g. Paris"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "properties": {
+                "city": {"type": "string", "description": "City name, e.g. Paris"},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
             "required": ["city"],
         },
     },
 }
-TOOL_CALL = {"id": "call0abcd", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}
+TOOL_CALL = {
+    "id": "call0abcd",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}},
+}
 
 USER = [{"role": "user", "content": "What is the capital of France?"}]
-SYSTEM = [{"role": "system", "content": "You are terse. Answer in one word."}, {"role": "user", "content": "Capital of 日本? 🗾"}]
+SYSTEM = [
+    {"role": "system", "content": "You are terse. Answer in one word."},
+    {"role": "user", "content": "Capital of 日本? 🗾"},
+]
 MULTI = [
     {"role": "user", "content": "Hello"},
     {"role": "assistant", "content": "Hi! How can I help?"},
@@ -77,7 +87,9 @@ def hf_pair(tmp_path_factory):
 def check_renders_like_transformers(ours, ref, source: str, messages: list[dict], **kwargs) -> list[str]:
     rendered = []
     for gen in (True, False):
-        expected = ref.apply_chat_template(messages, chat_template=str(source), tokenize=False, add_generation_prompt=gen, **kwargs)
+        expected = ref.apply_chat_template(
+            messages, chat_template=str(source), tokenize=False, add_generation_prompt=gen, **kwargs
+        )
         got = render_prompt(source, messages, ours, add_generation_prompt=gen, **kwargs)
         assert got == expected, (gen, messages)
         rendered.append(got)
@@ -131,12 +143,17 @@ def test_smollm2_gguf_template_with_the_tiny_reference(hf_pair, conversation):
 
 def test_template_refusals_show_their_message(hf_pair):
     ours, ref = hf_pair
-    with pytest.raises(MlxcelError, match=r"gemma2.jinja: the template refused this conversation: System role not supported"):
+    with pytest.raises(
+        MlxcelError, match=r"gemma2.jinja: the template refused this conversation: System role not supported"
+    ):
         render_prompt(read_template("gemma2"), SYSTEM, ours)
     with pytest.raises(Exception, match="System role not supported"):
         ref.apply_chat_template(SYSTEM, chat_template=str(read_template("gemma2")), tokenize=False)
     bad_id = [*TOOLS[:2], {"role": "assistant", "tool_calls": [{**TOOL_CALL, "id": "short"}]}]
-    with pytest.raises(MlxcelError, match="mistral_v3.jinja: the template refused this conversation: Tool call IDs should be alphanumeric"):
+    with pytest.raises(
+        MlxcelError,
+        match="mistral_v3.jinja: the template refused this conversation: Tool call IDs should be alphanumeric",
+    ):
         render_prompt(read_template("mistral_v3"), bad_id, ours, tools=[WEATHER_TOOL])
 
 

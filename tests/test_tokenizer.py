@@ -104,7 +104,9 @@ def make_hf_folder(folder: Path, post: str | None = "bos", config: dict | None =
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     elif post == "bytelevel":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=HF_TEMPLATE)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=HF_TEMPLATE
+    )
     wrapped.save_pretrained(folder)
     config_path = folder / "tokenizer_config.json"
     data = json.loads(config_path.read_text())
@@ -118,7 +120,10 @@ def make_hf_folder(folder: Path, post: str | None = "bos", config: dict | None =
     if template == "config":
         data["chat_template"] = HF_TEMPLATE
     elif template == "list":
-        data["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": HF_TEMPLATE}]
+        data["chat_template"] = [
+            {"name": "tool_use", "template": "TOOLS"},
+            {"name": "default", "template": HF_TEMPLATE},
+        ]
     config_path.write_text(json.dumps(data))
     return folder
 
@@ -164,7 +169,9 @@ def test_smollm2_gguf_encodes_like_transformers(add_special_tokens):
     ours, ref = load_smollm2(), load_reference_smollm2()
     for text in CORPUS:
         if not has_non_ascii_numeric(text):
-            assert ours.encode(text, add_special_tokens) == ref.encode(text, add_special_tokens=add_special_tokens), text
+            assert ours.encode(text, add_special_tokens) == ref.encode(text, add_special_tokens=add_special_tokens), (
+                text
+            )
         fixed = load_reference_smollm2_digits().encode(text, add_special_tokens=add_special_tokens).ids
         assert ours.encode(text, add_special_tokens) == fixed, text
     assert any(has_non_ascii_numeric(text) for text in CORPUS)

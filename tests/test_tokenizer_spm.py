@@ -28,7 +28,7 @@ SPECIAL_TEXTS = [
     "<s>Hello</s>world",
     "text</s>glued<s> and </s> or <s>",
     "[INST] What is 2+2? [/INST] 4</s>[INST]Again[/INST]",
-    "[AVAILABLE_TOOLS][{\"name\": \"f\"}][/AVAILABLE_TOOLS][INST]call f[/INST][TOOL_CALLS]",
+    '[AVAILABLE_TOOLS][{"name": "f"}][/AVAILABLE_TOOLS][INST]call f[/INST][TOOL_CALLS]',
     "a<s><s>b [INST][INST] c",
 ]
 
@@ -235,7 +235,14 @@ def test_runner_dry_run_with_a_forced_tokenizer_and_builtin_template(tmp_path, t
     folder = make_folder(tmp_path / "tok", "v3")
     cfg = load_config(
         {"model": {"path": str(tiny_llama)}},
-        overrides=["tokenizer=sentencepiece", f"tokenizer.path={folder}", "template=mistral", "prompt.text=Hi 😀", "prompt.system=Be brief.", "runner.dry_run=true"],
+        overrides=[
+            "tokenizer=sentencepiece",
+            f"tokenizer.path={folder}",
+            "template=mistral",
+            "prompt.text=Hi 😀",
+            "prompt.system=Be brief.",
+            "runner.dry_run=true",
+        ],
     )
     assert (cfg.tokenizer.kind, cfg.template.kind) == ("sentencepiece", "mistral")
     result = run(cfg, tmp_path / "out", stream=None, log=None)
@@ -252,6 +259,10 @@ def test_run_without_a_template_fails_once_with_the_fix(tmp_path, tiny_llama):
     from mlxcel.runner import run
 
     folder = make_folder(tmp_path / "tok", "v1")  # a bare tokenizer.model: no chat template
-    cfg = load_config({"model": {"path": str(tiny_llama)}}, overrides=[f"tokenizer.path={folder}", "runner.dry_run=true"])
-    with pytest.raises(Error, match=r"template=auto: the tokenizer of .*tok has no chat template; set template=none .*template=chatml"):
+    cfg = load_config(
+        {"model": {"path": str(tiny_llama)}}, overrides=[f"tokenizer.path={folder}", "runner.dry_run=true"]
+    )
+    with pytest.raises(
+        Error, match=r"template=auto: the tokenizer of .*tok has no chat template; set template=none .*template=chatml"
+    ):
         run(cfg, tmp_path / "out", stream=None, log=None)

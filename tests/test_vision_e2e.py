@@ -35,7 +35,11 @@ def write_vlm_tokenizer(folder) -> int:
     from transformers import AutoTokenizer
 
     size = write_tiny_tokenizer(folder, VLM_SPECIALS, VLM_TEMPLATE, vocab_size=330)
-    assert AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(VLM_SPECIALS[3:]) == [VISION_START, VISION_END, IMAGE]
+    assert AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(VLM_SPECIALS[3:]) == [
+        VISION_START,
+        VISION_END,
+        IMAGE,
+    ]
     return size
 
 
@@ -43,8 +47,11 @@ def write_vlm_tokenizer(folder) -> int:
 def vlm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_qwen2_vl")
     config = transformers.Qwen2VLConfig(
-        text_config={**TEXT, "vocab_size": write_vlm_tokenizer(folder)}, vision_config=VISION["qwen2_vl"],
-        image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        text_config={**TEXT, "vocab_size": write_vlm_tokenizer(folder)},
+        vision_config=VISION["qwen2_vl"],
+        image_token_id=IMAGE,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
     )
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
@@ -66,12 +73,26 @@ def reference_generate(folder, model, ids: list[int], image_paths: list[str]) ->
         pixels = processor([load_image(p) for p in image_paths], return_tensors="pt")
         kwargs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
     with torch.no_grad():
-        out = model.generate(input_ids, **kwargs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            input_ids,
+            **kwargs,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(ids) :].tolist()
 
 
 def run_args(folder, *extra):
-    return (f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true", *extra)
+    return (
+        f"model.path={folder}",
+        "model.max_context=512",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+        *extra,
+    )
 
 
 def test_prompt_images_generate_as_transformers(tmp_path, vlm, photo_path):
@@ -93,14 +114,29 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, vlm, photo_path, odd_
     rows = [
         {"id": "photo", "prompt": "Describe it.", "images": [str(photo_path)]},
         {"id": "text", "prompt": "Hello there"},
-        {"id": "two", "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "Compare "}, {"type": "image", "path": str(odd_images["rgba"])},
-            {"type": "text", "text": " with "}, {"type": "image", "path": str(photo_path)}]}]},
+        {
+            "id": "two",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Compare "},
+                        {"type": "image", "path": str(odd_images["rgba"])},
+                        {"type": "text", "text": " with "},
+                        {"type": "image", "path": str(photo_path)},
+                    ],
+                }
+            ],
+        },
         {"id": "missing", "prompt": "Describe it.", "images": [str(tmp_path / "nope.jpg")]},
     ]
-    got = assert_batch_rows_equal_their_runs_alone(tmp_path, run_args(folder), rows, {"missing": "nope.jpg: no such file"})
+    got = assert_batch_rows_equal_their_runs_alone(
+        tmp_path, run_args(folder), rows, {"missing": "nope.jpg: no such file"}
+    )
     two = got[("two", 0)]
-    assert two["token_ids"] == reference_generate(folder, reference, two["prompt_token_ids"], [str(odd_images["rgba"]), str(photo_path)])
+    assert two["token_ids"] == reference_generate(
+        folder, reference, two["prompt_token_ids"], [str(odd_images["rgba"]), str(photo_path)]
+    )
     stats = json.loads((tmp_path / "batch" / "run" / "stats.json").read_text())
     assert stats["visual_tokens"] == 56 + 56 + 15 and stats["finish_reasons"] == {"error": 1, "length": 3}
     assert stats["occupancy"] > 0  # M-RoPE image rows ran through the scheduler
@@ -126,7 +162,12 @@ def test_vision_weights_stay_unread_until_an_image_needs_them(vlm):
 
 def test_quantize_at_load_keeps_the_vision_stage_dense_and_images_work(tmp_path, vlm, photo_path):
     folder, _ = vlm
-    result = run_cli(tmp_path, *run_args(folder, "prompt.text=Describe it.", f"prompt.images=[{photo_path}]", "model.quantize={bits:8,group_size:32}"))
+    result = run_cli(
+        tmp_path,
+        *run_args(
+            folder, "prompt.text=Describe it.", f"prompt.images=[{photo_path}]", "model.quantize={bits:8,group_size:32}"
+        ),
+    )
     assert result.returncode == 0, result.stderr
     row = read_rows(tmp_path / "run")[0]
     assert row["prompt_token_ids"].count(IMAGE) == 56 and len(row["token_ids"]) == MAX_TOKENS
@@ -146,13 +187,23 @@ def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_
 
     folder, _ = vlm
     paths = [str(odd_images["rgba"]), str(photo_path)]
-    content = [{"type": "image", "path": paths[0]}, {"type": "text", "text": "and"}, {"type": "image", "path": paths[1]}]
-    rows = [{"id": "two", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]}]
-    result = run_cli(tmp_path, *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}"))
+    content = [
+        {"type": "image", "path": paths[0]},
+        {"type": "text", "text": "and"},
+        {"type": "image", "path": paths[1]},
+    ]
+    rows = [
+        {"id": "two", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]}
+    ]
+    result = run_cli(
+        tmp_path, *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}")
+    )
     assert result.returncode == 0, result.stderr
     ours = read_rows(tmp_path / "run")[0]["prompt_token_ids"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    grids = Qwen2VLImageProcessorPil.from_pretrained(folder)([load_image(p) for p in paths], return_tensors="np")["image_grid_thw"]
+    grids = Qwen2VLImageProcessorPil.from_pretrained(folder)([load_image(p) for p in paths], return_tensors="np")[
+        "image_grid_thw"
+    ]
     text = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False, add_generation_prompt=True)
     pieces = text.split("<|image_pad|>")
     assert len(pieces) == 3
@@ -164,8 +215,14 @@ def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_
 def test_images_without_placeholders_fail_that_row(tmp_path, vlm, photo_path):
     """template=none renders no placeholder for the image part: one clear error row."""
     folder, _ = vlm
-    rows = [{"id": "raw", "prompt": "Describe it.", "images": [str(photo_path)]}, {"id": "text", "prompt": "Hello there"}]
-    result = run_cli(tmp_path, *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "template=none"))
+    rows = [
+        {"id": "raw", "prompt": "Describe it.", "images": [str(photo_path)]},
+        {"id": "text", "prompt": "Hello there"},
+    ]
+    result = run_cli(
+        tmp_path,
+        *run_args(folder, "prompt=jsonl", f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", "template=none"),
+    )
     assert result.returncode == 0, result.stderr
     got = by_key(read_rows(tmp_path / "run"))
     assert got[("raw", 0)]["finish_reason"] == "error"

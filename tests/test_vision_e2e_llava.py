@@ -39,7 +39,13 @@ LLAVA_TEMPLATE = (
 MAX_TOKENS = 8
 KINDS = {  # model preset -> (config class, model class, processor class, Pil image processor class, preprocessor_config)
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration", "LlavaProcessor", CLIPImageProcessorPil, CLIP_PROCESSOR),
-    "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration", "LlavaNextProcessor", LlavaNextImageProcessorPil, NEXT_PROCESSOR),
+    "llava_next": (
+        "LlavaNextConfig",
+        "LlavaNextForConditionalGeneration",
+        "LlavaNextProcessor",
+        LlavaNextImageProcessorPil,
+        NEXT_PROCESSOR,
+    ),
 }
 
 
@@ -61,7 +67,9 @@ def make_checkpoint(folder: Path, kind: str):
     config_class, model_class, _, _, preprocessor = KINDS[kind]
     text_config = {**TEXT, "model_type": "llama", "vocab_size": write_llava_tokenizer(folder)}
     extra = {"image_grid_pinpoints": PINPOINTS} if kind == "llava_next" else {}
-    config = getattr(transformers, config_class)(vision_config=VISION, text_config=text_config, image_token_index=IMAGE, **extra)
+    config = getattr(transformers, config_class)(
+        vision_config=VISION, text_config=text_config, image_token_index=IMAGE, **extra
+    )
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config)
     save_widened(model, folder)  # std 0.2 matrices, perturbed norms/biases/image_newline; eval mode
@@ -73,8 +81,11 @@ def make_processor(kind: str, folder):
     """transformers' processor over the checkpoint's own tokenizer and Pil image processor."""
     _, _, processor_class, image_processor_class, _ = KINDS[kind]
     return getattr(transformers, processor_class)(
-        image_processor=image_processor_class.from_pretrained(folder), tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
-        patch_size=VISION["patch_size"], vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_processor=image_processor_class.from_pretrained(folder),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
+        patch_size=VISION["patch_size"],
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
     )
 
 
@@ -97,13 +108,27 @@ def reference_generate(kind: str, folder, model, ids: list[int], image_paths: li
         pixels = KINDS[kind][3].from_pretrained(folder)([load_image(p) for p in image_paths], return_tensors="pt")
         kwargs = {k: pixels[k] for k in ("pixel_values", "image_sizes") if k in pixels}
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), **kwargs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            torch.tensor([ids]),
+            **kwargs,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(ids) :].tolist()
 
 
 def run_args(kind: str, folder, *extra):
-    return (f"model={kind}", f"model.path={folder}", "model.max_context=512", f"decode.max_tokens={MAX_TOKENS}", "decode.ignore_eos=true", *extra)
+    return (
+        f"model={kind}",
+        f"model.path={folder}",
+        "model.max_context=512",
+        f"decode.max_tokens={MAX_TOKENS}",
+        "decode.ignore_eos=true",
+        *extra,
+    )
 
 
 @pytest.mark.parametrize("kind", ["llava", "llava_next"])
@@ -122,7 +147,9 @@ def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path
     # llava: one tile, CLS dropped. NeXT: the base tile, then the 600x512 photo's 2x2 grid (8x8)
     # unpadded to 8 rows of 6 columns (1 each side dropped), a newline after each row
     assert count == {"llava": side * side, "llava_next": side * side + 8 * (6 + 1)}[kind]
-    unexpanded = transformers.AutoTokenizer.from_pretrained(folder)(row["prompt"], add_special_tokens=False)["input_ids"]
+    unexpanded = transformers.AutoTokenizer.from_pretrained(folder)(row["prompt"], add_special_tokens=False)[
+        "input_ids"
+    ]
     assert unexpanded.count(IMAGE) == 1
     at = unexpanded.index(IMAGE)
     assert ids == unexpanded[:at] + [IMAGE] * count + unexpanded[at + 1 :]  # the one <image>, expanded in place
@@ -144,12 +171,25 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
     rows = [
         {"id": "photo", "prompt": "Describe it.", "images": [str(photo_path)]},
         {"id": "text", "prompt": "Hello there"},
-        {"id": "two", "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "Compare "}, {"type": "image", "path": str(odd_images["gray"])},
-            {"type": "text", "text": " with "}, {"type": "image", "path": str(photo_path)}]}]},
+        {
+            "id": "two",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Compare "},
+                        {"type": "image", "path": str(odd_images["gray"])},
+                        {"type": "text", "text": " with "},
+                        {"type": "image", "path": str(photo_path)},
+                    ],
+                }
+            ],
+        },
         {"id": "unreadable", "prompt": "Describe it.", "images": [str(unreadable)]},
     ]
-    got = assert_batch_rows_equal_their_runs_alone(tmp_path, run_args(kind, folder), rows, {"unreadable": f"{unreadable}: not an image Pillow can read"})
+    got = assert_batch_rows_equal_their_runs_alone(
+        tmp_path, run_args(kind, folder), rows, {"unreadable": f"{unreadable}: not an image Pillow can read"}
+    )
     for row in rows[:3]:
         assert got[(row["id"], 0)]["finish_reason"] == "length" and len(got[(row["id"], 0)]["token_ids"]) == MAX_TOKENS
 

@@ -22,20 +22,45 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import (
 
 TOLERANCE = 1e-4
 # 56 / 14 = 4 x 4 patches, pooled 2 x 2 -> mm_tokens_per_image = 4
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56, patch_size=14)
-TEXT = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=24, vocab_size=300)
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56, patch_size=14
+)
+TEXT = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=24,
+    vocab_size=300,
+)
 # google/gemma-3-4b-it's preprocessor_config.json
 GEMMA3_4B = {
-    "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None, "do_rescale": True, "do_resize": True,
-    "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor", "image_seq_length": 256,
-    "image_std": [0.5, 0.5, 0.5], "pan_and_scan_max_num_crops": None, "pan_and_scan_min_crop_size": None,
-    "pan_and_scan_min_ratio_to_activate": None, "processor_class": "Gemma3Processor", "resample": 2,
-    "rescale_factor": 0.00392156862745098, "size": {"height": 896, "width": 896},
+    "do_convert_rgb": None,
+    "do_normalize": True,
+    "do_pan_and_scan": None,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Gemma3ImageProcessor",
+    "image_seq_length": 256,
+    "image_std": [0.5, 0.5, 0.5],
+    "pan_and_scan_max_num_crops": None,
+    "pan_and_scan_min_crop_size": None,
+    "pan_and_scan_min_ratio_to_activate": None,
+    "processor_class": "Gemma3Processor",
+    "resample": 2,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"height": 896, "width": 896},
 }
 # Gemma3Processor's defaults for the null pan-and-scan keys, spelled out for transformers' image
 # processor (which has no defaults of its own for them)
-PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
-                "pan_and_scan_min_ratio_to_activate": 1.2}
+PAN_AND_SCAN = {
+    "do_pan_and_scan": True,
+    "pan_and_scan_min_crop_size": 256,
+    "pan_and_scan_max_num_crops": 4,
+    "pan_and_scan_min_ratio_to_activate": 1.2,
+}
 IMAGE_NAMES = ["photo", "tiny", "wide", "rgba", "gray", "exif_rotated"]
 
 
@@ -57,7 +82,9 @@ def pixels(shape, seed: int = 1) -> np.ndarray:
 
 
 def make_hf_gemma3(mm_tokens_per_image: int = 4, **vision):
-    config = transformers.Gemma3Config(text_config=TEXT, vision_config={**VISION, **vision}, mm_tokens_per_image=mm_tokens_per_image)
+    config = transformers.Gemma3Config(
+        text_config=TEXT, vision_config={**VISION, **vision}, mm_tokens_per_image=mm_tokens_per_image
+    )
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     randomize(model)
     return model
@@ -104,7 +131,8 @@ def test_saved_weight_names_are_the_ones_sanitize_expects(saved_weights):
     assert prefixes == {"vision_tower", "multi_modal_projector", "language_model"}
     assert "vision_tower.embeddings.patch_embedding.weight" in saved_weights
     assert {k for k in saved_weights if k.startswith("multi_modal_projector.")} == {
-        "multi_modal_projector.mm_input_projection_weight", "multi_modal_projector.mm_soft_emb_norm.weight"
+        "multi_modal_projector.mm_input_projection_weight",
+        "multi_modal_projector.mm_soft_emb_norm.weight",
     }
     # vision_use_head defaults to true in SiglipVisionConfig: the unused pooling head is saved
     assert any(k.startswith("vision_tower.head.") for k in saved_weights)
@@ -196,7 +224,9 @@ def test_patch_mask_matches_transformers_encoder(hf_gemma3, saved_weights):
     additive = np.where(keep, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None, None, :]
     with torch.no_grad():
         encoder = hf_gemma3.model.vision_tower.encoder
-        theirs = encoder(inputs_embeds=torch.from_numpy(embeddings), attention_mask=torch.from_numpy(additive)).last_hidden_state
+        theirs = encoder(
+            inputs_embeds=torch.from_numpy(embeddings), attention_mask=torch.from_numpy(additive)
+        ).last_hidden_state
         theirs = hf_gemma3.model.vision_tower.post_layernorm(theirs)
     ours = tower.encode(mx.array(embeddings), mx.array(keep))
     diff = max_diff(ours, theirs)
@@ -207,10 +237,19 @@ def test_patch_mask_matches_transformers_encoder(hf_gemma3, saved_weights):
 
 
 def test_tower_config_defaults_and_errors():
-    args = siglip.SiglipVisionArgs.from_config({"image_size": 896, "patch_size": 14, "vision_use_head": False, "hidden_act": None})
-    assert (args.hidden_size, args.layer_norm_eps, args.hidden_act, args.num_patches) == (768, 1e-6, "gelu_pytorch_tanh", 4096)
+    args = siglip.SiglipVisionArgs.from_config(
+        {"image_size": 896, "patch_size": 14, "vision_use_head": False, "hidden_act": None}
+    )
+    assert (args.hidden_size, args.layer_norm_eps, args.hidden_act, args.num_patches) == (
+        768,
+        1e-6,
+        "gelu_pytorch_tanh",
+        4096,
+    )
     with pytest.raises(ConfigError) as error:
-        siglip.SiglipVisionArgs.from_config({"hidden_size": 30, "num_attention_heads": 4, "patch_size": [14, 14], "hidden_act": "swish"})
+        siglip.SiglipVisionArgs.from_config(
+            {"hidden_size": 30, "num_attention_heads": 4, "patch_size": [14, 14], "hidden_act": "swish"}
+        )
     message = str(error.value)
     for expected in ("vision_config.patch_size: must be a positive int", "vision_config.hidden_act", "'swish'"):
         assert expected in message
@@ -226,7 +265,9 @@ def test_projector_config_errors():
         gemma3_projector.make_gemma3_projector({"vision_config": VISION, "text_config": TEXT, "mm_tokens_per_image": 5})
     with pytest.raises(ConfigError, match=r"mm_tokens_per_image.*\(got 64\)"):
         gemma3_projector.make_gemma3_projector({"vision_config": VISION, "mm_tokens_per_image": 64})
-    assert gemma3_projector.count_pooled_tokens(896, 14, 256) == 256  # the released checkpoints: 64x64 patches, kernel 4
+    assert (
+        gemma3_projector.count_pooled_tokens(896, 14, 256) == 256
+    )  # the released checkpoints: 64x64 patches, kernel 4
 
 
 # ---- image processor ---------------------------------------------------------------------------
@@ -292,14 +333,19 @@ PROCESSOR_VARIANTS = {
     "bicubic": {"resample": 3},
     "nearest-no-rescale": {"resample": 0, "do_rescale": False},
     "no-normalize": {"do_normalize": False},
-    "clip-mean-std": {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]},
+    "clip-mean-std": {
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    },
     "scalar-mean-std": {"image_mean": 0.4, "image_std": 0.3},
 }
 
 
 @pytest.mark.parametrize("name", PROCESSOR_VARIANTS)
 def test_config_variants_match_transformers(odd_images, name):
-    assert_matches_transformers(load_images(odd_images, ["photo", "wide", "tiny", "rgba"]), {**SMALL, **PROCESSOR_VARIANTS[name]})
+    assert_matches_transformers(
+        load_images(odd_images, ["photo", "wide", "tiny", "rgba"]), {**SMALL, **PROCESSOR_VARIANTS[name]}
+    )
 
 
 def test_unconverted_pil_modes_match_transformers(odd_images):
@@ -307,20 +353,32 @@ def test_unconverted_pil_modes_match_transformers(odd_images):
     file's `do_convert_rgb: null` leaves transformers' image processor alone not converting;
     Gemma3Processor passes true, and null means true here."""
     images = [Image.open(odd_images["rgba"]), Image.open(odd_images["gray"])]
-    assert_matches_transformers(images, {**SMALL, **PAN_AND_SCAN, "pan_and_scan_min_crop_size": 32, "do_convert_rgb": True})
+    assert_matches_transformers(
+        images, {**SMALL, **PAN_AND_SCAN, "pan_and_scan_min_crop_size": 32, "do_convert_rgb": True}
+    )
     assert gemma3.Gemma3ImageConfig.from_dict(SMALL).do_convert_rgb
 
 
 def test_config_parsing_defaults_and_errors():
     config = gemma3.Gemma3ImageConfig.from_dict(GEMMA3_4B)
     assert config.size == (896, 896) and config.resample == 2 and config.image_seq_length == 256
-    assert (config.do_pan_and_scan, config.pan_and_scan_min_crop_size, config.pan_and_scan_max_num_crops,
-            config.pan_and_scan_min_ratio_to_activate) == (False, 256, 4, 1.2)
+    assert (
+        config.do_pan_and_scan,
+        config.pan_and_scan_min_crop_size,
+        config.pan_and_scan_max_num_crops,
+        config.pan_and_scan_min_ratio_to_activate,
+    ) == (False, 256, 4, 1.2)
     assert gemma3.Gemma3ImageConfig.from_dict({}) == gemma3.Gemma3ImageConfig()
     bad = {
-        "size": {"shortest_edge": 896}, "resample": 9, "do_pan_and_scan": "yes", "pan_and_scan_min_crop_size": 0,
-        "pan_and_scan_max_num_crops": 2.5, "pan_and_scan_min_ratio_to_activate": float("nan"), "image_std": [0.5, 0, 0.5],
-        "rescale_factor": -1, "image_seq_length": "256",
+        "size": {"shortest_edge": 896},
+        "resample": 9,
+        "do_pan_and_scan": "yes",
+        "pan_and_scan_min_crop_size": 0,
+        "pan_and_scan_max_num_crops": 2.5,
+        "pan_and_scan_min_ratio_to_activate": float("nan"),
+        "image_std": [0.5, 0, 0.5],
+        "rescale_factor": -1,
+        "image_seq_length": "256",
     }
     with pytest.raises(ConfigError) as error:
         gemma3.Gemma3ImageConfig.from_dict(bad)
@@ -336,7 +394,9 @@ def test_empty_pan_and_scan_crops_match_transformers():
     images = [Image.new("RGB", (9, 2), (200, 100, 50)), Image.new("RGB", (5, 1), (10, 250, 90))]
     ours = assert_matches_transformers(images, {**SMALL, **PAN_AND_SCAN, "pan_and_scan_min_crop_size": 1})
     assert ours.num_crops == [4, 4]
-    assert (ours.pixel_values[4] == -1).all() and (ours.pixel_values[9] == -1).all() and (ours.pixel_values[8] != -1).any()
+    assert (
+        (ours.pixel_values[4] == -1).all() and (ours.pixel_values[9] == -1).all() and (ours.pixel_values[8] != -1).any()
+    )
 
 
 def test_preprocess_errors(odd_images):
@@ -363,22 +423,34 @@ def hf_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["user\n\n\nDescribe this image.\n\nHere is the original image and here are some crops"] * 8, trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(
+        ["user\n\n\nDescribe this image.\n\nHere is the original image and here are some crops"] * 8, trainer
+    )
     special = {"boi_token": gemma3.BOI_TOKEN, "eoi_token": gemma3.EOI_TOKEN, "image_token": gemma3.IMAGE_TOKEN}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>", extra_special_tokens=special)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>", extra_special_tokens=special
+    )
 
 
 def image_tokens_of(tokenizer) -> gemma3.Gemma3ImageTokens:
-    return gemma3.Gemma3ImageTokens(boi_id=tokenizer.boi_token_id, image_id=tokenizer.image_token_id, eoi_id=tokenizer.eoi_token_id)
+    return gemma3.Gemma3ImageTokens(
+        boi_id=tokenizer.boi_token_id, image_id=tokenizer.image_token_id, eoi_id=tokenizer.eoi_token_id
+    )
 
 
 @pytest.mark.parametrize("pan_and_scan", [False, True], ids=["plain", "pan-and-scan"])
 def test_prompt_ids_match_gemma3_processor(hf_tokenizer, photo_path, pan_and_scan):
     images = elongated(photo_path, [(1200, 300), (300, 300)])
-    text = "<bos><start_of_turn>user\n<start_of_image>Describe this image.<start_of_image>\n\nAnd this one.<end_of_turn>\n"
+    text = (
+        "<bos><start_of_turn>user\n<start_of_image>Describe this image.<start_of_image>\n\nAnd this one.<end_of_turn>\n"
+    )
     image_processor = Gemma3ImageProcessorPil.from_dict(GEMMA3_4B)
-    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=hf_tokenizer, image_seq_length=256)
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor, tokenizer=hf_tokenizer, image_seq_length=256
+    )
     kwargs = PAN_AND_SCAN if pan_and_scan else {}
     theirs = processor(text=[text], images=[images], return_tensors="np", **kwargs)
     expected_crops = [4, 0] if pan_and_scan else [0, 0]

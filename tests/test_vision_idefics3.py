@@ -44,10 +44,27 @@ SMALL = {
 }
 WIDE_GRID = {**SMALL, "size": {"longest_edge": 224}}  # up to 4x4 tiles
 PROCESSORS = {"idefics3": Idefics3ImageProcessorPil, "smolvlm": SmolVLMImageProcessorPil}
-SIZES = [(600, 512), (5, 3), (90, 1200), (131, 97), (100, 150), (160, 90), (56, 56), (57, 112), (113, 57),
-         (1000, 1000), (337, 2000), (1, 1), (720, 1280), (40, 50), (4000, 1), (1, 4000)]
+SIZES = [
+    (600, 512),
+    (5, 3),
+    (90, 1200),
+    (131, 97),
+    (100, 150),
+    (160, 90),
+    (56, 56),
+    (57, 112),
+    (113, 57),
+    (1000, 1000),
+    (337, 2000),
+    (1, 1),
+    (720, 1280),
+    (40, 50),
+    (4000, 1),
+    (1, 4000),
+]
 SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"] + [
-    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
 
 
 def load_images(paths: dict, names=IMAGE_NAMES) -> list[Image.Image]:
@@ -130,8 +147,11 @@ def test_config_variants_match_transformers(odd_images, name):
     assert_batch_equal(ours, run_theirs(raw, images))
 
 
-@pytest.mark.parametrize("raw", [SMALL, WIDE_GRID, VARIANTS["longest-not-tile-multiple"], VARIANTS["no-resize"]],
-                         ids=["small", "wide-grid", "longest-100", "no-resize"])
+@pytest.mark.parametrize(
+    "raw",
+    [SMALL, WIDE_GRID, VARIANTS["longest-not-tile-multiple"], VARIANTS["no-resize"]],
+    ids=["small", "wide-grid", "longest-100", "no-resize"],
+)
 def test_grids_follow_the_processing_for_many_sizes(raw):
     """rows/cols from the size alone (plan_grid) equal what transformers' processing gives, so a prompt can
     be laid out before its pixels exist; frames per image = rows * cols + 1 (1 when unsplit)."""
@@ -187,8 +207,9 @@ def make_processor(kind: str, raw: dict, tokenizer, image_seq_len: int, monkeypa
     if kind == "idefics3":
         return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=image_seq_len)
     monkeypatch.setattr(processing_smolvlm, "num2words", str)  # video prompts only; not installed here
-    return NoVideoSmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                                   image_seq_len=image_seq_len)
+    return NoVideoSmolVLMProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, image_seq_len=image_seq_len
+    )
 
 
 @pytest.mark.parametrize("merge_newlines", [True, False], ids=["nn-merged", "nn-split"])
@@ -222,14 +243,18 @@ def test_prompt_text_matches_the_processors(monkeypatch, rows, cols):
     """Rows past 6 have no added <row_r_col_c> token in Idefics3's vocabulary: the text is the same, and
     make_image_prompt_ids encodes the tag as text between the specials, as the tokenizer does."""
     tokenizer = make_tokenizer(True)
-    processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil.from_dict(SMALL), tokenizer=tokenizer, image_seq_len=3)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil.from_dict(SMALL), tokenizer=tokenizer, image_seq_len=3
+    )
     expected = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
     assert idefics3.make_image_prompt(rows, cols, 3) == expected
     custom = idefics3.ImagePromptTokens(fake_image="<fake>", image="<img>", global_image="<global_image>")
     assert idefics3.make_image_prompt(rows, cols, 2, custom) == processing_smolvlm.get_image_prompt_string(
-        rows, cols, 2, fake_token_around_image="<fake>", image_token="<img>", global_image_token="<global_image>")
-    ids = idefics3.make_image_prompt_ids(rows, cols, 3, tokenizer.get_added_vocab(),
-                                         lambda s: tokenizer(s, add_special_tokens=False)["input_ids"])
+        rows, cols, 2, fake_token_around_image="<fake>", image_token="<img>", global_image_token="<global_image>"
+    )
+    ids = idefics3.make_image_prompt_ids(
+        rows, cols, 3, tokenizer.get_added_vocab(), lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+    )
     assert ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
 
 
@@ -241,8 +266,9 @@ def test_prompt_ids_with_mlxcel_tokenizer(tmp_path):
     reference.save_pretrained(tmp_path)
     tokenizer = load_tokenizer(tmp_path)
     for rows, cols in [(0, 0), (2, 3), (4, 4)]:
-        ids = idefics3.make_image_prompt_ids(rows, cols, 2, tokenizer.special_tokens,
-                                             lambda s: tokenizer.encode(s, add_special_tokens=False))
+        ids = idefics3.make_image_prompt_ids(
+            rows, cols, 2, tokenizer.special_tokens, lambda s: tokenizer.encode(s, add_special_tokens=False)
+        )
         assert ids == reference(idefics3.make_image_prompt(rows, cols, 2), add_special_tokens=False)["input_ids"]
 
 
@@ -256,12 +282,15 @@ def test_prompt_tokens_from_a_smolvlm_tokenizer_config():
 def test_layout_lengths_match_the_processor_token_counts(merge_newlines):
     """Idefics3Processor._get_num_multimodal_tokens (the whole expansion's length) for many sizes."""
     tokenizer = make_tokenizer(merge_newlines)
-    processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil.from_dict(WIDE_GRID), tokenizer=tokenizer,
-                                  image_seq_len=4)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil.from_dict(WIDE_GRID), tokenizer=tokenizer, image_seq_len=4
+    )
     config = idefics3.Idefics3ImageConfig.from_dict(WIDE_GRID)
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
-    ours = [len(idefics3.make_image_prompt_ids(*idefics3.plan_grid(h, w, config), 4, tokenizer.get_added_vocab(), encode))
-            for h, w in SIZES]
+    ours = [
+        len(idefics3.make_image_prompt_ids(*idefics3.plan_grid(h, w, config), 4, tokenizer.get_added_vocab(), encode))
+        for h, w in SIZES
+    ]
     assert ours == processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
 
 
@@ -269,10 +298,23 @@ def test_layout_lengths_match_the_processor_token_counts(merge_newlines):
 
 
 def make_config(cls, scale_factor: int, vision_hidden: int = 16, text_hidden: int = 24):
-    vision = {"hidden_size": vision_hidden, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 48, "patch_size": 4}
-    text = {"model_type": "llama", "hidden_size": text_hidden, "intermediate_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}
+    vision = {
+        "hidden_size": vision_hidden,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 48,
+        "patch_size": 4,
+    }
+    text = {
+        "model_type": "llama",
+        "hidden_size": text_hidden,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 64,
+    }
     return cls(vision_config=vision, text_config=text, scale_factor=scale_factor)
 
 
@@ -290,7 +332,9 @@ def test_connector_matches_transformers(scale_factor):
     got = ours(mx.array(features.numpy()))
     assert got.shape == expected.shape == (3, 144 // scale_factor**2, 24)
     assert float(np.max(np.abs(np.array(got) - expected))) <= 1e-5
-    np.testing.assert_array_equal(np.array(pixel_shuffle(mx.array(features.numpy()), scale_factor)), shuffled)  # a permutation: exact
+    np.testing.assert_array_equal(
+        np.array(pixel_shuffle(mx.array(features.numpy()), scale_factor)), shuffled
+    )  # a permutation: exact
 
 
 @pytest.mark.parametrize("cls", [Idefics3Config, SmolVLMConfig], ids=["idefics3", "smolvlm"])
@@ -311,7 +355,9 @@ def test_connector_loads_save_pretrained_weights(tmp_path, cls):
     assert list(loaded) == ["modality_projection.proj.weight"]
     ours.load_weights(list(loaded.items()))
     # MLX conversions drop the model. level
-    assert list(ours.sanitize({"connector.modality_projection.proj.weight": loaded["modality_projection.proj.weight"]})) == list(loaded)
+    assert list(
+        ours.sanitize({"connector.modality_projection.proj.weight": loaded["modality_projection.proj.weight"]})
+    ) == list(loaded)
     features = torch.randn(2, 144, 16)
     with torch.no_grad():
         expected = model.model.connector(features).numpy()
@@ -343,26 +389,40 @@ def test_config_defaults_and_forms_parse_as_transformers_reads_them():
 
 
 def test_bad_config_values_are_all_reported_with_key_value_and_range():
-    raw = {**SMALL, "size": {"shortest_edge": 100}, "max_image_size": 364, "resample": 9, "rescale_factor": 0,
-           "image_std": [0.5, 0, 0.5], "image_mean": [0.5], "do_image_splitting": "yes", "do_pad": 1}
+    raw = {
+        **SMALL,
+        "size": {"shortest_edge": 100},
+        "max_image_size": 364,
+        "resample": 9,
+        "rescale_factor": 0,
+        "image_std": [0.5, 0, 0.5],
+        "image_mean": [0.5],
+        "do_image_splitting": "yes",
+        "do_pad": 1,
+    }
     with pytest.raises(ConfigError) as info:
         idefics3.Idefics3ImageConfig.from_dict(raw)
-    assert_config_issues(info.value, {
-        "preprocessor_config.size": ("{longest_edge}", "{'shortest_edge': 100}"),
-        "preprocessor_config.max_image_size": ("{longest_edge}", "364"),
-        "preprocessor_config.resample": ("1 (lanczos)", "9"),
-        "preprocessor_config.rescale_factor": ("> 0", "0"),
-        "preprocessor_config.image_std": ("each > 0", "[0.5, 0, 0.5]"),
-        "preprocessor_config.image_mean": ("3 numbers", "[0.5]"),
-        "preprocessor_config.do_image_splitting": ("true or false", "'yes'"),
-        "preprocessor_config.do_pad": ("true or false", "1"),
-    })
+    assert_config_issues(
+        info.value,
+        {
+            "preprocessor_config.size": ("{longest_edge}", "{'shortest_edge': 100}"),
+            "preprocessor_config.max_image_size": ("{longest_edge}", "364"),
+            "preprocessor_config.resample": ("1 (lanczos)", "9"),
+            "preprocessor_config.rescale_factor": ("> 0", "0"),
+            "preprocessor_config.image_std": ("each > 0", "[0.5, 0, 0.5]"),
+            "preprocessor_config.image_mean": ("3 numbers", "[0.5]"),
+            "preprocessor_config.do_image_splitting": ("true or false", "'yes'"),
+            "preprocessor_config.do_pad": ("true or false", "1"),
+        },
+    )
 
 
 def test_bad_images_and_layout_arguments_raise(photo_path):
     config = idefics3.Idefics3ImageConfig.from_dict(SMALL)
     with pytest.raises(VisionInputError, match=r"image cat\.png: has no pixels \(0x7\)"):
-        idefics3.preprocess_images([load_image(photo_path), Image.new("RGB", (0, 7))], config, sources=["a.jpg", "cat.png"])
+        idefics3.preprocess_images(
+            [load_image(photo_path), Image.new("RGB", (0, 7))], config, sources=["a.jpg", "cat.png"]
+        )
     with pytest.raises(VisionInputError, match="not 8-bit RGB"):
         idefics3.preprocess_images([Image.new("L", (9, 9))], idefics3.Idefics3ImageConfig(do_convert_rgb=False))
     with pytest.raises(VisionInputError, match="no images"):

@@ -17,7 +17,14 @@ def test_images_go_before_the_text_of_the_user_turn():
     prompt = PromptConfig(text="Describe it.", images=["a.jpg", "b.png"], system="Be brief.")
     assert prompt.to_messages() == [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image", "path": "a.jpg"}, {"type": "image", "path": "b.png"}, {"type": "text", "text": "Describe it."}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "path": "a.jpg"},
+                {"type": "image", "path": "b.png"},
+                {"type": "text", "text": "Describe it."},
+            ],
+        },
     ]
     assert PromptRow(prompt="Hi", images=["a.jpg"]).to_messages()[0]["content"][0] == {"type": "image", "path": "a.jpg"}
 
@@ -25,10 +32,19 @@ def test_images_go_before_the_text_of_the_user_turn():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: PromptConfig(images=["a.jpg"], messages=[{"role": "user", "content": "hi"}]), "prompt.images go with prompt.text"),
-        (lambda: PromptRow(messages=[{"role": "user", "content": "hi"}], images=["a.jpg"]), "'images' goes with 'prompt'"),
+        (
+            lambda: PromptConfig(images=["a.jpg"], messages=[{"role": "user", "content": "hi"}]),
+            "prompt.images go with prompt.text",
+        ),
+        (
+            lambda: PromptRow(messages=[{"role": "user", "content": "hi"}], images=["a.jpg"]),
+            "'images' goes with 'prompt'",
+        ),
         (lambda: Message(role="user", content=[{"type": "image", "text": "x"}]), "an image part needs 'path'"),
-        (lambda: Message(role="user", content=[{"type": "text", "text": "x", "path": "a.jpg"}]), "a text part takes 'text', not 'path'"),
+        (
+            lambda: Message(role="user", content=[{"type": "text", "text": "x", "path": "a.jpg"}]),
+            "a text part takes 'text', not 'path'",
+        ),
         (lambda: Message(role="user", content=[]), "must not be an empty list"),
         (lambda: Message(role="user", content=[{"type": "video", "path": "a.mp4"}]), "type"),
     ],
@@ -41,7 +57,12 @@ def test_bad_image_inputs_are_config_errors(make, message):
 def test_text_only_model_given_an_image_fails_that_row_only(tmp_path, tiny_llama, photo_path):
     rows = [
         {"id": "picture", "prompt": "What is in it?", "images": [str(photo_path)]},
-        {"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]},
+        {
+            "id": "parts",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}
+            ],
+        },
         {"id": "plain", "prompt": "Hello there"},
     ]
     result = run_cli(tmp_path, *job_args(tiny_llama, write_rows(tmp_path / "rows.jsonl", rows)))

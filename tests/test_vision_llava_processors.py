@@ -51,8 +51,25 @@ SMALL_NEXT = {
     "crop_size": {"height": 56, "width": 56},
     "image_grid_pinpoints": [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]],
 }
-SIZES = [(600, 512), (5, 3), (90, 1200), (131, 97), (100, 150), (160, 90), (336, 336), (672, 336),
-         (1000, 1000), (337, 2000), (2000, 337), (1, 1), (720, 1280), (1080, 1920), (40, 50), (4000, 1), (1, 4000)]
+SIZES = [
+    (600, 512),
+    (5, 3),
+    (90, 1200),
+    (131, 97),
+    (100, 150),
+    (160, 90),
+    (336, 336),
+    (672, 336),
+    (1000, 1000),
+    (337, 2000),
+    (2000, 337),
+    (1, 1),
+    (720, 1280),
+    (1080, 1920),
+    (40, 50),
+    (4000, 1),
+    (1, 4000),
+]
 
 
 def load_images(paths: dict, names=IMAGE_NAMES) -> list[Image.Image]:
@@ -75,15 +92,23 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_next_processor(raw: dict, strategy: str, patch_size: int = 14) -> LlavaNextProcessor:
     image_processor = LlavaNextImageProcessorPil.from_dict(raw)
-    return LlavaNextProcessor(image_processor=image_processor, tokenizer=make_tokenizer(), patch_size=patch_size,
-                              vision_feature_select_strategy=strategy, num_additional_image_tokens=1)
+    return LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=make_tokenizer(),
+        patch_size=patch_size,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=1,
+    )
 
 
 # --- LLaVA-1.5: CLIP ---
 
 
-@pytest.mark.parametrize("raw", [LLAVA_15, {**LLAVA_15, "size": {"shortest_edge": 64}, "crop_size": {"height": 56, "width": 56}}],
-                         ids=["llava-1.5", "small"])
+@pytest.mark.parametrize(
+    "raw",
+    [LLAVA_15, {**LLAVA_15, "size": {"shortest_edge": 64}, "crop_size": {"height": 56, "width": 56}}],
+    ids=["llava-1.5", "small"],
+)
 def test_clip_matches_transformers_on_all_odd_images_in_one_call(odd_images, raw):
     images = load_images(odd_images)
     ours = clip.preprocess_images(images, clip.ClipImageConfig.from_dict(raw))
@@ -133,8 +158,13 @@ def test_unconverted_pil_modes_match_transformers(odd_images):
 
 @pytest.mark.parametrize("strategy,expected", [("default", 576), ("full", 577)])
 def test_clip_token_count_matches_llava_processor(photo_path, strategy, expected):
-    processor = LlavaProcessor(image_processor=CLIPImageProcessorPil.from_dict(LLAVA_15), tokenizer=make_tokenizer(),
-                               patch_size=14, vision_feature_select_strategy=strategy, num_additional_image_tokens=1)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil.from_dict(LLAVA_15),
+        tokenizer=make_tokenizer(),
+        patch_size=14,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=1,
+    )
     ids = processor(text=["describe <image>"], images=[load_image(photo_path)], return_tensors="np")["input_ids"]
     ours = clip.count_image_tokens(336, 14, strategy)
     assert ours == expected == int((ids == processor.image_token_id).sum())
@@ -144,8 +174,11 @@ def test_clip_token_count_matches_llava_processor(photo_path, strategy, expected
 # --- LLaVA-NeXT: any-res ---
 
 
-@pytest.mark.parametrize("raw,names", [(LLAVA_NEXT, ["photo", "wide", "exif_rotated"]), (SMALL_NEXT, IMAGE_NAMES)],
-                         ids=["llava-v1.6-mistral", "small"])
+@pytest.mark.parametrize(
+    "raw,names",
+    [(LLAVA_NEXT, ["photo", "wide", "exif_rotated"]), (SMALL_NEXT, IMAGE_NAMES)],
+    ids=["llava-v1.6-mistral", "small"],
+)
 def test_llava_next_matches_transformers_in_one_call(odd_images, raw, names):
     images = load_images(odd_images, names)
     ours = llava_next.preprocess_images(images, llava_next.LlavaNextImageConfig.from_dict(raw))
@@ -159,7 +192,7 @@ def test_llava_next_matches_transformers_in_one_call(odd_images, raw, names):
     assert ours.patch_counts == [len(stack) for stack in ragged]
     for i, stack in enumerate(ragged):
         assert_close(ours.pixel_values[i, : ours.patch_counts[i]], np.asarray(stack))
-        assert not ours.pixel_values[i, ours.patch_counts[i]:].any()  # batch padding is zeros
+        assert not ours.pixel_values[i, ours.patch_counts[i] :].any()  # batch padding is zeros
 
 
 def test_llava_next_slivers_match_transformers():
@@ -177,15 +210,21 @@ def test_llava_next_patch_counts_follow_the_image_size():
     assert llava_next.plan_best_resolution(90, 1200, config.image_grid_pinpoints) == (336, 1008)
 
 
-@pytest.mark.parametrize("raw,patch_size", [(LLAVA_NEXT, 14), (SMALL_NEXT, 14), (SMALL_NEXT, 8)], ids=["mistral", "small14", "small8"])
+@pytest.mark.parametrize(
+    "raw,patch_size", [(LLAVA_NEXT, 14), (SMALL_NEXT, 14), (SMALL_NEXT, 8)], ids=["mistral", "small14", "small8"]
+)
 @pytest.mark.parametrize("strategy", ["default", "full"])
 def test_llava_next_token_counts_match_processor(raw, patch_size, strategy):
     processor = make_next_processor(raw, strategy, patch_size)
     config = llava_next.LlavaNextImageConfig.from_dict(raw)
     image_size = raw["crop_size"]["height"]
     theirs = processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
-    ours = [llava_next.count_image_tokens(h, w, config, patch_size=patch_size, image_size=image_size,
-                                          vision_feature_select_strategy=strategy) for h, w in SIZES]
+    ours = [
+        llava_next.count_image_tokens(
+            h, w, config, patch_size=patch_size, image_size=image_size, vision_feature_select_strategy=strategy
+        )
+        for h, w in SIZES
+    ]
     assert ours == theirs
     assert len(set(ours)) > 5  # the sizes really differ in their counts
 
@@ -197,8 +236,12 @@ def test_llava_next_token_counts_match_expanded_prompt(odd_images, strategy):
     config = llava_next.LlavaNextImageConfig.from_dict(LLAVA_NEXT)
     images = load_images(odd_images, ["photo", "wide", "tiny"])
     ids = processor(text=["describe <image> <image> <image>"], images=images, return_tensors="np")["input_ids"]
-    ours = sum(llava_next.count_image_tokens(im.height, im.width, config, patch_size=14, image_size=336,
-                                             vision_feature_select_strategy=strategy) for im in images)
+    ours = sum(
+        llava_next.count_image_tokens(
+            im.height, im.width, config, patch_size=14, image_size=336, vision_feature_select_strategy=strategy
+        )
+        for im in images
+    )
     assert ours == int((ids == processor.image_token_id).sum())
     assert llava_next.count_image_tokens(512, 600, config, patch_size=14, image_size=336) == 2536
 
@@ -211,25 +254,38 @@ def test_int_and_list_forms_parse_as_transformers_reads_them():
     assert config.size == clip.SizeSpec(shortest_edge=336) and config.crop_size == (336, 336)
     assert clip.ClipImageConfig.from_dict({"size": [30, 40]}).size == clip.SizeSpec(height=30, width=40)
     assert clip.ClipImageConfig.from_dict({}) == clip.ClipImageConfig()  # transformers' class defaults
-    assert llava_next.LlavaNextImageConfig.from_dict({"image_grid_pinpoints": [[56, 112]]}).image_grid_pinpoints == ((56, 112),)
+    assert llava_next.LlavaNextImageConfig.from_dict({"image_grid_pinpoints": [[56, 112]]}).image_grid_pinpoints == (
+        (56, 112),
+    )
 
 
 def test_bad_config_values_are_all_reported_with_key_value_and_range():
-    raw = {**LLAVA_NEXT, "size": {"shortest_edge": 0}, "crop_size": {"height": 336}, "resample": 7,
-           "rescale_factor": -1, "image_std": [0.2, 0.0, 0.3], "image_mean": [0.5, 0.5], "do_resize": "yes",
-           "image_grid_pinpoints": [[336, 672], [672]]}
+    raw = {
+        **LLAVA_NEXT,
+        "size": {"shortest_edge": 0},
+        "crop_size": {"height": 336},
+        "resample": 7,
+        "rescale_factor": -1,
+        "image_std": [0.2, 0.0, 0.3],
+        "image_mean": [0.5, 0.5],
+        "do_resize": "yes",
+        "image_grid_pinpoints": [[336, 672], [672]],
+    }
     with pytest.raises(ConfigError) as info:
         llava_next.LlavaNextImageConfig.from_dict(raw)
-    assert_config_issues(info.value, {
-        "preprocessor_config.size": ("positive int", "{'shortest_edge': 0}"),
-        "preprocessor_config.crop_size": ("{height, width}", "{'height': 336}"),
-        "preprocessor_config.resample": ("3 (bicubic)", "7"),
-        "preprocessor_config.rescale_factor": ("> 0", "-1"),
-        "preprocessor_config.image_std": ("each > 0", "[0.2, 0.0, 0.3]"),
-        "preprocessor_config.image_mean": ("3 numbers", "[0.5, 0.5]"),
-        "preprocessor_config.do_resize": ("true or false", "'yes'"),
-        "preprocessor_config.image_grid_pinpoints": ("[height, width] pairs", "[[336, 672], [672]]"),
-    })
+    assert_config_issues(
+        info.value,
+        {
+            "preprocessor_config.size": ("positive int", "{'shortest_edge': 0}"),
+            "preprocessor_config.crop_size": ("{height, width}", "{'height': 336}"),
+            "preprocessor_config.resample": ("3 (bicubic)", "7"),
+            "preprocessor_config.rescale_factor": ("> 0", "-1"),
+            "preprocessor_config.image_std": ("each > 0", "[0.2, 0.0, 0.3]"),
+            "preprocessor_config.image_mean": ("3 numbers", "[0.5, 0.5]"),
+            "preprocessor_config.do_resize": ("true or false", "'yes'"),
+            "preprocessor_config.image_grid_pinpoints": ("[height, width] pairs", "[[336, 672], [672]]"),
+        },
+    )
 
 
 def test_bad_token_count_arguments_raise_config_errors():
@@ -241,13 +297,18 @@ def test_bad_token_count_arguments_raise_config_errors():
 
 
 def test_bad_images_raise_vision_input_errors_naming_the_source(photo_path):
-    clip_config, next_config = clip.ClipImageConfig.from_dict(LLAVA_15), llava_next.LlavaNextImageConfig.from_dict(SMALL_NEXT)
+    clip_config, next_config = (
+        clip.ClipImageConfig.from_dict(LLAVA_15),
+        llava_next.LlavaNextImageConfig.from_dict(SMALL_NEXT),
+    )
     empty = Image.new("RGB", (0, 7))
     with pytest.raises(VisionInputError, match=r"image cat\.png: has no pixels \(0x7\)"):
         clip.preprocess_images([load_image(photo_path), empty], clip_config, sources=["photo.jpg", "cat.png"])
     capped = clip.ClipImageConfig.from_dict({**LLAVA_15, "size": {"shortest_edge": 64, "longest_edge": 80}})
     with pytest.raises(VisionInputError, match=r"image strip\.png: resizing 1x4000 gives 0x80"):
-        clip.preprocess_images([Image.new("RGB", (1, 4000))], capped, sources=["strip.png"])  # PIL's ValueError in transformers
+        clip.preprocess_images(
+            [Image.new("RGB", (1, 4000))], capped, sources=["strip.png"]
+        )  # PIL's ValueError in transformers
     with pytest.raises(VisionInputError, match="not 8-bit RGB"):
         clip.preprocess_images([Image.new("L", (9, 9))], clip.ClipImageConfig(do_convert_rgb=False))
     with pytest.raises(VisionInputError, match="expected a PIL image"):

@@ -24,8 +24,19 @@ transformers = pytest.importorskip("transformers")
 pixtral_pil = pytest.importorskip("transformers.models.pixtral.image_processing_pil_pixtral")
 
 TOLERANCE = 1e-4
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=14, image_size=112)
-TEXT = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=12, vocab_size=64, rms_norm_eps=1e-5)
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=14, image_size=112
+)
+TEXT = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    vocab_size=64,
+    rms_norm_eps=1e-5,
+)
 # (height, width) in pixels. "even": whole 2 x 2 merge windows (what the processor produces);
 # "odd": 3 x 5 patches, whose last row and column the merger drops as torch's unfold does.
 SIZES = {"even": [(112, 84), (56, 98)], "odd": [(112, 84), (42, 70)], "three": [(28, 112), (112, 56), (84, 84)]}
@@ -66,8 +77,13 @@ def load(module, weights: dict[str, mx.array]):
 
 def make_ours(model):
     config = model.config.to_dict()
-    tower = load(pixtral_vit.make_pixtral_vision_model(config["vision_config"]), to_mlx(model.state_dict(), "model.vision_tower."))
-    projector = load(mistral3_projector.make_mistral3_projector(config), to_mlx(model.state_dict(), "model.multi_modal_projector."))
+    tower = load(
+        pixtral_vit.make_pixtral_vision_model(config["vision_config"]),
+        to_mlx(model.state_dict(), "model.vision_tower."),
+    )
+    projector = load(
+        mistral3_projector.make_mistral3_projector(config), to_mlx(model.state_dict(), "model.multi_modal_projector.")
+    )
     return tower, projector
 
 
@@ -89,7 +105,9 @@ def test_tower_and_projector_match_transformers(mistral3, sizes_name):
     sizes = SIZES[sizes_name]
     x = padded_pixels(sizes)
     with torch.no_grad():
-        tower_ref = mistral3.model.vision_tower(torch.from_numpy(x), image_sizes=torch.tensor(sizes)).last_hidden_state[0]
+        tower_ref = mistral3.model.vision_tower(torch.from_numpy(x), image_sizes=torch.tensor(sizes)).last_hidden_state[
+            0
+        ]
         pooled = mistral3.model.get_image_features(torch.from_numpy(x), image_sizes=torch.tensor(sizes)).pooler_output
     tower, projector = make_ours(mistral3)
     features = tower(mx.array(x), sizes)
@@ -108,7 +126,9 @@ def test_feature_layer_selects_transformers_hidden_state(mistral3):
     sizes = SIZES["even"]
     x = padded_pixels(sizes)
     with torch.no_grad():
-        hidden = mistral3.model.vision_tower(torch.from_numpy(x), image_sizes=torch.tensor(sizes), output_hidden_states=True).hidden_states
+        hidden = mistral3.model.vision_tower(
+            torch.from_numpy(x), image_sizes=torch.tensor(sizes), output_hidden_states=True
+        ).hidden_states
     tower, _ = make_ours(mistral3)
     assert len(hidden) == VISION["num_hidden_layers"] + 1
     for layer in (0, -2, 1, 2, -1):  # 0: after ln_pre
@@ -146,12 +166,23 @@ def test_saved_checkpoint_names_load_after_the_prefix(tmp_path, mistral3):
     config = json.loads((tmp_path / "config.json").read_text())
     tower = pixtral_vit.make_pixtral_vision_model(config["vision_config"])
     projector = mistral3_projector.make_mistral3_projector(config)
-    load(tower, {k.removeprefix("vision_tower."): mx.array(v) for k, v in saved.items() if k.startswith("vision_tower.")})
-    load(projector, {k.removeprefix("multi_modal_projector."): mx.array(v) for k, v in saved.items() if k.startswith("multi_modal_projector.")})
+    load(
+        tower, {k.removeprefix("vision_tower."): mx.array(v) for k, v in saved.items() if k.startswith("vision_tower.")}
+    )
+    load(
+        projector,
+        {
+            k.removeprefix("multi_modal_projector."): mx.array(v)
+            for k, v in saved.items()
+            if k.startswith("multi_modal_projector.")
+        },
+    )
     assert tower.args.rope_theta == 10000.0 and projector.args.rms_norm_eps == 1e-5
     # mlx-vlm conversions: a vision_model level and a channels-last conv kernel
     theirs = to_mlx(mistral3.state_dict(), "model.vision_tower.")
-    converted = {("vision_model." + k): (v.transpose(0, 2, 3, 1) if k == "patch_conv.weight" else v) for k, v in theirs.items()}
+    converted = {
+        ("vision_model." + k): (v.transpose(0, 2, 3, 1) if k == "patch_conv.weight" else v) for k, v in theirs.items()
+    }
     x = mx.array(padded_pixels(SIZES["even"]))
     reference, _ = make_ours(mistral3)
     other = load(pixtral_vit.make_pixtral_vision_model(config["vision_config"]), converted)
@@ -161,15 +192,33 @@ def test_saved_checkpoint_names_load_after_the_prefix(tmp_path, mistral3):
 def test_hub_style_configs():
     """Mistral-Small-3.1's config.json: rope_theta at the vision level, head_dim (ignored, recomputed)."""
     hub = {
-        "vision_config": {"hidden_act": "silu", "hidden_size": 1024, "head_dim": 64, "image_size": 1540, "intermediate_size": 4096,
-                          "model_type": "pixtral", "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "rope_theta": 10000.0},
+        "vision_config": {
+            "hidden_act": "silu",
+            "hidden_size": 1024,
+            "head_dim": 64,
+            "image_size": 1540,
+            "intermediate_size": 4096,
+            "model_type": "pixtral",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 24,
+            "patch_size": 14,
+            "rope_theta": 10000.0,
+        },
         "text_config": {"hidden_size": 5120, "rms_norm_eps": 1e-05},
-        "spatial_merge_size": 2, "projector_hidden_act": "gelu", "multimodal_projector_bias": False, "vision_feature_layer": -1,
+        "spatial_merge_size": 2,
+        "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": False,
+        "vision_feature_layer": -1,
     }
     args = pixtral_vit.PixtralVisionArgs.from_config(hub["vision_config"])
     assert (args.head_dim, args.patch_size, args.hidden_act, args.rope_theta) == (64, 14, "silu", 10000.0)
     proj = mistral3_projector.Mistral3ProjectorArgs.from_config(hub)
-    assert (proj.vision_hidden_size, proj.text_hidden_size, proj.patch_size, proj.rms_norm_eps) == (1024, 5120, 14, 1e-5)
+    assert (proj.vision_hidden_size, proj.text_hidden_size, proj.patch_size, proj.rms_norm_eps) == (
+        1024,
+        5120,
+        14,
+        1e-5,
+    )
     with pytest.raises(ValueError, match="vision_feature_layer"):
         mistral3_projector.Mistral3ProjectorArgs.from_config({**hub, "vision_feature_layer": [-1, -2]})
 
@@ -181,18 +230,43 @@ MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.2757
 CONFIGS = {
     # mistral-community/pixtral-12b
     "pixtral_12b": {
-        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": MEAN, "image_std": STD,
-        "image_processor_type": "PixtralImageProcessor", "patch_size": {"height": 16, "width": 16}, "processor_class": "PixtralProcessor",
-        "resample": 3, "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 1024},
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": MEAN,
+        "image_std": STD,
+        "image_processor_type": "PixtralImageProcessor",
+        "patch_size": {"height": 16, "width": 16},
+        "processor_class": "PixtralProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": 1024},
     },
     # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (nulls mean the class defaults)
     "mistral_small_3_1": {
-        "crop_size": None, "do_center_crop": None, "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-        "image_mean": MEAN, "image_std": STD, "image_processor_type": "PixtralImageProcessorFast", "patch_size": 14,
-        "processor_class": "PixtralProcessor", "resample": 3, "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 1540},
+        "crop_size": None,
+        "do_center_crop": None,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": MEAN,
+        "image_std": STD,
+        "image_processor_type": "PixtralImageProcessorFast",
+        "patch_size": 14,
+        "processor_class": "PixtralProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": 1540},
     },
     # the photo and the wide image shrink; another filter, a box instead of a longest edge
-    "small_box": {"size": {"height": 200, "width": 150}, "patch_size": 14, "resample": 2, "image_processor_type": "PixtralImageProcessor"},
+    "small_box": {
+        "size": {"height": 200, "width": 150},
+        "patch_size": 14,
+        "resample": 2,
+        "image_processor_type": "PixtralImageProcessor",
+    },
 }
 
 
@@ -260,10 +334,18 @@ def test_resize_size_equals_transformers_on_many_sizes():
     import random
 
     rng = random.Random(0)
-    sizes = [(rng.randint(1, 4000), rng.randint(1, 4000)) for _ in range(400)] + [(1, 1), (3, 5), (90, 1200), (1540, 1540), (1541, 3)]
+    sizes = [(rng.randint(1, 4000), rng.randint(1, 4000)) for _ in range(400)] + [
+        (1, 1),
+        (3, 5),
+        (90, 1200),
+        (1540, 1540),
+        (1541, 3),
+    ]
     for box, patch in [((1024, 1024), (16, 16)), ((1540, 1540), (28, 28)), ((200, 150), (14, 14))]:
         for height, width in sizes:
-            expected = pixtral_pil.get_resize_output_image_size(np.zeros((3, height, width)), box, patch, input_data_format="channels_first")
+            expected = pixtral_pil.get_resize_output_image_size(
+                np.zeros((3, height, width)), box, patch, input_data_format="channels_first"
+            )
             assert pixtral.get_resize_output_image_size(height, width, box, patch) == tuple(expected), (height, width)
 
 
@@ -281,19 +363,34 @@ def test_refusals_name_the_image():
 
 
 def test_config_forms_resolve_as_transformers_resolves_them():
-    cases = [{}, {"size": 112}, {"size": {"height": 112, "width": 56}}, {"size": {"shortest_edge": 20, "longest_edge": 112}}, {"patch_size": 14}]
+    cases = [
+        {},
+        {"size": 112},
+        {"size": {"height": 112, "width": 56}},
+        {"size": {"shortest_edge": 20, "longest_edge": 112}},
+        {"patch_size": 14},
+    ]
     image = Image.new("RGB", (300, 200), (10, 200, 30))
     for raw in cases:
         oracle = pixtral_pil.PixtralImageProcessorPil(**raw)
         assert_same(pixtral.preprocess_images([image], raw), oracle([image], return_tensors="np"))
     crop = {"do_center_crop": True, "crop_size": {"height": 50, "width": 60}}
-    assert_same(pixtral.preprocess_images([image], crop), pixtral_pil.PixtralImageProcessorPil(**crop)([image], return_tensors="np"))
+    assert_same(
+        pixtral.preprocess_images([image], crop),
+        pixtral_pil.PixtralImageProcessorPil(**crop)([image], return_tensors="np"),
+    )
 
 
 def test_bad_config_values_are_all_reported_with_key_value_and_range():
     raw = {
-        "size": {"shortest_edge": 224}, "patch_size": {"height": 0, "width": 14}, "image_mean": [0.5, 0.5], "image_std": [0.2, 0.0, 0.2],
-        "rescale_factor": -1, "resample": 7, "do_resize": "yes", "crop_size": -2,
+        "size": {"shortest_edge": 224},
+        "patch_size": {"height": 0, "width": 14},
+        "image_mean": [0.5, 0.5],
+        "image_std": [0.2, 0.0, 0.2],
+        "rescale_factor": -1,
+        "resample": 7,
+        "do_resize": "yes",
+        "crop_size": -2,
     }
     with pytest.raises(ConfigError) as info:
         pixtral.PixtralImageConfig.from_dict(raw)
@@ -357,7 +454,9 @@ def make_tokenizer():
 def test_token_layout_matches_pixtral_processor(pixtral_processor_class, odd_images, checkpoint, patch, merge):
     tokenizer = make_tokenizer()
     image_processor = pixtral_pil.PixtralImageProcessorPil(**CONFIGS[checkpoint])
-    processor = pixtral_processor_class(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch, spatial_merge_size=merge)
+    processor = pixtral_processor_class(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=patch, spatial_merge_size=merge
+    )
     images = [load_image(odd_images[name]) for name in ("photo", "wide", "tiny")]
     text = "[INST] describe [IMG] compare these [IMG] and [IMG] [/INST]"
     theirs = processor(text=text, images=images, return_tensors="np")

@@ -27,16 +27,24 @@ qwen2_vl_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processin
 IMAGE_NAMES = ["photo", "tiny", "wide", "rgba", "gray", "exif_rotated"]
 # Qwen/Qwen2-VL-2B-Instruct's preprocessor_config.json (Qwen2.5-VL's has the same values).
 QWEN2_VL_2B = {
-    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
 }
 CONFIGS = {
     "qwen2_vl_2b": QWEN2_VL_2B,
     "small_max": {**QWEN2_VL_2B, "max_pixels": 100_000},  # the photo and the wide image shrink
     # newer configs: size {shortest_edge, longest_edge}; also another filter and no normalisation
     "size_form": {
-        "size": {"shortest_edge": 20_000, "longest_edge": 60_000}, "resample": 2, "do_normalize": False,
+        "size": {"shortest_edge": 20_000, "longest_edge": 60_000},
+        "resample": 2,
+        "do_normalize": False,
         "image_processor_type": "Qwen2VLImageProcessor",
     },
 }
@@ -138,12 +146,16 @@ def test_refusals_match_transformers_and_name_the_image():
         oracle(Image.new("RGB", (0, 5)))
     with pytest.raises(VisionInputError, match="image empty.png: has no pixels"):
         preprocess_image(Image.new("RGB", (0, 5)), QWEN2_VL_2B, source="empty.png")
-    assert_same(preprocess_images([Image.new("RGB", (400, 2))], QWEN2_VL_2B), run_oracle(oracle, [Image.new("RGB", (400, 2))]))
+    assert_same(
+        preprocess_images([Image.new("RGB", (400, 2))], QWEN2_VL_2B), run_oracle(oracle, [Image.new("RGB", (400, 2))])
+    )
 
 
 def test_input_larger_than_the_limit_is_refused(odd_images):
     image = load_image(odd_images["photo"])  # 512x600 = 0.3 MP
-    with pytest.raises(VisionInputError, match=r"image grace\.jpg: 512x600 is 0\.3 megapixels, above the limit of 0\.2"):
+    with pytest.raises(
+        VisionInputError, match=r"image grace\.jpg: 512x600 is 0\.3 megapixels, above the limit of 0\.2"
+    ):
         preprocess_image(image, QWEN2_VL_2B, source="grace.jpg", max_input_pixels=200_000)
     assert preprocess_image(image, QWEN2_VL_2B, max_input_pixels=600 * 512)[1] == (1, 42, 36)
 
@@ -181,8 +193,15 @@ def test_pixel_bounds_resolve_as_transformers_resolves_them():
 
 def test_bad_config_values_are_all_reported_with_key_value_and_range():
     raw = {
-        "patch_size": 0, "merge_size": 2.5, "temporal_patch_size": True, "min_pixels": 5000, "max_pixels": 4000,
-        "image_mean": [0.5, 0.5], "image_std": [0.2, 0.0, 0.2], "rescale_factor": -1, "resample": 7,
+        "patch_size": 0,
+        "merge_size": 2.5,
+        "temporal_patch_size": True,
+        "min_pixels": 5000,
+        "max_pixels": 4000,
+        "image_mean": [0.5, 0.5],
+        "image_std": [0.2, 0.0, 0.2],
+        "rescale_factor": -1,
+        "resample": 7,
         "do_resize": "yes",
     }
     with pytest.raises(ConfigError) as info:
@@ -204,11 +223,15 @@ def test_bad_config_values_are_all_reported_with_key_value_and_range():
 
 
 def test_bad_size_forms_are_reported():
-    with pytest.raises(ConfigError, match=r"preprocessor_config.size.shortest_edge: is required unless min_pixels is set"):
+    with pytest.raises(
+        ConfigError, match=r"preprocessor_config.size.shortest_edge: is required unless min_pixels is set"
+    ):
         Qwen2VLImageConfig.from_dict({"size": {"longest_edge": 50_000}})
     with pytest.raises(ConfigError, match=r"preprocessor_config.size.longest_edge: must be an integer >= 1 \(got -3\)"):
         Qwen2VLImageConfig.from_dict({"size": {"shortest_edge": 10, "longest_edge": -3}})
     with pytest.raises(ConfigError, match=r"preprocessor_config.size: must be \{shortest_edge, longest_edge\}"):
         Qwen2VLImageConfig.from_dict({"size": 448})
     scalar = Qwen2VLImageConfig.from_dict({"image_mean": 0.5, "image_std": None, "do_resize": None})
-    assert scalar.image_mean == (0.5, 0.5, 0.5) and scalar.image_std == Qwen2VLImageConfig().image_std and scalar.do_resize
+    assert (
+        scalar.image_mean == (0.5, 0.5, 0.5) and scalar.image_std == Qwen2VLImageConfig().image_std and scalar.do_resize
+    )

@@ -42,7 +42,9 @@ class FakeVLM:
         if text:
             self.expand_image_text = lambda text, inputs, paths: text.replace("<img>", "[" + "i" * self.features + "]")
         else:
-            self.expand_image_tokens = lambda ids, inputs, paths: [t for i in ids for t in ([7, IMG, IMG, IMG, 8] if i == IMG else [i])]
+            self.expand_image_tokens = lambda ids, inputs, paths: [
+                t for i in ids for t in ([7, IMG, IMG, IMG, 8] if i == IMG else [i])
+            ]
 
     def preprocess_images(self, images, sources):
         from mlxcel.vision.stage import ImageInputs
@@ -60,5 +62,7 @@ def test_families_expand_their_own_layouts(photo_path):
     assert ids == [1, 7, IMG, IMG, IMG, 8, 2]
     with pytest.raises(MlxcelError, match="holds 3 image tokens for 4 image features"):
         fake = FakeVLM(text=False)
-        fake.preprocess_images = lambda images, sources: __import__("mlxcel.vision.stage", fromlist=["ImageInputs"]).ImageInputs(np.zeros(1), [4])
+        fake.preprocess_images = lambda images, sources: __import__(
+            "mlxcel.vision.stage", fromlist=["ImageInputs"]
+        ).ImageInputs(np.zeros(1), [4])
         prepare_images(fake, "", [1, IMG, 2], [str(photo_path)], encode)

@@ -13,13 +13,39 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4
-CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=42, patch_size=14)
-TEXT = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-QWEN2_VL = dict(depth=2, embed_dim=64, hidden_size=48, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+CLIP = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=42, patch_size=14
+)
+TEXT = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
+QWEN2_VL = dict(
+    depth=2,
+    embed_dim=64,
+    hidden_size=48,
+    num_heads=4,
+    mlp_ratio=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
 # window 56 px = 2 x 2 merge units; block 1 attends over whole images, blocks 0 and 2 within windows
 QWEN25_VL = dict(
-    depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=48, num_heads=4, patch_size=14,
-    spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+    depth=3,
+    hidden_size=64,
+    intermediate_size=96,
+    out_hidden_size=48,
+    num_heads=4,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=56,
+    fullatt_block_indexes=[1],
 )
 # 6x8 and 4x6 patches (the second image has a partial window and an empty padded one); a 2-frame
 # clip beside an image exercises per-frame attention
@@ -94,13 +120,18 @@ def test_llava_feature_selection_matches_transformers(feature_layer, strategy):
     llava = make_llava(feature_layer, strategy)
     x = pixels((2, 3, 42, 42))
     captured = {}
-    hook = llava.model.multi_modal_projector.register_forward_pre_hook(lambda m, args: captured.setdefault("x", args[0]))
+    hook = llava.model.multi_modal_projector.register_forward_pre_hook(
+        lambda m, args: captured.setdefault("x", args[0])
+    )
     # transformers 5.24 passes the layer index on as `output_hidden_states`, so layer 0 reads as
     # "none captured" and fails; asking for all hidden states sidesteps that.
     everything = {"output_hidden_states": True} if feature_layer == 0 else {}
     with torch.no_grad():
         llava.model.get_image_features(
-            torch.from_numpy(x), vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy, **everything
+            torch.from_numpy(x),
+            vision_feature_layer=feature_layer,
+            vision_feature_select_strategy=strategy,
+            **everything,
         )
     hook.remove()
     ours = make_clip_tower(llava).image_features(mx.array(x), feature_layer, strategy)
@@ -128,10 +159,14 @@ def test_clip_sanitize_accepts_the_vision_model_level():
 
 def make_qwen(variant: str):
     if variant == "qwen2_vl":
-        config = transformers.Qwen2VLConfig(vision_config=QWEN2_VL, text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}))
+        config = transformers.Qwen2VLConfig(
+            vision_config=QWEN2_VL, text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+        )
         model = transformers.Qwen2VLForConditionalGeneration(config)
     else:
-        config = transformers.Qwen2_5_VLConfig(vision_config=QWEN25_VL, text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}))
+        config = transformers.Qwen2_5_VLConfig(
+            vision_config=QWEN25_VL, text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+        )
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     model.eval()
     randomize(model)
@@ -167,7 +202,12 @@ def test_qwen25_windows_change_the_output():
     x = mx.array(qwen_pixels(grid))
     weights = to_mlx(model.state_dict(), "model.visual.")
     windowed = load(qwen2_vl_vit.make_qwen_vision_model(model.config.vision_config.to_dict()), weights)
-    full = load(qwen2_vl_vit.make_qwen_vision_model({**model.config.vision_config.to_dict(), "fullatt_block_indexes": [0, 1, 2]}), weights)
+    full = load(
+        qwen2_vl_vit.make_qwen_vision_model(
+            {**model.config.vision_config.to_dict(), "fullatt_block_indexes": [0, 1, 2]}
+        ),
+        weights,
+    )
     assert float(mx.abs(windowed(x, grid) - full(x, grid)).max()) > 1e-3
 
 
@@ -175,29 +215,65 @@ def test_window_index_matches_transformers():
     from transformers.vision_utils import get_vision_window_index
 
     grid = [[1, 6, 8], [1, 4, 6], [2, 10, 4]]
-    theirs_index, theirs_cu = get_vision_window_index(torch.tensor(grid), spatial_merge_size=2, window_size=56, patch_size=14)
+    theirs_index, theirs_cu = get_vision_window_index(
+        torch.tensor(grid), spatial_merge_size=2, window_size=56, patch_size=14
+    )
     index, cu = qwen2_vl_vit.make_window_index(np.array(grid), 2, 56, 14)
     assert index.tolist() == theirs_index.tolist() and cu.tolist() == theirs_cu.tolist()
 
 
 def test_hub_style_configs():
     """Hub config.json files carry no vision model_type and spell in_chans; sizes differ per family."""
-    qwen2 = qwen2_vl_vit.VisionArgs.from_config({"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 3584})
-    assert (qwen2.variant, qwen2.embed_dim, qwen2.out_hidden_size, qwen2.intermediate_size, qwen2.hidden_act) == ("qwen2_vl", 1280, 3584, 5120, "quick_gelu")
-    qwen25 = qwen2_vl_vit.VisionArgs.from_config(
-        {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
-         "out_hidden_size": 3584, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}
+    qwen2 = qwen2_vl_vit.VisionArgs.from_config(
+        {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 3584}
     )
-    assert (qwen25.variant, qwen25.embed_dim, qwen25.out_hidden_size, qwen25.fullatt_block_indexes) == ("qwen2_5_vl", 1280, 3584, [7, 15, 23, 31])
-    clip = clip_vit.VisionArgs.from_config({"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "num_attention_heads": 16,
-                                            "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768, "model_type": "clip_vision_model"})
+    assert (qwen2.variant, qwen2.embed_dim, qwen2.out_hidden_size, qwen2.intermediate_size, qwen2.hidden_act) == (
+        "qwen2_vl",
+        1280,
+        3584,
+        5120,
+        "quick_gelu",
+    )
+    qwen25 = qwen2_vl_vit.VisionArgs.from_config(
+        {
+            "depth": 32,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 3584,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+        }
+    )
+    assert (qwen25.variant, qwen25.embed_dim, qwen25.out_hidden_size, qwen25.fullatt_block_indexes) == (
+        "qwen2_5_vl",
+        1280,
+        3584,
+        [7, 15, 23, 31],
+    )
+    clip = clip_vit.VisionArgs.from_config(
+        {
+            "hidden_size": 1024,
+            "image_size": 336,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 24,
+            "patch_size": 14,
+            "projection_dim": 768,
+            "model_type": "clip_vision_model",
+        }
+    )
     assert (clip.hidden_act, clip.num_channels, clip.layer_norm_eps) == ("quick_gelu", 3, 1e-5)
 
 
 # ---- Names on disk ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family, prefix", [("llava", "vision_tower."), ("qwen2_vl", "visual."), ("qwen2_5_vl", "visual.")])
+@pytest.mark.parametrize(
+    "family, prefix", [("llava", "vision_tower."), ("qwen2_vl", "visual."), ("qwen2_5_vl", "visual.")]
+)
 def test_saved_checkpoint_names_load_after_the_prefix(tmp_path, family, prefix):
     """What save_pretrained writes in this transformers version, minus the tower prefix, loads strictly."""
     from safetensors.numpy import load_file

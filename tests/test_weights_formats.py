@@ -90,7 +90,9 @@ def test_index_naming_a_missing_file_or_tensor(checkpoint, tmp_path):
     index = json.loads(index_path.read_text())
     index["weight_map"]["model.norm.weight"] = "model-extra.safetensors"
     index_path.write_text(json.dumps(index))
-    with pytest.raises(MlxcelError, match="model-extra.safetensors: listed in model.safetensors.index.json but missing"):
+    with pytest.raises(
+        MlxcelError, match="model-extra.safetensors: listed in model.safetensors.index.json but missing"
+    ):
         load_model(str(folder), dtype="float32")
     first = min(folder.glob("model-*-of-*.safetensors")).name
     index["weight_map"] = {**index["weight_map"], "model.norm.weight": first, "model.extra.weight": first}
@@ -104,7 +106,10 @@ def test_shape_that_does_not_fit_the_config_names_file_and_tensor(checkpoint, tm
     shutil.copytree(checkpoint, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    with pytest.raises(MlxcelError, match=r"bad/model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \(128, 64\), but the config gives \(96, 64\)"):
+    with pytest.raises(
+        MlxcelError,
+        match=r"bad/model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \(128, 64\), but the config gives \(96, 64\)",
+    ):
         load_model(str(folder), dtype="float32")
 
 
@@ -118,7 +123,9 @@ def test_tied_checkpoint_carrying_an_lm_head_copy(tmp_path):
     assert np.abs(logits_of(loaded.model) - reference_logits(folder)).max() <= 1e-3
 
 
-def write_mlx_quantized(checkpoint: Path, folder: Path, bits: int = 4, group_size: int = 32, overrides: dict | None = None) -> Path:
+def write_mlx_quantized(
+    checkpoint: Path, folder: Path, bits: int = 4, group_size: int = 32, overrides: dict | None = None
+) -> Path:
     """What mlx_lm.convert -q writes: packed weight + scales + biases for each Linear and the
     embedding, `quantization` (and `quantization_config`) in config.json, per-layer overrides
     keyed by module path (a dict, or false for a layer kept dense)."""
@@ -130,7 +137,9 @@ def write_mlx_quantized(checkpoint: Path, folder: Path, bits: int = 4, group_siz
         module = name.rsplit(".", 1)[0]
         spec = overrides.get(module, {"bits": bits, "group_size": group_size})
         if value.ndim == 2 and spec is not False:
-            out[name], out[f"{module}.scales"], out[f"{module}.biases"] = mx.quantize(value, spec["group_size"], spec["bits"])
+            out[name], out[f"{module}.scales"], out[f"{module}.biases"] = mx.quantize(
+                value, spec["group_size"], spec["bits"]
+            )
         else:
             out[name] = value
     mx.save_safetensors(str(folder / "model.safetensors"), out, {"format": "mlx"})
@@ -171,7 +180,10 @@ def test_quantize_at_load_reports_its_error(checkpoint, bits):
     from mlxcel.models.quantize import PROBE_IDS
 
     probe = mx.array([PROBE_IDS])
-    diff = np.abs(np.array(loaded.model(probe, loaded.model.make_cache())) - np.array(dense.model(probe, dense.model.make_cache())))
+    diff = np.abs(
+        np.array(loaded.model(probe, loaded.model.make_cache()))
+        - np.array(dense.model(probe, dense.model.make_cache()))
+    )
     assert report["max_abs_logit_diff"] == pytest.approx(diff.max(), rel=1e-4, abs=1e-6)
     assert report["mean_abs_logit_diff"] == pytest.approx(diff.mean(), rel=1e-4, abs=1e-6)
     assert report["mean_abs_logit_diff"] > 0
@@ -181,7 +193,10 @@ def test_quantize_at_load_reports_its_error(checkpoint, bits):
 
 
 def test_quantization_error_falls_with_more_bits(checkpoint):
-    errors = {b: load_model(str(checkpoint), dtype="float32", quantize={"bits": b, "group_size": 32}).info["quantization"] for b in (4, 8)}
+    errors = {
+        b: load_model(str(checkpoint), dtype="float32", quantize={"bits": b, "group_size": 32}).info["quantization"]
+        for b in (4, 8)
+    }
     assert errors[8]["mean_abs_logit_diff"] < errors[4]["mean_abs_logit_diff"] / 8
     assert errors[8]["max_abs_logit_diff"] < errors[4]["max_abs_logit_diff"] / 8
 
@@ -218,7 +233,9 @@ def test_quantized_smollm2_speaks_as_its_dequantized_form():
     tokenizer = load_tokenizer(quantized.path, gguf_metadata=quantized.gguf_metadata)
     answers = []
     for question in ("What is the capital of France?", "Name three primary colors."):
-        ids = build_prompt(tokenizer, [{"role": "user", "content": question}], load_template_source(tokenizer)).token_ids
+        ids = build_prompt(
+            tokenizer, [{"role": "user", "content": question}], load_template_source(tokenizer)
+        ).token_ids
         request = GenerationRequest([RowRequest(ids)], Sampler("greedy"), max_tokens=24, stop_token_ids=frozenset([2]))
         tokens = [DirectEngine(m.model, 8192).generate(request).results[0].token_ids for m in (quantized, reference)]
         assert tokens[0] == tokens[1]

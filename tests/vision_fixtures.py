@@ -14,13 +14,20 @@ from tests.test_batch_jobs import by_key, read_rows, write_rows
 from tests.test_cli_run import run_cli
 
 
-def assert_batch_rows_equal_their_runs_alone(tmp_path: Path, args: tuple[str, ...], rows: list[dict], failing: dict[str, str]) -> dict:
+def assert_batch_rows_equal_their_runs_alone(
+    tmp_path: Path, args: tuple[str, ...], rows: list[dict], failing: dict[str, str]
+) -> dict:
     """Run `rows` as one batch (`args` + prompt=jsonl), then every row not in `failing` alone:
     each failing row's error holds its text, each other row gives the same tokens as alone.
     Returns the batch's rows by (id, sample)."""
     common = (*args, "prompt=jsonl")
     (tmp_path / "batch").mkdir()
-    result = run_cli(tmp_path / "batch", *common, f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}", f"runner.max_rows={len(rows)}")
+    result = run_cli(
+        tmp_path / "batch",
+        *common,
+        f"prompt.file={write_rows(tmp_path / 'rows.jsonl', rows)}",
+        f"runner.max_rows={len(rows)}",
+    )
     assert result.returncode == 0, result.stderr
     got = by_key(read_rows(tmp_path / "batch" / "run"))
     for row in rows:
@@ -29,7 +36,11 @@ def assert_batch_rows_equal_their_runs_alone(tmp_path: Path, args: tuple[str, ..
             assert got[key]["finish_reason"] == "error" and failing[row["id"]] in got[key]["error"], got[key]
             continue
         (tmp_path / "alone" / row["id"]).mkdir(parents=True)
-        alone = run_cli(tmp_path / "alone" / row["id"], *common, f"prompt.file={write_rows(tmp_path / (row['id'] + '.jsonl'), [row])}")
+        alone = run_cli(
+            tmp_path / "alone" / row["id"],
+            *common,
+            f"prompt.file={write_rows(tmp_path / (row['id'] + '.jsonl'), [row])}",
+        )
         assert alone.returncode == 0, alone.stderr
         assert got[key]["token_ids"] == read_rows(tmp_path / "alone" / row["id"] / "run")[0]["token_ids"], row["id"]
     return got

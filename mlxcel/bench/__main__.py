@@ -47,7 +47,12 @@ def parse_ints(text: str) -> list[int]:
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype and --work-dir, as every bench takes them."""
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bf16 on a GPU, fp32 on the CPU",
+    )
     parser.add_argument(
         "--work-dir",
         type=Path,
@@ -69,7 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gen", type=int, help="tokens generated per row")
     parser.add_argument("--reps", type=int, help="measured repetitions per engine and case")
     parser.add_argument("--json", type=Path, help="also write every run and the medians here")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: smollm2, 64-token prompt, batch 1, 8 tokens, 1 rep")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: smollm2, 64-token prompt, batch 1, 8 tokens, 1 rep"
+    )
     add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else GPU_DEFAULTS if mx.default_device() == mx.gpu else CPU_DEFAULTS
@@ -88,8 +95,15 @@ def read_mlxcel_commit() -> str:
     """The source checkout's commit (+dirty), so a table says which engine it measured."""
     root = Path(mlxcel.__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")
@@ -127,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = pick_dtype(args.dtype)
     env = describe_environment(dtype)
     log(" | ".join(f"{k} {v}" for k, v in env.items()))
-    log(f"models {','.join(args.models)} | prompts {args.prompt_lengths} | batches {args.batch_sizes} | gen {args.gen} | reps {args.reps}")
+    log(
+        f"models {','.join(args.models)} | prompts {args.prompt_lengths} | batches {args.batch_sizes} | gen {args.gen} | reps {args.reps}"
+    )
     work_dir = args.work_dir.expanduser()
     results = []
     for name in args.models:
@@ -139,14 +155,30 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         log(f"{name}: checkpoint {folder} ready in {time.perf_counter() - start:.1f} s")
         results += bench_model(
-            name, folder, args.prompt_lengths, args.batch_sizes, args.gen, args.reps, dtype, warm_each_case=mx.default_device() == mx.gpu
+            name,
+            folder,
+            args.prompt_lengths,
+            args.batch_sizes,
+            args.gen,
+            args.reps,
+            dtype,
+            warm_each_case=mx.default_device() == mx.gpu,
         )
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     print(f"gen {args.gen} tokens per row, greedy; medians of {args.reps} alternating reps")
     print(format_table(results))
     print(format_agreement(results))
     if args.json:
-        args.json.write_text(json.dumps({"environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "cases": [r.to_dict() for r in results]}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "environment": env,
+                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "cases": [r.to_dict() for r in results],
+                },
+                indent=1,
+            )
+        )
         log(f"wrote {args.json}")
     return 0
 

@@ -189,7 +189,11 @@ def list_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             }
         )
         if qkv_bias:
-            for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim), ("v_proj", kv_heads * head_dim)):
+            for proj, rows in (
+                ("q_proj", heads * head_dim),
+                ("k_proj", kv_heads * head_dim),
+                ("v_proj", kv_heads * head_dim),
+            ):
                 shapes[p + f"self_attn.{proj}.bias"] = (rows,)
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, hidden)

@@ -56,7 +56,8 @@ class CaseResult:
             "ratio": self.ratios(),
             "token_ids_agree": self.agreement(),
             "runs": {
-                name: [{**run.metrics(), "token_ids": run.token_ids} for run in runs] for name, runs in self.runs.items()
+                name: [{**run.metrics(), "token_ids": run.token_ids} for run in runs]
+                for name, runs in self.runs.items()
             },
         }
 
@@ -96,7 +97,14 @@ def warm_up(peers: dict[str, Peer], prompts: list[list[int]], gen: int) -> None:
 
 
 def bench_model(
-    label: str, folder: Path, prompt_lengths: list[int], batch_sizes: list[int], gen: int, reps: int, dtype: mx.Dtype, warm_each_case: bool
+    label: str,
+    folder: Path,
+    prompt_lengths: list[int],
+    batch_sizes: list[int],
+    gen: int,
+    reps: int,
+    dtype: mx.Dtype,
+    warm_each_case: bool,
 ) -> list[CaseResult]:
     """Load both engines on one folder and measure every (batch, prompt length) case.
 
@@ -117,7 +125,9 @@ def bench_model(
     return results
 
 
-def measure_case(peers: dict[str, Peer], model: str, batch: int, prompt_len: int, gen: int, reps: int, vocab_size: int) -> CaseResult:
+def measure_case(
+    peers: dict[str, Peer], model: str, batch: int, prompt_len: int, gen: int, reps: int, vocab_size: int
+) -> CaseResult:
     result = CaseResult(model, batch, prompt_len, gen)
     prompts = make_prompts(batch, prompt_len, vocab_size)
     for rep in range(reps):
@@ -159,11 +169,20 @@ def format_table(results: list[CaseResult]) -> str:
     lines = [header]
     for row in make_table_rows(results):
         lines.append(
-            (row["model"], str(row["batch"]), str(row["prompt"]), row["metric"], format_value(row["mlxcel"]), format_value(row["mlx-lm"]), f"{row['ratio']:.2f}")
+            (
+                row["model"],
+                str(row["batch"]),
+                str(row["prompt"]),
+                row["metric"],
+                format_value(row["mlxcel"]),
+                format_value(row["mlx-lm"]),
+                f"{row['ratio']:.2f}",
+            )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = [
-        "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines
+        "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        for line in lines
     ]
     text.insert(1, "  ".join("-" * w for w in widths))
     better = ", ".join(f"{label} {'>' if up else '<'} 1" for label, up in METRICS.values())
@@ -173,5 +192,6 @@ def format_table(results: list[CaseResult]) -> str:
 
 def format_agreement(results: list[CaseResult]) -> str:
     return "\n".join(
-        f"greedy token ids, {case.model} batch {case.batch} prompt {case.prompt_len}: {case.agreement()}" for case in results
+        f"greedy token ids, {case.model} batch {case.batch} prompt {case.prompt_len}: {case.agreement()}"
+        for case in results
     )

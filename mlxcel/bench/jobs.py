@@ -44,7 +44,13 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.api import load_config
-from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment, parse_ints, reexec_with_openblas, split_models
+from mlxcel.bench.__main__ import (
+    add_checkpoint_arguments,
+    describe_environment,
+    parse_ints,
+    reexec_with_openblas,
+    split_models,
+)
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import compare_token_ids, format_value, log
 from mlxcel.bench.peers import ENGINES, count_weight_bytes, load_peer, synchronize_streams
@@ -126,14 +132,21 @@ class ModelResult:
         return compare_token_ids(self.runs["mlxcel"].token_ids, self.runs["mlx-lm"].token_ids)
 
     def describe_checks(self) -> list[str]:
-        lines = [f"{self.model} {name}: {run.count_wrong_lengths(self.job)} rows off their output length" for name, run in self.runs.items()]
+        lines = [
+            f"{self.model} {name}: {run.count_wrong_lengths(self.job)} rows off their output length"
+            for name, run in self.runs.items()
+        ]
         if self.uniform is not None:
             ragged, uniform = self.runs["mlxcel"].peak_bytes, self.uniform.peak_bytes
-            lines.append(f"{self.model} mlxcel peak memory, ragged / uniform at the mean lengths: {ragged / 1e9:.3f} / {uniform / 1e9:.3f} GB = {ragged / uniform:.2f}")
+            lines.append(
+                f"{self.model} mlxcel peak memory, ragged / uniform at the mean lengths: {ragged / 1e9:.3f} / {uniform / 1e9:.3f} GB = {ragged / uniform:.2f}"
+            )
         if self.has_both:
             first = self.find_first_difference()
             detail = "" if first == "agree" else f"; first: {first}"
-            lines.append(f"{self.model} greedy token ids: {self.count_agreeing_rows()}/{len(self.job.prompts)} rows agree{detail}")
+            lines.append(
+                f"{self.model} greedy token ids: {self.count_agreeing_rows()}/{len(self.job.prompts)} rows agree{detail}"
+            )
         return lines
 
     def to_dict(self) -> dict:
@@ -143,9 +156,14 @@ class ModelResult:
             "ratio": self.ratios(),
             "rows_agree": self.count_agreeing_rows() if self.has_both else None,
             "token_ids_agree": self.find_first_difference() if self.has_both else None,
-            "rows": {name: {"ttft_s": run.ttft_s, "generated_tokens": list(map(len, run.token_ids))} for name, run in self.runs.items()},
+            "rows": {
+                name: {"ttft_s": run.ttft_s, "generated_tokens": list(map(len, run.token_ids))}
+                for name, run in self.runs.items()
+            },
             "scheduler": self.runs["mlxcel"].scheduler if "mlxcel" in self.runs else None,
-            "uniform": None if self.uniform is None else {**self.uniform.metrics(), "scheduler": self.uniform.scheduler},
+            "uniform": None
+            if self.uniform is None
+            else {**self.uniform.metrics(), "scheduler": self.uniform.scheduler},
         }
 
 
@@ -169,17 +187,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, help="rows in the job")
     parser.add_argument("--prompt-tokens", type=parse_range, help="MIN,MAX prompt tokens per row (uniform)")
     parser.add_argument("--output-tokens", type=parse_range, help="MIN,MAX generated tokens per row (uniform)")
-    parser.add_argument("--max-rows", type=int, help="rows decoding at once: mlxcel's runner.max_rows, mlx-lm's completion batch size")
+    parser.add_argument(
+        "--max-rows", type=int, help="rows decoding at once: mlxcel's runner.max_rows, mlx-lm's completion batch size"
+    )
     parser.add_argument("--seed", type=int, default=0, help="draws the rows' lengths and token ids")
-    parser.add_argument("--engines", type=parse_engines, default=list(ENGINES), help="comma-separated, run in this order")
+    parser.add_argument(
+        "--engines", type=parse_engines, default=list(ENGINES), help="comma-separated, run in this order"
+    )
     parser.add_argument("--json", type=Path, help="also write the job, every engine's metrics and per-row TTFTs here")
     parser.add_argument(
-        "--uniform", action="store_true",
+        "--uniform",
+        action="store_true",
         help="also run mlxcel on the same rows at their mean lengths (same ids, max rows) and print the ragged job's peak memory against it",
     )
     add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
-    models, rows, prompt_tokens, output_tokens, max_rows = GPU_DEFAULTS if mx.default_device() == mx.gpu else CPU_DEFAULTS
+    models, rows, prompt_tokens, output_tokens, max_rows = (
+        GPU_DEFAULTS if mx.default_device() == mx.gpu else CPU_DEFAULTS
+    )
     args.models = split_models(args.models, models)
     args.rows = args.rows or rows
     args.prompt_tokens = args.prompt_tokens or prompt_tokens
@@ -198,7 +223,14 @@ def read_special_ids(config: dict) -> list[int]:
     return ids
 
 
-def draw_job(rows: int, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], vocab_size: int, special_ids: list[int], seed: int) -> Job:
+def draw_job(
+    rows: int,
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    vocab_size: int,
+    special_ids: list[int],
+    seed: int,
+) -> Job:
     """Lengths first, then ids: one seed gives every model the same lengths. Low ids are left out,
     as harness.make_prompts does: they are the special tokens of real vocabularies."""
     rng = np.random.default_rng(seed)
@@ -285,21 +317,36 @@ def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
     wall = time.perf_counter() - start
     errors = [row for row in result.generations if row.get("finish_reason") == "error"]
     if errors:  # e.g. prompts longer than the model's context: the bench needs every row
-        raise SystemExit(f"bench: {len(errors)} of {len(samples)} rows ended with an error, the first: {errors[0].get('error')}; "
-                         "pick --prompt-tokens/--output-tokens that fit the model's context")
+        raise SystemExit(
+            f"bench: {len(errors)} of {len(samples)} rows ended with an error, the first: {errors[0].get('error')}; "
+            "pick --prompt-tokens/--output-tokens that fit the model's context"
+        )
     if len(pipeline.first_token_at) != len(samples):
-        raise RuntimeError("TokenIdPipeline.generate saw no tokens of some rows: the runner no longer calls it; move its stamp")
+        raise RuntimeError(
+            "TokenIdPipeline.generate saw no tokens of some rows: the runner no longer calls it; move its stamp"
+        )
     tokens = {row["id"]: row["token_ids"] for row in result.generations}
     stats = result.stats
-    scheduler = None if stats is None else {"occupancy": stats.occupancy, "host_ms_per_step": stats.host_ms_per_step, "kv_peak_gb": stats.kv_peak_gb}
-    return JobRun(wall, [pipeline.first_token_at[i] - start for i in range(len(samples))], [tokens[i] for i in range(len(samples))], scheduler=scheduler)
+    scheduler = (
+        None
+        if stats is None
+        else {"occupancy": stats.occupancy, "host_ms_per_step": stats.host_ms_per_step, "kv_peak_gb": stats.kv_peak_gb}
+    )
+    return JobRun(
+        wall,
+        [pipeline.first_token_at[i] - start for i in range(len(samples))],
+        [tokens[i] for i in range(len(samples))],
+        scheduler=scheduler,
+    )
 
 
 def run_mlx_lm(model, job: Job, max_rows: int) -> JobRun:
     from mlx_lm.generate import BatchGenerator
 
     # mlx-lm's own prefill batch, but never above the decode batch (BatchGenerator would raise that instead)
-    generator = BatchGenerator(model, completion_batch_size=max_rows, prefill_batch_size=min(MLX_LM_PREFILL_BATCH, max_rows))
+    generator = BatchGenerator(
+        model, completion_batch_size=max_rows, prefill_batch_size=min(MLX_LM_PREFILL_BATCH, max_rows)
+    )
     try:
         start = time.perf_counter()
         uids = generator.insert(job.prompts, job.output_lengths)
@@ -316,7 +363,9 @@ def run_mlx_lm(model, job: Job, max_rows: int) -> JobRun:
     return JobRun(wall, [first[uid] - start for uid in uids], [tokens[uid] for uid in uids])
 
 
-def load_engine(name: str, folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int) -> tuple[Callable[[Job], JobRun], int]:
+def load_engine(
+    name: str, folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int
+) -> tuple[Callable[[Job], JobRun], int]:
     """The engine's job runner and its weight bytes."""
     if name == "mlxcel":
         pipeline = load_mlxcel(folder, tokenizer_dir, dtype, max_rows)
@@ -343,7 +392,9 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
     tokenizer_dir = prepare_tokenizer(vocab_size, work_dir)
     engines = {name: load_engine(name, folder, tokenizer_dir, dtype, args.max_rows) for name in args.engines}
     # JIT, allocator and first-call costs; a full decode batch, so a GPU traces that batch size here
-    warm_up = draw_job(args.max_rows, (args.prompt_tokens[0],) * 2, (WARM_UP_OUTPUT,) * 2, vocab_size, special_ids, args.seed + 1)
+    warm_up = draw_job(
+        args.max_rows, (args.prompt_tokens[0],) * 2, (WARM_UP_OUTPUT,) * 2, vocab_size, special_ids, args.seed + 1
+    )
     for run, _ in engines.values():
         run(warm_up)
     job = draw_job(args.rows, args.prompt_tokens, args.output_tokens, vocab_size, special_ids, args.seed)
@@ -412,7 +463,10 @@ def format_table(results: list[ModelResult]) -> str:
             values = [format_metric(metrics[name][key]) if name in metrics else "-" for name in ENGINES]
             lines.append((result.model, label, *values, f"{ratios[key]:.2f}" if ratios else "-"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines]
+    text = [
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        for line in lines
+    ]
     text.insert(1, "  ".join("-" * w for w in widths))
     better = ", ".join(f"{label} {'>' if up else '<'} 1" for label, up in METRICS.values() if up is not None)
     text.append(f"ratio = mlxcel / mlx-lm; mlxcel is ahead where {better}")
@@ -430,7 +484,10 @@ def name_model(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "mlx-lm" in args.engines and importlib.util.find_spec("mlx_lm") is None:
-        print("mlxcel.bench.jobs: mlx-lm (the benchmark peer) is not installed: pip install -e '.[bench]', or --engines mlxcel", file=sys.stderr)
+        print(
+            "mlxcel.bench.jobs: mlx-lm (the benchmark peer) is not installed: pip install -e '.[bench]', or --engines mlxcel",
+            file=sys.stderr,
+        )
         return 2
     dtype = pick_dtype(args.dtype)
     env = {**describe_environment(dtype, peer="mlx-lm" in args.engines), "platform": platform.platform(terse=True)}
@@ -452,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     print("\n".join(line for result in results for line in result.describe_checks()))
     if args.json:
-        args.json.write_text(json.dumps({"environment": env, "job": job, "models": [r.to_dict() for r in results]}, indent=1))
+        args.json.write_text(
+            json.dumps({"environment": env, "job": job, "models": [r.to_dict() for r in results]}, indent=1)
+        )
         log(f"wrote {args.json}")
     return 0
 

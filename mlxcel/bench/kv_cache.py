@@ -49,7 +49,9 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def greedy(model, prompt: list[int], n: int, kv_bits: int | None, group_size: int) -> list[int]:
-    request = GenerationRequest([RowRequest(prompt)], Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size)
+    request = GenerationRequest(
+        [RowRequest(prompt)], Sampler("greedy"), max_tokens=n, kv_bits=kv_bits, kv_group_size=group_size
+    )
     return DirectEngine(model, max_context=4096).generate(request).results[0].token_ids
 
 
@@ -73,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     reference = teacher_forced_logits(model, ids, None, args.group_size)
     ref_lp = log_softmax(reference)
     ref_greedy = greedy(model, ids[:PROMPT_TOKENS], args.tokens, None, args.group_size)
-    print(f"{args.model}: {len(ids) - PROMPT_TOKENS} teacher-forced positions after a {PROMPT_TOKENS}-token prompt; group size {args.group_size}")
+    print(
+        f"{args.model}: {len(ids) - PROMPT_TOKENS} teacher-forced positions after a {PROMPT_TOKENS}-token prompt; group size {args.group_size}"
+    )
     print("| kv_bits | max abs logit diff | mean KL (nats) | argmax agrees | greedy text first differs at token |")
     print("| --- | --- | --- | --- | --- |")
     for bits in (int(b) for b in args.bits.split(",")):

@@ -100,7 +100,14 @@ def generate_mlxcel(model, prompts: list[list[int]], gen: int) -> Run:
     state = DirectEngine(model, max_context=max_context, pipeline=True).generate(request)
     t = state.timings
     tokens = [list(r.token_ids) for r in state.results]
-    return Run(sum(map(len, prompts)), sum(len(ids) - 1 for ids in tokens), t.first_token - t.start, t.end - t.first_token, 0, tokens)
+    return Run(
+        sum(map(len, prompts)),
+        sum(len(ids) - 1 for ids in tokens),
+        t.first_token - t.start,
+        t.end - t.first_token,
+        0,
+        tokens,
+    )
 
 
 def schedule_mlxcel(model, request: GenerationRequest, max_context: int) -> Run:
@@ -118,11 +125,22 @@ def schedule_mlxcel(model, request: GenerationRequest, max_context: int) -> Run:
     after = sum(1 for times in arrivals for t in times if t > all_started)
     end = max(times[-1] for times in arrivals)
     tokens = [list(r.token_ids) for r in state.results]
-    return Run(sum(len(r.prompt_ids) for r in request.rows), after, all_started - state.timings.start, end - all_started, 0, tokens)
+    return Run(
+        sum(len(r.prompt_ids) for r in request.rows),
+        after,
+        all_started - state.timings.start,
+        end - all_started,
+        0,
+        tokens,
+    )
 
 
 def generate_mlx_lm(model, prompts: list[list[int]], gen: int) -> Run:
-    return generate_mlx_lm_single(model, prompts[0], gen) if len(prompts) == 1 else generate_mlx_lm_batch(model, prompts, gen)
+    return (
+        generate_mlx_lm_single(model, prompts[0], gen)
+        if len(prompts) == 1
+        else generate_mlx_lm_batch(model, prompts, gen)
+    )
 
 
 def generate_mlx_lm_single(model, prompt: list[int], gen: int) -> Run:
@@ -144,7 +162,9 @@ def generate_mlx_lm_batch(model, prompts: list[list[int]], gen: int) -> Run:
 
     # All rows in one prefill batch, as mlxcel prefills them (mlx-lm's default would prefill 8
     # at a time and start decoding the first 8 while the rest still prefill).
-    generator = BatchGenerator(model, max_tokens=gen, completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    generator = BatchGenerator(
+        model, max_tokens=gen, completion_batch_size=len(prompts), prefill_batch_size=len(prompts)
+    )
     try:
         start = time.perf_counter()
         uids = generator.insert(prompts, [gen] * len(prompts))

@@ -41,7 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mlxcel.bench.policy", description=__doc__.splitlines()[0])
     model, dtypes, dtype_prompt, chunks, chunk_prompt, gen, reps = GPU_DEFAULTS if ON_GPU else CPU_DEFAULTS
     parser.add_argument("--model", default=model, help=f"one of {', '.join(CHECKPOINT_NAMES)}, or an HF model folder")
-    parser.add_argument("--dtypes", default=",".join(str(d).removeprefix("mlx.core.") for d in dtypes), help="comma-separated compute dtypes")
+    parser.add_argument(
+        "--dtypes",
+        default=",".join(str(d).removeprefix("mlx.core.") for d in dtypes),
+        help="comma-separated compute dtypes",
+    )
     parser.add_argument("--dtype-prompt-len", type=int, default=dtype_prompt)
     parser.add_argument("--chunks", type=parse_ints, default=chunks, help="prefill chunk sizes, comma-separated")
     parser.add_argument("--chunk-prompt-len", type=int, default=chunk_prompt)
@@ -62,7 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def generate(model, prompt: list[int], gen: int, chunk_size: int):
     engine = DirectEngine(model, max_context=len(prompt) + gen + 1)
-    request = GenerationRequest(rows=[RowRequest(prompt, row_id=0)], sampler=Sampler("greedy"), max_tokens=gen, chunk_size=chunk_size)
+    request = GenerationRequest(
+        rows=[RowRequest(prompt, row_id=0)], sampler=Sampler("greedy"), max_tokens=gen, chunk_size=chunk_size
+    )
     return engine.generate(request)
 
 
@@ -80,12 +86,20 @@ def measure_dtypes(name: str, args: argparse.Namespace) -> list[str]:
         for dtype, model in models.items():
             t = generate(model, prompt, args.gen, 2048).timings
             figures[dtype].append((len(prompt) / (t.first_token - t.start), (args.gen - 1) / (t.end - t.first_token)))
-            log(f"dtype {dtype} rep {rep + 1}/{args.reps}: prefill {figures[dtype][-1][0]:.1f} tok/s, decode {figures[dtype][-1][1]:.1f} tok/s")
+            log(
+                f"dtype {dtype} rep {rep + 1}/{args.reps}: prefill {figures[dtype][-1][0]:.1f} tok/s, decode {figures[dtype][-1][1]:.1f} tok/s"
+            )
     default = pick_dtype("auto")
-    lines = [f"dtype: batch 1, {args.dtype_prompt_len}-token prompt, {args.gen} tokens, chunk 2048", "| dtype | prefill tok/s | decode tok/s |", "| --- | --- | --- |"]
+    lines = [
+        f"dtype: batch 1, {args.dtype_prompt_len}-token prompt, {args.gen} tokens, chunk 2048",
+        "| dtype | prefill tok/s | decode tok/s |",
+        "| --- | --- | --- |",
+    ]
     for dtype, runs in figures.items():
         label = str(dtype).removeprefix("mlx.core.") + (" (auto)" if dtype == default else "")
-        lines.append(f"| {label} | {statistics.median(r[0] for r in runs):.1f} | {statistics.median(r[1] for r in runs):.1f} |")
+        lines.append(
+            f"| {label} | {statistics.median(r[0] for r in runs):.1f} | {statistics.median(r[1] for r in runs):.1f} |"
+        )
     return lines
 
 
@@ -104,7 +118,9 @@ def measure_chunks(name: str, args: argparse.Namespace) -> list[str]:
             t = generate(model, prompt, 2, chunk).timings
             piece_ms = [p["ms"] for p in t.prefill_pieces]
             figures[chunk].append((len(prompt) / (t.first_token - t.start), max(piece_ms), statistics.median(piece_ms)))
-            log(f"chunk {chunk} rep {rep + 1}/{args.reps}: prefill {figures[chunk][-1][0]:.1f} tok/s, longest piece {max(piece_ms):.1f} ms")
+            log(
+                f"chunk {chunk} rep {rep + 1}/{args.reps}: prefill {figures[chunk][-1][0]:.1f} tok/s, longest piece {max(piece_ms):.1f} ms"
+            )
     lines = [
         f"chunk: batch 1, {args.chunk_prompt_len}-token prompt, {str(dtype).removeprefix('mlx.core.')}",
         "| chunk | pieces | prefill tok/s | longest piece ms | median piece ms |",

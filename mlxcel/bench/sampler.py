@@ -32,28 +32,62 @@ CASES = {
         {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
         None,
     ),
-    "top_p+temp": ({"processors": {"top_p": {"p": 0.95}, "temperature": {"value": 0.8}}}, {"temp": 0.8, "top_p": 0.95}, None),
+    "top_p+temp": (
+        {"processors": {"top_p": {"p": 0.95}, "temperature": {"value": 0.8}}},
+        {"temp": 0.8, "top_p": 0.95},
+        None,
+    ),
     "min_p+xtc+temp": (
-        {"processors": {"min_p": {"p": 0.02}, "xtc": {"probability": 0.5, "threshold": 0.1}, "temperature": {"value": 1.0}}},
+        {
+            "processors": {
+                "min_p": {"p": 0.02},
+                "xtc": {"probability": 0.5, "threshold": 0.1},
+                "temperature": {"value": 1.0},
+            }
+        },
         {"temp": 1.0, "min_p": 0.02, "xtc_probability": 0.5, "xtc_threshold": 0.1},
         None,
     ),
     "penalties+min_p+temp (row)": (
-        {"processors": {"penalties": {"repeat": 1.1, "last_n": 64}, "min_p": {"p": 0.05}, "temperature": {"value": 0.8}}},
+        {
+            "processors": {
+                "penalties": {"repeat": 1.1, "last_n": 64},
+                "min_p": {"p": 0.05},
+                "temperature": {"value": 0.8},
+            }
+        },
         {"temp": 0.8, "min_p": 0.05},
         {"repetition_penalty": 1.1, "repetition_context_size": 64},
     ),
-    "dry+min_p+temp (row)": ({"processors": {"dry": {"multiplier": 0.8, "last_n": 64}, "min_p": {"p": 0.05}, "temperature": {"value": 0.8}}}, None, None),
-    "typical+top_n_sigma (fused)": ({"processors": {"top_n_sigma": {"n": 1.0}, "typical_p": {"p": 0.95}, "temperature": {"value": 0.8}}}, None, None),
-    "mirostat_v2 (row)": ({"processors": {"temperature": {"value": 0.8}}, "selector": {"kind": "mirostat_v2"}}, None, None),
-    "adaptive_p (row)": ({"processors": {"min_p": {"p": 0.05}}, "selector": {"kind": "adaptive_p", "target": 0.5}}, None, None),
+    "dry+min_p+temp (row)": (
+        {"processors": {"dry": {"multiplier": 0.8, "last_n": 64}, "min_p": {"p": 0.05}, "temperature": {"value": 0.8}}},
+        None,
+        None,
+    ),
+    "typical+top_n_sigma (fused)": (
+        {"processors": {"top_n_sigma": {"n": 1.0}, "typical_p": {"p": 0.95}, "temperature": {"value": 0.8}}},
+        None,
+        None,
+    ),
+    "mirostat_v2 (row)": (
+        {"processors": {"temperature": {"value": 0.8}}, "selector": {"kind": "mirostat_v2"}},
+        None,
+        None,
+    ),
+    "adaptive_p (row)": (
+        {"processors": {"min_p": {"p": 0.05}}, "selector": {"kind": "adaptive_p", "target": 0.5}},
+        None,
+        None,
+    ),
 }
 
 
 def make_ours(config: dict, logits: mx.array, compiled: bool):
     batch, vocab = logits.shape
     chain = make_sampler_chain(config, vocab, encode=lambda text: [ord(ch) % vocab for ch in text], compile=compiled)
-    sampler = chain.start([RowKey(i) for i in range(batch)], [[(7 * i + j) % vocab for j in range(200)] for i in range(batch)])
+    sampler = chain.start(
+        [RowKey(i) for i in range(batch)], [[(7 * i + j) % vocab for j in range(200)] for i in range(batch)]
+    )
 
     def step():
         draw = sampler.sample(logits)
@@ -108,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("mlx-lm is not installed (pip install 'mlxcel[bench]'): mlxcel's figures only", file=sys.stderr)
         have_peer = False
-    print(f"device {mx.default_device()}, vocab {args.vocab}, {args.dtype} logits, median ms per step over {args.steps} steps x {args.reps} rounds")
-    print("| case | batch | mlxcel compiled ms | mlxcel eager ms | mlx-lm ms | mlxcel / mlx-lm |\n| --- | --- | --- | --- | --- | --- |")
+    print(
+        f"device {mx.default_device()}, vocab {args.vocab}, {args.dtype} logits, median ms per step over {args.steps} steps x {args.reps} rounds"
+    )
+    print(
+        "| case | batch | mlxcel compiled ms | mlxcel eager ms | mlx-lm ms | mlxcel / mlx-lm |\n| --- | --- | --- | --- | --- | --- |"
+    )
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         logits = mx.random.normal((batch, args.vocab), key=mx.random.key(0)).astype(getattr(mx, args.dtype)) * 3
         mx.eval(logits)
@@ -125,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             compiled, eager = statistics.median(times["compiled"]), statistics.median(times["eager"])
             theirs = f"{statistics.median(times['theirs']):.2f}" if "theirs" in times else "-"
             default = "compiled" if should_compile(None, batch, args.vocab) else "eager"
-            ratio = f"{statistics.median(times[default]) / statistics.median(times['theirs']):.2f}" if "theirs" in times else "-"
+            ratio = (
+                f"{statistics.median(times[default]) / statistics.median(times['theirs']):.2f}"
+                if "theirs" in times
+                else "-"
+            )
             print(f"| {name} | {batch} | {compiled:.2f} | {eager:.2f} | {theirs} | {ratio} |", flush=True)
     return 0
 

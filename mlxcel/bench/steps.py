@@ -38,8 +38,14 @@ PIECES = (512, 2048)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mlxcel.bench.steps", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="bench checkpoint name or HF folder (default: llama-3.2-1b on a GPU, smollm2 on the CPU)")
-    parser.add_argument("--rows", type=int, default=None, help="rows decoding at once (default: 256 on a GPU, 8 on the CPU)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="bench checkpoint name or HF folder (default: llama-3.2-1b on a GPU, smollm2 on the CPU)",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=None, help="rows decoding at once (default: 256 on a GPU, 8 on the CPU)"
+    )
     parser.add_argument("--context", type=int, default=600, help="mean cached positions per row")
     parser.add_argument("--steps", type=int, default=64, help="tokens each row decodes in the scheduler run")
     add_checkpoint_arguments(parser)
@@ -48,7 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def fill_rows(model, lengths: np.ndarray, extra: int) -> tuple[PageTable, list]:
     """A paged cache whose slots hold `lengths` prefilled positions of random tokens (room for `extra` more)."""
-    table = PageTable(int(count_blocks(lengths + extra).sum()), len(lengths), int(lengths.max()) + extra, *uses_kernels(model))
+    table = PageTable(
+        int(count_blocks(lengths + extra).sum()), len(lengths), int(lengths.max()) + extra, *uses_kernels(model)
+    )
     caches = make_paged_caches(len(model.model.layers), table)
     rng = np.random.default_rng(0)
     for slot, length in enumerate(lengths.tolist()):
@@ -97,15 +105,22 @@ def time_prefill_piece(model, context: int, size: int) -> float:
 
 def run_scheduler(model, rows: int, context: int, steps: int) -> dict:
     rng = np.random.default_rng(1)
-    requests = [RowRequest(rng.integers(100, 1000, size=context).tolist(), row_id=i, max_tokens=steps) for i in range(rows)]
+    requests = [
+        RowRequest(rng.integers(100, 1000, size=context).tolist(), row_id=i, max_tokens=steps) for i in range(rows)
+    ]
     scheduler = BatchScheduler(model, context + steps + 64, rows)
     scheduler.generate(GenerationRequest(requests[:2], Sampler("greedy"), max_tokens=4))  # warm-up
     start = time.perf_counter()
     state = scheduler.generate(GenerationRequest(requests, Sampler("greedy"), max_tokens=steps))
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "iterations": state.iterations, "decode_steps": state.decode_steps,
-            "ms_per_iteration": 1000 * wall / state.iterations, "host_ms_per_iteration": state.host_ms_per_iteration,
-            "generated": sum(len(r.token_ids) for r in state.results)}
+    return {
+        "wall_s": wall,
+        "iterations": state.iterations,
+        "decode_steps": state.decode_steps,
+        "ms_per_iteration": 1000 * wall / state.iterations,
+        "host_ms_per_iteration": state.host_ms_per_iteration,
+        "generated": sum(len(r.token_ids) for r in state.results),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     dtype = pick_dtype(args.dtype)
     model = load_model(str(prepare_checkpoint(name, args.work_dir.expanduser(), dtype)), dtype=dtype_name(dtype)).model
     in_place, decode_kernel = uses_kernels(model)
-    print(f"model {name} ({dtype}), {mx.default_device()}, pool writes in place: {in_place}, decode kernel: {decode_kernel}")
+    print(
+        f"model {name} ({dtype}), {mx.default_device()}, pool writes in place: {in_place}, decode kernel: {decode_kernel}"
+    )
     lengths = np.random.default_rng(0).integers(args.context // 2, args.context * 3 // 2 + 1, size=rows)
     log(f"filling {rows} rows ({lengths.sum()} positions)")
     table, caches = fill_rows(model, lengths, 32)
     step_ms, build_ms = time_decode_step(model, table, caches, 16)
-    print(f"decode step, {rows} rows of {args.context} positions on average: {step_ms:.2f} ms ({build_ms:.2f} ms of it building the graph)")
+    print(
+        f"decode step, {rows} rows of {args.context} positions on average: {step_ms:.2f} ms ({build_ms:.2f} ms of it building the graph)"
+    )
     del table, caches
     # a piece after a multiple of ALIGNED_START (the scheduler's pieces) runs mask-free; others do not
     for context in sorted({args.context // ALIGNED_START * ALIGNED_START, args.context}):
@@ -129,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefill piece of {size} tokens after {context}: {time_prefill_piece(model, context, size):.2f} ms")
     log(f"scheduler: {rows} rows x {args.steps} tokens")
     run = run_scheduler(model, rows, args.context, args.steps)
-    print(f"scheduler, {rows} rows of {args.context} prompt tokens x {args.steps} tokens: {run['ms_per_iteration']:.2f} ms per iteration "
-          f"({run['iterations']} iterations, {run['decode_steps']} decode steps), host work {run['host_ms_per_iteration']:.2f} ms per iteration, "
-          f"{run['generated'] / run['wall_s']:.0f} generated tok/s over {run['wall_s']:.2f} s (prefill included)")
+    print(
+        f"scheduler, {rows} rows of {args.context} prompt tokens x {args.steps} tokens: {run['ms_per_iteration']:.2f} ms per iteration "
+        f"({run['iterations']} iterations, {run['decode_steps']} decode steps), host work {run['host_ms_per_iteration']:.2f} ms per iteration, "
+        f"{run['generated'] / run['wall_s']:.0f} generated tok/s over {run['wall_s']:.2f} s (prefill included)"
+    )
     return 0
 
 

@@ -43,7 +43,9 @@ def main() -> None:
         for name, loaded in variants.items():
             results[name].append(run_once(loaded.model, prompt, args.gen))
     device = f"{mx.default_device()}" + (" + OpenBLAS" if is_optimized_blas_loaded() else "")
-    print(f"device: {device}; dtype: {variants['quantized'].info['dtype']}; prompt {args.prompt_tokens} tok; gen {args.gen}; reps {args.reps}")
+    print(
+        f"device: {device}; dtype: {variants['quantized'].info['dtype']}; prompt {args.prompt_tokens} tok; gen {args.gen}; reps {args.reps}"
+    )
     print(f"{'weights':<12}{'prefill tok/s':>15}{'decode tok/s':>15}{'load ms':>10}")
     for name, runs in results.items():
         prefill = statistics.median(r[0] for r in runs)

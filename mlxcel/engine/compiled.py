@@ -52,7 +52,9 @@ class CompiledDecoder:
         self.model = model
         self._step = mx.compile(self._decode)
 
-    def _decode(self, tokens: mx.array, offset: mx.array, left_pad: mx.array, keys: list[mx.array], values: list[mx.array]):
+    def _decode(
+        self, tokens: mx.array, offset: mx.array, left_pad: mx.array, keys: list[mx.array], values: list[mx.array]
+    ):
         views = [BufferView(k, v, offset, left_pad) for k, v in zip(keys, values)]
         key_pos = mx.arange(keys[0].shape[2])
         visible = (key_pos <= offset) & (key_pos[None, :] >= left_pad[:, None])  # [B, capacity]

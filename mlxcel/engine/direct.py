@@ -15,7 +15,10 @@ class DirectEngine:
         self.pipeline = pipeline and not read_env_flag("MLXCEL_FORCE_SYNC")
 
     def generate(
-        self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None
+        self,
+        request: GenerationRequest,
+        on_token: OnToken = lambda row, token: True,
+        on_row_done: OnRowDone | None = None,
     ) -> BatchState:
         """Generate every row; `on_token(row, token)` streams each token as it reaches the host,
         `on_row_done(row, result)` reports each row the moment it finishes."""
@@ -24,7 +27,9 @@ class DirectEngine:
             pass
         return state
 
-    def steps(self, request: GenerationRequest, on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[BatchState]:
+    def steps(
+        self, request: GenerationRequest, on_token: OnToken, on_row_done: OnRowDone | None = None
+    ) -> Iterator[BatchState]:
         """The decode loop as a generator: yields after each step's tokens reached the host
         (stopping the iteration early abandons the request).
 

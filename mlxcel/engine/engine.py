@@ -33,7 +33,9 @@ class PromptTooLongError(MlxcelError):
     pass
 
 
-def apply_token(result: RowResult, row: int, token: int, logprobs: dict | None, stop_ids, max_tokens: int, on_token: OnToken) -> None:
+def apply_token(
+    result: RowResult, row: int, token: int, logprobs: dict | None, stop_ids, max_tokens: int, on_token: OnToken
+) -> None:
     """One drawn token's stop rules, shared by both engines: a stop id ends the row unemitted;
     otherwise the token is kept and streamed, and the row ends if the callback cancels it or it
     reached max_tokens."""
@@ -73,7 +75,9 @@ def choose_decode_step(model) -> str:
     if not step:
         step = "compiled" if is_compile_enabled() else ("segmented" if mx.default_device() == mx.gpu else "eager")
     if step not in DECODE_STEPS:
-        raise MlxcelError(f"MLXCEL_DECODE_STEP={step!r}: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)")
+        raise MlxcelError(
+            f"MLXCEL_DECODE_STEP={step!r}: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)"
+        )
     return step if getattr(model, "supports_compiled_decode", True) else "eager"
 
 
@@ -135,14 +139,17 @@ class Engine:
             history_boundary=rows[0].history_tokens if len(rows) == 1 else 0,
             tile_size=None if with_images else request.tile_size,  # padding pieces would need pad embeddings
             # a family whose image tokens attend to each other (Gemma 3) prefills image prompts whole
-            supports_multi_piece=self.model.supports_multi_piece_prefill and not (with_images and getattr(self.model, "prefill_in_one_piece", False)),
+            supports_multi_piece=self.model.supports_multi_piece_prefill
+            and not (with_images and getattr(self.model, "prefill_in_one_piece", False)),
             supports_padded=self.model.supports_padded_prefill,
         )
         state = BatchState(
             request=request,
             cache=cache,
             plan=plan,
-            results=[RowResult(prompt_tokens=len(r.prompt_ids), logprobs=[] if request.logprobs else None) for r in rows],
+            results=[
+                RowResult(prompt_tokens=len(r.prompt_ids), logprobs=[] if request.logprobs else None) for r in rows
+            ],
             row_keys=[RowKey(r.row_id, r.sample_index, r.seed) for r in rows],
             timings=timings,
             max_tokens=max_tokens,
@@ -173,7 +180,11 @@ class Engine:
                 merged.append(embedded[index : index + 1])
             else:  # the ids are on the host already: -1 marks padding, never an image token
                 ids = [-1] * pad + row.prompt_ids
-                merged.append(merge_embeddings(embedded[index : index + 1], ids, model.image_token_id, model.encode_images(row.images)))
+                merged.append(
+                    merge_embeddings(
+                        embedded[index : index + 1], ids, model.image_token_id, model.encode_images(row.images)
+                    )
+                )
         embeddings = mx.concatenate(merged, axis=0)
         mx.eval(embeddings)
         timings.vision_encode_ms += (time.perf_counter() - began) * 1000
@@ -187,10 +198,17 @@ class Engine:
         if make is None:
             return {}, [0] * len(rows)
         made = [make(row.prompt_ids, row.images, pad) for row, pad in zip(rows, left_pad)]
-        return {name: mx.concatenate([extras[name] for extras, _ in made], axis=-2) for name in made[0][0]}, [shift for _, shift in made]
+        return {name: mx.concatenate([extras[name] for extras, _ in made], axis=-2) for name in made[0][0]}, [
+            shift for _, shift in made
+        ]
 
     def _run_prefill(
-        self, tokens: mx.array, cache: list, plan: PrefillPlan, timings: GenerationTimings, embeddings: mx.array | None = None,
+        self,
+        tokens: mx.array,
+        cache: list,
+        plan: PrefillPlan,
+        timings: GenerationTimings,
+        embeddings: mx.array | None = None,
         extras: dict[str, mx.array] | None = None,
     ) -> mx.array:
         """Every piece of the plan through the model: token ids, or (images) input embeddings
@@ -201,7 +219,9 @@ class Engine:
             logits_at = piece.length - 1 if is_last else None
             if embeddings is not None:
                 extra = {name: value[..., piece.start : piece.end] for name, value in (extras or {}).items()}
-                logits = self.model.forward_with_embeddings(embeddings[:, piece.start : piece.end], cache, logits_at=logits_at, **extra)
+                logits = self.model.forward_with_embeddings(
+                    embeddings[:, piece.start : piece.end], cache, logits_at=logits_at, **extra
+                )
             else:
                 chunk = tokens[:, piece.start : piece.end]
                 if piece.pad:
@@ -262,7 +282,15 @@ class Engine:
             mx.clear_cache()  # hand prefill's intermediate buffers back before decoding
         stop_ids = state.request.stop_token_ids
         for i in state.active_rows:
-            apply_token(state.results[i], i, tokens[i], logprobs[i] if logprobs is not None else None, stop_ids, state.max_tokens[i], on_token)
+            apply_token(
+                state.results[i],
+                i,
+                tokens[i],
+                logprobs[i] if logprobs is not None else None,
+                stop_ids,
+                state.max_tokens[i],
+                on_token,
+            )
         state.timings.end = time.perf_counter()
 
     def step(self, state: BatchState, on_token: OnToken, on_row_done: OnRowDone | None = None) -> bool:

@@ -121,7 +121,11 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     # row that passes the switch runs its sequence again: BatchScheduler.decode_step. A family
     # whose step cannot be compiled runs the scheduler's eager step: choose_decode_step.)
     images = any(r.images is not None for r in request.rows)
-    known = getattr(model, "prefill_extras_are_positions", False) or hasattr(model, "image_blocks") or hasattr(model, "lora_control")
+    known = (
+        getattr(model, "prefill_extras_are_positions", False)
+        or hasattr(model, "image_blocks")
+        or hasattr(model, "lora_control")
+    )
     if images and hasattr(model, "make_prefill_extras") and not known:
         return False  # per-token prefill inputs the scheduler does not know
     return all(type(c) in (KVCache, RotatingKVCache) for c in model.make_cache(1))
@@ -166,7 +170,15 @@ def default_kv_budget_bytes() -> int:
 
 
 class BatchScheduler:
-    def __init__(self, model, max_context: int, max_rows: int, kv_budget_bytes: int | None = None, pipeline: bool = True, chunk_size: int | None = None):
+    def __init__(
+        self,
+        model,
+        max_context: int,
+        max_rows: int,
+        kv_budget_bytes: int | None = None,
+        pipeline: bool = True,
+        chunk_size: int | None = None,
+    ):
         self.model = model
         self.max_context = max_context
         self.max_rows = max_rows
@@ -178,7 +190,12 @@ class BatchScheduler:
         # $MLXCEL_RAGGED_PREFILL=0 turns it off (each row's piece in a call of its own), to compare.
         self.ragged_prefill: bool | None = False if os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0" else None
 
-    def generate(self, request: GenerationRequest, on_token: OnToken = lambda row, token: True, on_row_done: OnRowDone | None = None) -> ScheduleState:
+    def generate(
+        self,
+        request: GenerationRequest,
+        on_token: OnToken = lambda row, token: True,
+        on_row_done: OnRowDone | None = None,
+    ) -> ScheduleState:
         """Generate every row; `on_token(row, token)` streams each token as it reaches the host
         (False cancels that row), `on_row_done(row, result)` reports each row as it finishes.
         A row that cannot run (empty, longer than the context, more KV than the budget) ends
@@ -188,7 +205,9 @@ class BatchScheduler:
             pass
         return state
 
-    def steps(self, request: GenerationRequest, on_token: OnToken, on_row_done: OnRowDone | None = None) -> Iterator[ScheduleState]:
+    def steps(
+        self, request: GenerationRequest, on_token: OnToken, on_row_done: OnRowDone | None = None
+    ) -> Iterator[ScheduleState]:
         """generate() as a generator: yields after every iteration (stopping early abandons the rest)."""
         timings = GenerationTimings(start=time.perf_counter())
         rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
@@ -197,8 +216,10 @@ class BatchScheduler:
         for row in rows:
             needed = count_blocks(self.reserved_positions(row, request)) * per_block
             if row.error is None and needed > self.kv_budget_bytes:
-                row.error = (f"needs {needed / 1e9:.3f} GB of KV cache (prompt {len(row.prompt)} + up to {row.limit} tokens); "
-                             f"runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or lower max_tokens")
+                row.error = (
+                    f"needs {needed / 1e9:.3f} GB of KV cache (prompt {len(row.prompt)} + up to {row.limit} tokens); "
+                    f"runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or lower max_tokens"
+                )
             if row.error is not None:
                 row.result.finish_reason, row.result.error = "error", row.error
                 if on_row_done is not None:
@@ -209,7 +230,9 @@ class BatchScheduler:
         num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
         kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
         table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, *kernels)
-        caches = make_paged_caches(len(self.model.model.layers), table, layer_windows(self.model), request.kv_bits, request.kv_group_size)
+        caches = make_paged_caches(
+            len(self.model.model.layers), table, layer_windows(self.model), request.kv_bits, request.kv_group_size
+        )
         for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
             state.kv_peak_bytes = state.kv_peak_blocks * per_block
             yield state
@@ -221,7 +244,9 @@ class BatchScheduler:
     def make_row(self, index: int, request: RowRequest, job: GenerationRequest) -> Row:
         result = RowResult(prompt_tokens=len(request.prompt_ids), logprobs=[] if job.logprobs else None)
         limit = min(request.max_tokens or job.max_tokens, self.max_context - len(request.prompt_ids) + 1)
-        return Row(index, request, result, max(limit, 1), error=check_prompt(index, request.prompt_ids, self.max_context))
+        return Row(
+            index, request, result, max(limit, 1), error=check_prompt(index, request.prompt_ids, self.max_context)
+        )
 
     def reserved_positions(self, row: Row, request: GenerationRequest) -> int:
         """Positions a row can ever write: its prompt (plus a tile of padding) and every drawn
@@ -229,7 +254,16 @@ class BatchScheduler:
         return len(row.prompt) + (request.tile_size or 0) + row.limit - 1
 
     # ---- the loop ----
-    def run_rows(self, state: ScheduleState, waiting: deque, table: PageTable, caches: list, request: GenerationRequest, on_token: OnToken, on_row_done) -> Iterator[ScheduleState]:
+    def run_rows(
+        self,
+        state: ScheduleState,
+        waiting: deque,
+        table: PageTable,
+        caches: list,
+        request: GenerationRequest,
+        on_token: OnToken,
+        on_row_done,
+    ) -> Iterator[ScheduleState]:
         """The loop of the module docstring; yields after every iteration."""
         sampler = RowsSampler(request.sampler, request.logprobs)
         batch = DecodeBatch()
@@ -241,7 +275,11 @@ class BatchScheduler:
         draws_queued = draws_read = 0
         while waiting or prefilling or len(batch) or inflight:
             # 1. admissions: a free slot and the blocks for everything the row may write
-            while waiting and free_slots and count_blocks(self.reserved_positions(waiting[0], request)) <= table.free_blocks:
+            while (
+                waiting
+                and free_slots
+                and count_blocks(self.reserved_positions(waiting[0], request)) <= table.free_blocks
+            ):
                 row = waiting.popleft()
                 row.slot = free_slots.pop(0)
                 table.reserve(row.slot, self.reserved_positions(row, request))
@@ -299,7 +337,9 @@ class BatchScheduler:
                 ended = self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
                 draws_read += 1
                 if ended and len(batch):
-                    leaving += self.keep(batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued)
+                    leaving += self.keep(
+                        batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
+                    )
             # slots and blocks of rows whose every queued step has been read go back
             for row in [row for row in leaving if row.last_draw <= draws_read]:
                 leaving.remove(row)
@@ -332,14 +372,18 @@ class BatchScheduler:
         parts, order = [], []
         rest = np.nonzero(~crossing)[0]
         if len(rest):
-            parts.append(self.step_rows(table, caches, batch.slots[rest], batch.next_input[mx.array(rest.astype(np.int32))]))
+            parts.append(
+                self.step_rows(table, caches, batch.slots[rest], batch.next_input[mx.array(rest.astype(np.int32))])
+            )
             order += rest.tolist()
         for i in np.nonzero(crossing)[0].tolist():
             row = batch.rows[i]
             generated = mx.array(row.result.token_ids[: batch.drawn[i] - 1], dtype=batch.next_input.dtype)
             generated = mx.concatenate([generated, batch.next_input[i : i + 1]])
             table.lengths[row.slot] = 0
-            self.set_adapter_rows(table, np.array([row.slot]), prefill=False)  # decoding: added per row, as in the batch engine
+            self.set_adapter_rows(
+                table, np.array([row.slot]), prefill=False
+            )  # decoding: added per row, as in the batch engine
             if row.embeddings is not None:  # an image row: its prompt's embeddings, kept for this
                 embeddings = mx.concatenate([row.embeddings, self.model.embed_tokens(generated[None])], axis=1)
                 table.begin(np.array([row.slot]), embeddings.shape[1])
@@ -414,7 +458,9 @@ class BatchScheduler:
             start = 0  # the piece passes longrope's switch: the prompt so far runs again with it, in one piece
         return start, end, (-(end - start)) % tile if tile and end != boundary else 0
 
-    def group_pieces(self, prefilling: deque, piece: int, budget: int, request: GenerationRequest) -> tuple[list[Row], tuple[int, int, int]]:
+    def group_pieces(
+        self, prefilling: deque, piece: int, budget: int, request: GenerationRequest
+    ) -> tuple[list[Row], tuple[int, int, int]]:
         """The first waiting row's next piece (at most `piece` tokens), and the rows after it whose
         next piece is the same span of their own prompt (text rows, all within the iteration's
         `budget`): one forward call prefills them all, as many rows at once cost less than one
@@ -427,12 +473,16 @@ class BatchScheduler:
             for row in list(prefilling)[1:]:
                 if row.request.images is not None or (len(group) + 1) * (end - start + pad) > budget:
                     break
-                if self.plan_piece(row, min(piece, budget), request) != plan or (len(row.prompt) == end) != (len(head.prompt) == end):
+                if self.plan_piece(row, min(piece, budget), request) != plan or (len(row.prompt) == end) != (
+                    len(head.prompt) == end
+                ):
                     break
                 group.append(row)
         return group, plan
 
-    def group_ragged(self, prefilling: deque, piece: int, budget: int, request: GenerationRequest) -> tuple[list[Row], list[tuple[int, int]], int] | None:
+    def group_ragged(
+        self, prefilling: deque, piece: int, budget: int, request: GenerationRequest
+    ) -> tuple[list[Row], list[tuple[int, int]], int] | None:
         """Where the paged kernels run: the first waiting rows' next pieces, whatever their
         lengths and starts, as one [rows, width] forward call (each row's tokens at the end of
         its line, after padding), or None where the head row's piece cannot be one (images, tiles,
@@ -462,14 +512,25 @@ class BatchScheduler:
         # (~70 ms on the H200), and a ragged job's last pieces come in every length.
         return rows, spans, width
 
-    def prefill_ragged(self, table: PageTable, caches: list, rows: list[Row], spans: list[tuple[int, int]], width: int, request: GenerationRequest, state: ScheduleState):
+    def prefill_ragged(
+        self,
+        table: PageTable,
+        caches: list,
+        rows: list[Row],
+        spans: list[tuple[int, int]],
+        width: int,
+        request: GenerationRequest,
+        state: ScheduleState,
+    ):
         """The pieces `spans` of `rows` in one call of `width` tokens a row, each row's tokens
         last (after `width - size` padding tokens, which are neither cached nor attended to), so
         their last positions line up: (logits of the rows whose prompts are done, tokens spent,
         those rows)."""
         began = time.perf_counter()
         leads = np.array([width - (end - start) for start, end in spans], dtype=np.int32)
-        chunk = mx.array([[request.pad_token_id] * lead + r.prompt[start:end] for r, lead, (start, end) in zip(rows, leads, spans)])
+        chunk = mx.array(
+            [[request.pad_token_id] * lead + r.prompt[start:end] for r, lead, (start, end) in zip(rows, leads, spans)]
+        )
         slots = np.array([r.slot for r in rows])
         self.set_adapter_rows(table, slots, prefill=True)
         table.begin(slots, width, leads)
@@ -482,7 +543,15 @@ class BatchScheduler:
         picked = logits if len(done) == len(rows) else logits[mx.array(np.array(done, dtype=np.int32))]
         return picked, width * len(rows), [rows[i] for i in done]
 
-    def prefill_piece(self, table: PageTable, caches: list, rows: list[Row], plan: tuple[int, int, int], request: GenerationRequest, state: ScheduleState):
+    def prefill_piece(
+        self,
+        table: PageTable,
+        caches: list,
+        rows: list[Row],
+        plan: tuple[int, int, int],
+        request: GenerationRequest,
+        state: ScheduleState,
+    ):
         """One piece (`plan`: start, end, pad) of each of `rows` in one forward call: (logits of
         their last positions if their prompts are done else None, tokens spent)."""
         start, end, pad = plan
@@ -505,7 +574,9 @@ class BatchScheduler:
         is_last = end == len(row.prompt)
         if row.embeddings is not None:
             extras = {name: value[..., start:end] for name, value in (row.extras or {}).items()}
-            logits = self.model.forward_with_embeddings(row.embeddings[:, start:end], caches, logits_at=size - 1 if is_last else None, **extras)
+            logits = self.model.forward_with_embeddings(
+                row.embeddings[:, start:end], caches, logits_at=size - 1 if is_last else None, **extras
+            )
             # kept past the prompt only where longrope's switch may run the row's sequence again
             row.embeddings = None if is_last and not self.may_cross_longrope(row) else row.embeddings
         else:
@@ -515,7 +586,15 @@ class BatchScheduler:
         self.finish_call(caches, rows, [(start, end)] * len(rows), [pad] * len(rows), began, state)
         return (logits[:, -1, :] if is_last else None), (size + pad) * len(rows)
 
-    def finish_call(self, caches: list, rows: list[Row], spans: list[tuple[int, int]], pads: list[int], began: float, state: ScheduleState) -> None:
+    def finish_call(
+        self,
+        caches: list,
+        rows: list[Row],
+        spans: list[tuple[int, int]],
+        pads: list[int],
+        began: float,
+        state: ScheduleState,
+    ) -> None:
         """Queue a prefill call's work, and record each row's piece. Each call is submitted on its
         own: one submission an iteration (pieces with the draw) was a quarter slower on CUDA, as
         larger, ever-different graphs (docs/benchmarks.md)."""
@@ -523,18 +602,32 @@ class BatchScheduler:
         ms = round((time.perf_counter() - began) * 1000, 3)
         for r, (start, end), pad in zip(rows, spans, pads):
             r.prefilled = end
-            state.timings.prefill_pieces.append({"row": r.index, "step": state.decode_steps, "start": start, "end": end, "pad": int(pad), "rows": len(rows), "ms": ms})
+            state.timings.prefill_pieces.append(
+                {
+                    "row": r.index,
+                    "step": state.decode_steps,
+                    "start": start,
+                    "end": end,
+                    "pad": int(pad),
+                    "rows": len(rows),
+                    "ms": ms,
+                }
+            )
 
     def embed_images(self, row: Row, state: ScheduleState) -> mx.array:
         """The row's input embeddings with its images' features at their placeholders."""
         began = time.perf_counter()
         embedded = self.model.embed_tokens(mx.array([row.prompt]))
-        merged = merge_embeddings(embedded, row.prompt, self.model.image_token_id, self.model.encode_images(row.request.images))
+        merged = merge_embeddings(
+            embedded, row.prompt, self.model.image_token_id, self.model.encode_images(row.request.images)
+        )
         mx.eval(merged)
         state.timings.vision_encode_ms += (time.perf_counter() - began) * 1000
         return merged
 
-    def read_draw(self, pending: PendingDraw, request: GenerationRequest, state: ScheduleState, on_token: OnToken, on_row_done) -> list[Row]:
+    def read_draw(
+        self, pending: PendingDraw, request: GenerationRequest, state: ScheduleState, on_token: OnToken, on_row_done
+    ) -> list[Row]:
         """Apply one step's tokens (the per-row work that overlaps the next step); returns the
         rows that finished."""
         ended = []
@@ -552,7 +645,9 @@ class BatchScheduler:
             token = tokens[i]
             if row.first_token_at is None:
                 row.first_token_at = now
-            apply_token(result, row.index, token, logprobs[i] if logprobs is not None else None, stop_ids, row.limit, on_token)
+            apply_token(
+                result, row.index, token, logprobs[i] if logprobs is not None else None, stop_ids, row.limit, on_token
+            )
             if result.finish_reason is not None:
                 row.finished_at = now
                 result.timing = measure_row(row, state.timings.start)

@@ -19,7 +19,9 @@ class LanguageModel(Protocol):
     supports_padded_prefill: bool  # a piece may be right-padded and the padding trimmed from the cache
 
     # logits_at: compute the vocabulary head at that position only (prefill needs one row)
-    def __call__(self, input_ids: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None) -> mx.array: ...
+    def __call__(
+        self, input_ids: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None
+    ) -> mx.array: ...
     def embed_tokens(self, input_ids: mx.array) -> mx.array: ...
     def forward_with_embeddings(
         self, embeddings: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None
@@ -83,11 +85,19 @@ class RoPE(nn.Module):
             else:
                 from mlxcel.errors import MlxcelError
 
-                raise MlxcelError(f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+                raise MlxcelError(
+                    f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)"
+                )
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset, freqs=self._freqs
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self._freqs,
         )
 
 
@@ -128,7 +138,11 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     if any(has_bias) and not all(has_bias):
         return None
     if isinstance(first, nn.QuantizedLinear):
-        if any((layer.bits, layer.group_size, getattr(layer, "mode", None)) != (first.bits, first.group_size, getattr(first, "mode", None)) for layer in layers):
+        if any(
+            (layer.bits, layer.group_size, getattr(layer, "mode", None))
+            != (first.bits, first.group_size, getattr(first, "mode", None))
+            for layer in layers
+        ):
             return None
         fused = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
         nn.Module.__init__(fused)

@@ -48,5 +48,6 @@ def assemble_parts(name: str, package: str) -> Path:
     except (ImportError, FileNotFoundError) as exc:
         raise MlxcelError(f"the embedded model {name} is incomplete ({exc}): run `{INSTALL_LINES[name]}`") from exc
     except (OSError, ValueError) as exc:
-        raise MlxcelError(f"the embedded model {name}: cannot join its parts ({exc}); check the disk space and the cache folder") from exc
-
+        raise MlxcelError(
+            f"the embedded model {name}: cannot join its parts ({exc}); check the disk space and the cache folder"
+        ) from exc

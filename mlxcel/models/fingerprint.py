@@ -20,7 +20,9 @@ class ModelHeader:
     max_context: int
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes
     fingerprint: str = ""  # sha256 of the config and the weights index (names, shapes, dtypes)
-    head_dim: int | None = None  # attention head size, where the config says (checks decode.kv_group_size before loading)
+    head_dim: int | None = (
+        None  # attention head size, where the config says (checks decode.kv_group_size before loading)
+    )
 
 
 def read_model_header(path: Path) -> ModelHeader:
@@ -46,7 +48,14 @@ def read_hf_header(folder: Path) -> ModelHeader:
     for weights in sorted(folder.glob("*.safetensors")):
         digest.update(read_safetensors_header(weights))
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    return ModelHeader(folder, config.get("model_type", "?"), read_context_length(config), files, digest.hexdigest(), read_head_dim(config))
+    return ModelHeader(
+        folder,
+        config.get("model_type", "?"),
+        read_context_length(config),
+        files,
+        digest.hexdigest(),
+        read_head_dim(config),
+    )
 
 
 def read_head_dim(config: dict) -> int | None:
@@ -91,4 +100,11 @@ def read_gguf_header(path: Path) -> ModelHeader:
     for name in sorted(index):
         shape, dtype = index[name]
         digest.update(f"{name}:{shape}:{dtype}".encode())
-    return ModelHeader(path, config["model_type"], config["max_position_embeddings"], {path.name: path.stat().st_size}, digest.hexdigest(), read_head_dim(config))
+    return ModelHeader(
+        path,
+        config["model_type"],
+        config["max_position_embeddings"],
+        {path.name: path.stat().st_size},
+        digest.hexdigest(),
+        read_head_dim(config),
+    )

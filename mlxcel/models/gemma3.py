@@ -44,7 +44,11 @@ TOP_LEVEL_KEYS = ("eos_token_id", "tie_word_embeddings")
 # checkpoint prefix -> ours. language_model.{model,lm_head}.*: the Hub's original layout, still
 # what mlx-vlm and transformers' save_pretrained write; model.language_model.* (lm_head.weight
 # already at the top): transformers' in-memory names since 4.52, in some saved checkpoints
-LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 

@@ -96,7 +96,11 @@ def make_block_mask(length: int, cache, image_blocks: mx.array) -> mx.array:
     query_pos = mx.arange(offset, offset + length)
     earlier = offset - start
     B = image_blocks.shape[0]
-    key_blocks = mx.concatenate([mx.full((B, earlier), -1, dtype=image_blocks.dtype), image_blocks], axis=1) if earlier else image_blocks
+    key_blocks = (
+        mx.concatenate([mx.full((B, earlier), -1, dtype=image_blocks.dtype), image_blocks], axis=1)
+        if earlier
+        else image_blocks
+    )
     same = (image_blocks[:, :, None] == key_blocks[:, None, :]) & (image_blocks[:, :, None] >= 0)  # [B, L, S]
     mask = (key_pos[None, :] <= query_pos[:, None])[None] | same
     if window is not None:
@@ -139,14 +143,20 @@ class Model(gemma3.Model):
         if self._image_config is None:
             folder = self._preprocessor_folder
             if folder is None:
-                raise MlxcelError("this gemma3 model has no image processor (load it from a checkpoint folder to use images)")
+                raise MlxcelError(
+                    "this gemma3 model has no image processor (load it from a checkpoint folder to use images)"
+                )
             path = folder / "preprocessor_config.json"
             if not path.is_file():
-                raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
+                raise MlxcelError(
+                    f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)"
+                )
             config = gemma3_processor.Gemma3ImageConfig.load(path)
             size = self.vision_tower.args.image_size
             if config.do_resize and config.size != (size, size):
-                raise MlxcelError(f"{path}: size {config.size} disagrees with the vision tower's {size}x{size} (vision_config.image_size)")
+                raise MlxcelError(
+                    f"{path}: size {config.size} disagrees with the vision tower's {size}x{size} (vision_config.image_size)"
+                )
             self._image_config = config
         return self._image_config
 
@@ -155,7 +165,9 @@ class Model(gemma3.Model):
         batch = gemma3_processor.preprocess_images(images, self.image_config(), sources)
         size = self.vision_tower.args.image_size
         if batch.pixel_values.shape[-2:] != (size, size):
-            raise MlxcelError(f"images preprocess to {tuple(batch.pixel_values.shape[-2:])}, but the vision tower takes {size}x{size}")
+            raise MlxcelError(
+                f"images preprocess to {tuple(batch.pixel_values.shape[-2:])}, but the vision tower takes {size}x{size}"
+            )
         counts = [(1 + crops) * self.tokens_per_image for crops in batch.num_crops]
         return ImageInputs(batch.pixel_values, counts, {"num_crops": batch.num_crops})
 
@@ -169,14 +181,18 @@ class Model(gemma3.Model):
         projected = self.multi_modal_projector(self.vision_tower(pixels))
         features = projected.reshape(-1, projected.shape[-1])
         if features.shape[0] != sum(inputs.token_counts):
-            raise MlxcelError(f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens")
+            raise MlxcelError(
+                f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens"
+            )
         return features.astype(self.model.norm.weight.dtype)
 
     def image_blocks(self, token_ids: list[int]) -> list[int]:
         """Per token: its image block (bidirectional attention inside it), -1 outside images."""
         return find_image_blocks(token_ids, self.image_token_id)
 
-    def make_prefill_extras(self, token_ids: list[int], inputs: ImageInputs | None, pad: int) -> tuple[dict[str, mx.array], int]:
+    def make_prefill_extras(
+        self, token_ids: list[int], inputs: ImageInputs | None, pad: int
+    ) -> tuple[dict[str, mx.array], int]:
         """The engine's per-row prefill inputs: image block ids [1, pad + L] (-1 for padding and
         text rows); no position shift."""
         blocks = self.image_blocks(token_ids) if inputs is not None else [-1] * len(token_ids)
@@ -185,7 +201,12 @@ class Model(gemma3.Model):
     # ---- the language model with image blocks ----------------------------------------------------
 
     def forward_with_embeddings(
-        self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None, image_blocks: mx.array | None = None
+        self,
+        embeddings: mx.array,
+        cache: list,
+        mask: Any = None,
+        logits_at: int | None = None,
+        image_blocks: mx.array | None = None,
     ) -> mx.array:
         if image_blocks is None or mask is not None:  # all -1 (a text row's) gives the causal/sliding masks
             return super().forward_with_embeddings(embeddings, cache, mask, logits_at)
@@ -211,4 +232,3 @@ class Model(gemma3.Model):
         tower = {f"vision_tower.{k}": v for k, v in self.vision_tower.sanitize(tower).items()}
         projector = {f"multi_modal_projector.{k}": v for k, v in self.multi_modal_projector.sanitize(projector).items()}
         return {**language, **tower, **projector}
-

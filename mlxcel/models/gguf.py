@@ -31,8 +31,14 @@ GGUF_GROUP_SIZE = 32
 # permutes Q/K rows only for the llama architecture (interleaved RoPE); the others keep HF's
 # layout (NEOX RoPE).
 SUPPORTED_GGUF_ARCHS = {
-    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-    "gemma3": "gemma3_text", "phi3": "phi3", "qwen3moe": "qwen3_moe",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "qwen3moe": "qwen3_moe",
 }
 # Architectures whose files may carry experts -> the MoE family they load as (llama with
 # expert_count > 0 is Mixtral; without it, dense llama)
@@ -61,13 +67,20 @@ _TENSOR_NAMES = {
 
 def make_moe_tensor_names(block: str) -> dict[str, str]:
     """The router and the stacked experts under the family's MoE block (`block`)."""
-    return {"ffn_gate_inp": f"{block}.gate", **{f"ffn_{p}_exps": f"{block}.switch_mlp.{p}_proj" for p in ("gate", "up", "down")}}
+    return {
+        "ffn_gate_inp": f"{block}.gate",
+        **{f"ffn_{p}_exps": f"{block}.switch_mlp.{p}_proj" for p in ("gate", "up", "down")},
+    }
 
 
 # Per-architecture differences from the table above (llama.cpp's tensor_mapping.py).
 _ARCH_TENSOR_NAMES = {
     # Gemma 2/3: four norms per block; ffn_norm is the pre-feed-forward one
-    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma2": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
     # Phi-3: the checkpoint's fused projections; ffn_up holds gate_up_proj
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     # Mixtral (dense llama files hold none of these) and Qwen3-MoE
@@ -178,7 +191,9 @@ def make_gemma_config(arch: str, get, config: dict) -> dict:
     is_27b = config["num_hidden_layers"] in (46, 62)
     extra = {
         "sliding_window": get("attention.sliding_window", None, required=False),
-        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"],
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
+        if is_27b
+        else config["head_dim"],
     }
     if arch == "gemma2":
         extra["attn_logit_softcapping"] = get("attn_logit_softcapping", None, required=False)
@@ -204,8 +219,13 @@ def make_moe_config(family: str, get, config: dict, experts: int) -> dict:
     # GGUF has no norm_topk_prob key (the released Qwen3-MoE models set it true). Its expert
     # width without expert_feed_forward_length, feed_forward_length / expert_used_count, is ours too.
     return {
-        "num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "moe_intermediate_size": get("expert_feed_forward_length", None, required=False) or config["intermediate_size"] // used,
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": get("expert_feed_forward_length", None, required=False)
+        or config["intermediate_size"] // used,
     }
 
 
@@ -216,7 +236,9 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
     if not experts:
         stray = next((name for name in sorted(weights) if is_expert_tensor(name)), None)
         if stray is not None:
-            raise MlxcelError(f"{path}: tensor {stray!r} belongs to a mixture of experts, but the GGUF metadata lacks '{arch}.expert_count'")
+            raise MlxcelError(
+                f"{path}: tensor {stray!r} belongs to a mixture of experts, but the GGUF metadata lacks '{arch}.expert_count'"
+            )
         return
     for layer in range(config["num_hidden_layers"]):
         for base in EXPERT_TENSORS:
@@ -224,7 +246,9 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
             if name not in weights:
                 raise MlxcelError(f"{path}: MoE GGUF ('{arch}.expert_count' = {experts}) lacks tensor {name!r}")
             if weights[name].shape[0] != experts:
-                raise MlxcelError(f"{path}: tensor {name!r} holds {weights[name].shape[0]} experts, but '{arch}.expert_count' says {experts}")
+                raise MlxcelError(
+                    f"{path}: tensor {name!r} holds {weights[name].shape[0]} experts, but '{arch}.expert_count' says {experts}"
+                )
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -239,8 +263,11 @@ def read_phi3_longrope(weights: dict[str, mx.array], metadata: dict[str, Any], c
         return
     original = read_metadata_value(metadata, "phi3.rope.scaling.original_context_length")
     config["rope_scaling"] = {
-        "rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist(),
-        "original_max_position_embeddings": original, "attention_factor": read_metadata_value(metadata, "phi3.rope.scaling.attn_factor"),
+        "rope_type": "longrope",
+        "long_factor": long.tolist(),
+        "short_factor": short.tolist(),
+        "original_max_position_embeddings": original,
+        "attention_factor": read_metadata_value(metadata, "phi3.rope.scaling.attn_factor"),
     }
 
 
@@ -264,7 +291,9 @@ def undo_gemma_norm_offset(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return {k: v.astype(mx.float32) - 1 if k.endswith("norm.weight") else v for k, v in weights.items()}
 
 
-def rename_gguf_weights(weights: dict[str, mx.array], arch: str = "llama", path: Path | None = None) -> dict[str, mx.array]:
+def rename_gguf_weights(
+    weights: dict[str, mx.array], arch: str = "llama", path: Path | None = None
+) -> dict[str, mx.array]:
     """llama.cpp names (blk.3.attn_q.scales) -> ours (model.layers.3.self_attn.q_proj.scales)."""
     names = {**_TENSOR_NAMES, **_ARCH_TENSOR_NAMES.get(arch, {})}
     renamed = {}

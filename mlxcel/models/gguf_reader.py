@@ -20,16 +20,38 @@ from mlxcel.errors import MlxcelError
 
 # ggml type id -> (name, elements per block, bytes per block)
 GGML_TYPES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
 }
 MLX_NATIVE_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # what mx.load reads (quantized ones stay packed)
 QK_K = 256
 
 # GGUF metadata value types -> struct format (8: string, 9: array are read by hand)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_NUMPY = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 
 
 @dataclass
@@ -77,7 +99,9 @@ class _Cursor:
 def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     """Metadata and tensor table; an unknown tensor type is an error naming the tensor."""
     if Path(path).stat().st_size < 4:
-        raise MlxcelError(f"{path}: empty or truncated ({Path(path).stat().st_size} bytes), not a GGUF file; download it again")
+        raise MlxcelError(
+            f"{path}: empty or truncated ({Path(path).stat().st_size} bytes), not a GGUF file; download it again"
+        )
     data = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(memoryview(data), path)
     if bytes(data[:4]) != b"GGUF":
@@ -85,7 +109,9 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     cursor.pos = 4
     version = cursor.take("<I")
     if version < 2:
-        raise MlxcelError(f"{path}: GGUF version {version} is not supported (2 or 3 are; re-convert with a recent llama.cpp)")
+        raise MlxcelError(
+            f"{path}: GGUF version {version} is not supported (2 or 3 are; re-convert with a recent llama.cpp)"
+        )
     n_tensors, n_kv = cursor.take("<Q"), cursor.take("<Q")
     metadata = {}
     for _ in range(n_kv):
@@ -101,7 +127,9 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     tensors = []
     for name, dims, kind, offset in raw:
         if kind not in GGML_TYPES:
-            raise MlxcelError(f"{path}: tensor {name!r} has ggml type id {kind}, which mlxcel cannot read (readable: {', '.join(sorted(t[0] for t in GGML_TYPES.values()))})")
+            raise MlxcelError(
+                f"{path}: tensor {name!r} has ggml type id {kind}, which mlxcel cannot read (readable: {', '.join(sorted(t[0] for t in GGML_TYPES.values()))})"
+            )
         type_name, block, size = GGML_TYPES[kind]
         count = int(np.prod(dims)) if dims else 1
         tensors.append(TensorInfo(name, tuple(reversed(dims)), type_name, start + offset, count // block * size))
@@ -117,7 +145,9 @@ def load_gguf_numpy(path: Path, tensors: list[TensorInfo]) -> dict[str, np.ndarr
     for info in tensors:
         raw = data[info.offset : info.offset + info.nbytes]
         if info.type_name not in DEQUANTIZERS:
-            raise MlxcelError(f"{path}: tensor {info.name!r} is {info.type_name}, which mlxcel cannot dequantize yet (supported: {', '.join(DEQUANTIZERS)}); re-quantize the file as Q4_K_M, Q5_K_M, Q6_K or Q8_0")
+            raise MlxcelError(
+                f"{path}: tensor {info.name!r} is {info.type_name}, which mlxcel cannot dequantize yet (supported: {', '.join(DEQUANTIZERS)}); re-quantize the file as Q4_K_M, Q5_K_M, Q6_K or Q8_0"
+            )
         out[info.name] = DEQUANTIZERS[info.type_name](np.asarray(raw)).reshape(info.shape)
     return out
 
@@ -223,7 +253,15 @@ def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:
 
 
 DEQUANTIZERS = {
-    "F32": dequantize_f32, "F16": dequantize_f16, "BF16": dequantize_bf16, "Q4_0": dequantize_q4_0,
-    "Q4_1": dequantize_q4_1, "Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1, "Q8_0": dequantize_q8_0,
-    "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k,
+    "F32": dequantize_f32,
+    "F16": dequantize_f16,
+    "BF16": dequantize_bf16,
+    "Q4_0": dequantize_q4_0,
+    "Q4_1": dequantize_q4_1,
+    "Q5_0": dequantize_q5_0,
+    "Q5_1": dequantize_q5_1,
+    "Q8_0": dequantize_q8_0,
+    "Q4_K": dequantize_q4_k,
+    "Q5_K": dequantize_q5_k,
+    "Q6_K": dequantize_q6_k,
 }

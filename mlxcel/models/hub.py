@@ -35,9 +35,13 @@ def resolve_repo(repo_id: str) -> Path:
         pass
     fetch = f"fetch it where the Hub is reachable (`hf download {repo_id}`) or give a local folder"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise MlxcelError(f"model.path={repo_id}: not in the Hugging Face cache ({HF_HUB_CACHE}) and HF_HUB_OFFLINE is set; {fetch}")
+        raise MlxcelError(
+            f"model.path={repo_id}: not in the Hugging Face cache ({HF_HUB_CACHE}) and HF_HUB_OFFLINE is set; {fetch}"
+        )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
     except Exception as exc:  # network, auth, missing repo: one line, whatever the cause
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MlxcelError(f"model.path={repo_id}: not in the Hugging Face cache ({HF_HUB_CACHE}) and the download failed ({reason}); {fetch}") from exc
+        raise MlxcelError(
+            f"model.path={repo_id}: not in the Hugging Face cache ({HF_HUB_CACHE}) and the download failed ({reason}); {fetch}"
+        ) from exc

@@ -41,8 +41,16 @@ from mlxcel.vision.stage import ImageInputs, check_placeholder_count
 
 REQUIRED_KEYS = ("model_type",)
 # Idefics3VisionConfig's / SmolVLMVisionConfig's defaults where they differ from SiglipVisionArgs'
-VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 16,
-                   "image_size": 224, "patch_size": 32, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
+VISION_DEFAULTS = {
+    "hidden_size": 1152,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "image_size": 224,
+    "patch_size": 32,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+}
 DEFAULT_IMAGE_TOKEN_ID = 128257
 DEFAULT_SCALE_FACTOR = 2
 # checkpoint prefix -> ours, first match wins
@@ -76,13 +84,17 @@ class ModelArgs:
         """`overrides` go to the language model's args."""
         # Idefics3Config / SmolVLMConfig build a default llama text config with rms_norm_eps 1e-5
         text_config = read_text_config(config, default_text={"rms_norm_eps": 1e-5})
-        vision = siglip.SiglipVisionArgs.from_config({**VISION_DEFAULTS, **{k: v for k, v in (config.get("vision_config") or {}).items() if v is not None}})
+        vision = siglip.SiglipVisionArgs.from_config(
+            {**VISION_DEFAULTS, **{k: v for k, v in (config.get("vision_config") or {}).items() if v is not None}}
+        )
         scale = config.get("scale_factor", DEFAULT_SCALE_FACTOR)
         if not (isinstance(scale, int) and not isinstance(scale, bool) and scale > 0):
             raise MlxcelError(f"scale_factor must be a positive int (got {scale!r})")
         side = vision.image_size // vision.patch_size
         if side % scale:
-            raise MlxcelError(f"vision_config: a {side}x{side} patch grid cannot be pixel-shuffled by scale_factor {scale}")
+            raise MlxcelError(
+                f"vision_config: a {side}x{side} patch grid cannot be pixel-shuffled by scale_factor {scale}"
+            )
         return cls(
             model_type=config.get("model_type", "idefics3"),
             text=make_text_args(text_config, **overrides),
@@ -142,10 +154,14 @@ class Model(OverTextModel, nn.Module):
     def read_image_config(self) -> processor.Idefics3ImageConfig:
         folder = self._preprocessor_folder
         if folder is None:
-            raise MlxcelError(f"this {self.model_type} model has no image processor (load it from a checkpoint folder to use images)")
+            raise MlxcelError(
+                f"this {self.model_type} model has no image processor (load it from a checkpoint folder to use images)"
+            )
         path = folder / "preprocessor_config.json"
         if not path.is_file():
-            raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
+            raise MlxcelError(
+                f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)"
+            )
         config = processor.Idefics3ImageConfig.load(path)
         size = self.idefics3_args.vision.image_size
         if config.max_image_size != size:
@@ -190,7 +206,11 @@ class Model(OverTextModel, nn.Module):
         seq_len = self.idefics3_args.image_seq_len
         sample = batch.images[0]
         counts = [processor.count_image_tokens(image.rows, image.cols, seq_len) for image in sample]
-        extras = {"pixel_attention_mask": batch.pixel_attention_mask, "rows": [im.rows for im in sample], "cols": [im.cols for im in sample]}
+        extras = {
+            "pixel_attention_mask": batch.pixel_attention_mask,
+            "rows": [im.rows for im in sample],
+            "cols": [im.cols for im in sample],
+        }
         return ImageInputs(batch.pixel_values, counts, extras)
 
     def expand_image_text(self, text: str, inputs: ImageInputs, paths: list[str]) -> str:
@@ -199,7 +219,10 @@ class Model(OverTextModel, nn.Module):
         pieces = text.split(tokens.image)
         check_placeholder_count(len(pieces) - 1, list(paths))
         seq_len = self.idefics3_args.image_seq_len
-        layouts = [processor.make_image_prompt(r, c, seq_len, tokens) for r, c in zip(inputs.extras["rows"], inputs.extras["cols"])]
+        layouts = [
+            processor.make_image_prompt(r, c, seq_len, tokens)
+            for r, c in zip(inputs.extras["rows"], inputs.extras["cols"])
+        ]
         out = pieces[0]
         for layout, piece in zip(layouts, pieces[1:]):
             out += layout + piece
@@ -217,7 +240,11 @@ class Model(OverTextModel, nn.Module):
         pixels = np.asarray(inputs.pixel_values)
         pixels = pixels.reshape(-1, *pixels.shape[-3:])
         mask = inputs.extras.get("pixel_attention_mask")
-        mask = np.ones((pixels.shape[0], *pixels.shape[-2:]), dtype=bool) if mask is None else np.asarray(mask).reshape(-1, *pixels.shape[-2:])
+        mask = (
+            np.ones((pixels.shape[0], *pixels.shape[-2:]), dtype=bool)
+            if mask is None
+            else np.asarray(mask).reshape(-1, *pixels.shape[-2:])
+        )
         real = (pixels != 0).any(axis=(1, 2, 3))  # transformers drops all-zero (padding) frames
         pixels, mask = pixels[real], mask[real]
         patch_mask = make_patch_mask(mask, self.idefics3_args.vision.patch_size)

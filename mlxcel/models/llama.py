@@ -212,13 +212,17 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, input_ids: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None) -> mx.array:
+    def __call__(
+        self, input_ids: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None
+    ) -> mx.array:
         return self.forward_with_embeddings(self.embed_tokens(input_ids), cache, mask, logits_at)
 
     def embed_tokens(self, input_ids: mx.array) -> mx.array:
         return self.model.embed_tokens(input_ids)
 
-    def forward_with_embeddings(self, embeddings: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None) -> mx.array:
+    def forward_with_embeddings(
+        self, embeddings: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None
+    ) -> mx.array:
         """Logits [B, L, V]; with `logits_at`, only that position's ([B, 1, V]): a prefill needs one
         row of the vocabulary head, not one per prompt token (a quarter of a 0.5B model's FLOPs)."""
         h = embeddings

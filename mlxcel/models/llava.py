@@ -85,7 +85,9 @@ class ModelArgs:
         vision_config = dict(config.get("vision_config") or {})
         tower = vision_config.get("model_type", "clip_vision_model")
         if tower not in SUPPORTED_TOWERS:
-            raise MlxcelError(f"{config.get('model_type')}: vision tower {tower!r} is not supported yet (supported: {', '.join(SUPPORTED_TOWERS)})")
+            raise MlxcelError(
+                f"{config.get('model_type')}: vision tower {tower!r} is not supported yet (supported: {', '.join(SUPPORTED_TOWERS)})"
+            )
         image_token = config.get("image_token_index", config.get("image_token_id", 32000))
         is_next = config.get("model_type") == "llava_next"
         return cls(
@@ -120,9 +122,13 @@ def check_feature_args(args: ModelArgs, tower: clip_vit.ClipVisionModel) -> None
     total = tower.args.num_hidden_layers + 1
     layers = feature_layers(args.vision_feature_layer)
     if not layers or any(not isinstance(i, int) or not -total <= i < total for i in layers):
-        raise MlxcelError(f"vision_feature_layer {args.vision_feature_layer} is out of range for {total} hidden states of the vision tower")
+        raise MlxcelError(
+            f"vision_feature_layer {args.vision_feature_layer} is out of range for {total} hidden states of the vision tower"
+        )
     if args.vision_feature_select_strategy not in clip.FEATURE_STRATEGIES:
-        raise MlxcelError(f"vision_feature_select_strategy must be 'default' or 'full' (got {args.vision_feature_select_strategy!r})")
+        raise MlxcelError(
+            f"vision_feature_select_strategy must be 'default' or 'full' (got {args.vision_feature_select_strategy!r})"
+        )
 
 
 class Model(OverTextModel, nn.Module):
@@ -141,7 +147,10 @@ class Model(OverTextModel, nn.Module):
         check_feature_args(args, self.vision_tower)
         n_layers = len(feature_layers(args.vision_feature_layer))
         self.multi_modal_projector = MultiModalProjector(
-            self.vision_tower.args.hidden_size * n_layers, args.text.hidden_size, args.projector_hidden_act, args.multimodal_projector_bias
+            self.vision_tower.args.hidden_size * n_layers,
+            args.text.hidden_size,
+            args.projector_hidden_act,
+            args.multimodal_projector_bias,
         )
         if args.model_type == "llava_next":
             self.image_newline = mx.zeros((args.text.hidden_size,))
@@ -169,10 +178,14 @@ class Model(OverTextModel, nn.Module):
     def read_image_config(self) -> clip.ClipImageConfig | llava_next.LlavaNextImageConfig:
         folder = self._preprocessor_folder
         if folder is None:
-            raise MlxcelError(f"this {self.model_type} model has no image processor (load it from a checkpoint folder to use images)")
+            raise MlxcelError(
+                f"this {self.model_type} model has no image processor (load it from a checkpoint folder to use images)"
+            )
         path = folder / "preprocessor_config.json"
         if not path.is_file():
-            raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
+            raise MlxcelError(
+                f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)"
+            )
         if not self.is_next:
             return clip.ClipImageConfig.load(path)
         config = llava_next.LlavaNextImageConfig.load(path)
@@ -212,12 +225,19 @@ class Model(OverTextModel, nn.Module):
         self.check_pixels(batch.pixel_values)
         counts = [
             llava_next.count_image_tokens(
-                int(h), int(w), config, patch_size=vision.patch_size, image_size=vision.image_size,
-                vision_feature_select_strategy=strategy, num_additional_image_tokens=CLS_TOKENS,
+                int(h),
+                int(w),
+                config,
+                patch_size=vision.patch_size,
+                image_size=vision.image_size,
+                vision_feature_select_strategy=strategy,
+                num_additional_image_tokens=CLS_TOKENS,
             )
             for h, w in batch.image_sizes
         ]
-        return ImageInputs(batch.pixel_values, counts, {"image_sizes": batch.image_sizes, "patch_counts": batch.patch_counts})
+        return ImageInputs(
+            batch.pixel_values, counts, {"image_sizes": batch.image_sizes, "patch_counts": batch.patch_counts}
+        )
 
     def project_images(self, pixel_values: mx.array) -> mx.array:
         """[n, C, H, W] -> [n, features per image, hidden]: the tower's selected states, projected."""
@@ -239,7 +259,9 @@ class Model(OverTextModel, nn.Module):
             projected = self.project_images(mx.array(inputs.pixel_values))
             features = projected.reshape(-1, projected.shape[-1])
         if features.shape[0] != sum(inputs.token_counts):
-            raise MlxcelError(f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens")
+            raise MlxcelError(
+                f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens"
+            )
         # norm weights stay floating when the model is quantized (embed_tokens' may be uint32)
         return features.astype(self.model.norm.weight.dtype)
 
@@ -256,8 +278,12 @@ class Model(OverTextModel, nn.Module):
         rows, cols = best[0] // vision.image_size, best[1] // vision.image_size
         grid, dims = features[1:], features.shape[-1]
         if grid.shape[:2] != (rows * cols, side * side):
-            raise MlxcelError(f"image features {tuple(grid.shape[:2])} do not fill a {rows}x{cols} grid of {side}x{side} tiles")
-        grid = grid.reshape(rows, cols, side, side, dims).transpose(0, 2, 1, 3, 4).reshape(rows * side, cols * side, dims)
+            raise MlxcelError(
+                f"image features {tuple(grid.shape[:2])} do not fill a {rows}x{cols} grid of {side}x{side} tiles"
+            )
+        grid = (
+            grid.reshape(rows, cols, side, side, dims).transpose(0, 2, 1, 3, 4).reshape(rows * side, cols * side, dims)
+        )
         (top, bottom), (left, right) = plan_unpad(size, (rows * side, cols * side))
         grid = grid[top:bottom, left:right]
         grid = mx.concatenate([grid, mx.broadcast_to(newline, (grid.shape[0], 1, dims))], axis=1)

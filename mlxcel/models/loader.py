@@ -77,11 +77,19 @@ class LoadedModel:
 
 def resolve_model_path(path: str | None) -> Path:
     if not path:
-        raise ConfigError(ConfigIssue("model.path", "required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2", path))
+        raise ConfigError(
+            ConfigIssue(
+                "model.path",
+                "required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2",
+                path,
+            )
+        )
     if path.startswith("embedded:"):
         name = path.split(":", 1)[1]
         if name not in EMBEDDED_MODELS:
-            raise ConfigError(ConfigIssue("model.path", f"unknown embedded model; known: {', '.join(EMBEDDED_MODELS)}", path))
+            raise ConfigError(
+                ConfigIssue("model.path", f"unknown embedded model; known: {', '.join(EMBEDDED_MODELS)}", path)
+            )
         return locate_embedded_model(name)
     if is_repo_id(path):
         return resolve_repo(path)
@@ -98,7 +106,9 @@ def pick_dtype(dtype: str) -> mx.Dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto", quantize: dict | None = None) -> LoadedModel:
+def load_model(
+    path: str | None, dtype: str = "auto", gguf_weights: str = "auto", quantize: dict | None = None
+) -> LoadedModel:
     """`quantize` ({"bits", "group_size"}): quantize the dense layers at load and record the
     logit error that costs in info["quantization"]."""
     start = time.perf_counter()
@@ -109,7 +119,11 @@ def load_model(path: str | None, dtype: str = "auto", gguf_weights: str = "auto"
     elif resolved.is_dir():
         loaded = load_hf_model(resolved, target_dtype)
     else:
-        raise ConfigError(ConfigIssue("model.path", "expected a model folder (config.json + *.safetensors) or a .gguf file", str(resolved)))
+        raise ConfigError(
+            ConfigIssue(
+                "model.path", "expected a model folder (config.json + *.safetensors) or a .gguf file", str(resolved)
+            )
+        )
     if quantize:
         loaded.info["quantization"] = quantize_at_load(loaded.model, quantize["bits"], quantize["group_size"])
     if fuse_projections_enabled() and hasattr(loaded.model, "fuse_projections"):
@@ -137,7 +151,9 @@ def fuse_projections_enabled() -> bool:
 
 
 def list_supported_families() -> list[str]:
-    return sorted(name for name, module in FAMILIES.items() if importlib.util.find_spec(f"mlxcel.models.{module}") is not None)
+    return sorted(
+        name for name, module in FAMILIES.items() if importlib.util.find_spec(f"mlxcel.models.{module}") is not None
+    )
 
 
 def import_family(model_type: str, source: Path):
@@ -195,7 +211,9 @@ def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
         info["quantization"] = describe_checkpoint_quantization(quantization)
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     apply_weights(model, weights, folder, origins)
-    generation_config = read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+    generation_config = (
+        read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}
+    )
     return LoadedModel(model, folder, config, None, generation_config, info)
 
 
@@ -228,7 +246,9 @@ def load_safetensors(folder: Path) -> tuple[dict[str, mx.array], dict[str, Path]
         origins.update(dict.fromkeys(shard, file))
     absent = sorted(k for k in weight_map if k not in weights)
     if absent:
-        raise MlxcelError(f"{folder / weight_map[absent[0]]}: lacks tensor {absent[0]} that {index_path.name} puts there ({len(absent)} missing)")
+        raise MlxcelError(
+            f"{folder / weight_map[absent[0]]}: lacks tensor {absent[0]} that {index_path.name} puts there ({len(absent)} missing)"
+        )
     return weights, origins
 
 
@@ -245,7 +265,9 @@ def check_shard_series(folder: Path, files: list[str]) -> None:
                 raise MlxcelError(f"{folder / shard}: shard {i} of {total} is missing (download it again)")
 
 
-def apply_weights(model: nn.Module, weights: dict[str, mx.array], source: Path, origins: dict[str, Path] | None = None) -> None:
+def apply_weights(
+    model: nn.Module, weights: dict[str, mx.array], source: Path, origins: dict[str, Path] | None = None
+) -> None:
     """Checks names and shapes against the architecture the config built; errors name the file."""
     origins = origins or {}
     expected = {k for k, _ in _flatten(model.parameters())}
@@ -289,12 +311,20 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
         )
     else:
         weights = dequantize_weights(weights, quantized)
-    weights = {k: v.astype(dtype) if k.endswith((".weight", ".bias")) and mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    weights = {
+        k: v.astype(dtype) if k.endswith((".weight", ".bias")) and mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
     if keep_quantized:  # scales/biases in the compute dtype
         weights = {k: v.astype(dtype) if k.endswith((".scales", ".biases")) else v for k, v in weights.items()}
     apply_weights(model, weights, path)
     # K-quant files (and float ones) arrive dense: every tensor dequantized to float32 on read
-    info = {"arch": family_name, "format": "gguf", "weights": "quantized" if keep_quantized else "dequantized", "gguf_types": types}
+    info = {
+        "arch": family_name,
+        "format": "gguf",
+        "weights": "quantized" if keep_quantized else "dequantized",
+        "gguf_types": types,
+    }
     return LoadedModel(model, path, config, metadata, {}, info)
 
 

@@ -56,8 +56,14 @@ class LoRAMixin:
         lora, control = getattr(self, "lora", None), getattr(self, "control", None)
         if lora is None or control is None or control.rows is None:
             return super().__call__(x)
-        if control.fused and isinstance(self, LoRALinear) and is_merge_cheaper(x.size // x.shape[-1], *self.weight.shape):
-            weight = (self.weight.astype(mx.float32) + lora.scale * (lora.b.astype(mx.float32) @ lora.a.astype(mx.float32))).astype(self.weight.dtype)
+        if (
+            control.fused
+            and isinstance(self, LoRALinear)
+            and is_merge_cheaper(x.size // x.shape[-1], *self.weight.shape)
+        ):
+            weight = (
+                self.weight.astype(mx.float32) + lora.scale * (lora.b.astype(mx.float32) @ lora.a.astype(mx.float32))
+            ).astype(self.weight.dtype)
             y = x @ weight.T
             return y + self.bias if "bias" in self else y
         delta = ((x @ lora.a.T) @ lora.b.T) * lora.scale
@@ -75,7 +81,9 @@ class QuantizedLoRALinear(LoRAMixin, nn.QuantizedLinear):
 
 
 class LoRALinear(LoRAMixin, nn.Linear):
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", quantize_input: bool = False):
+    def to_quantized(
+        self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", quantize_input: bool = False
+    ):
         if quantize_input:
             raise MlxcelError("activation quantization is not supported for LoRA layers")
         quantized = QuantizedLoRALinear.from_linear(self, group_size, bits, mode=mode)
@@ -94,7 +102,11 @@ def read_adapter_scale(config: dict, rank: int, source: Path) -> float:
     (PEFT's rank_pattern only changes shapes)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise MlxcelError(f"{source}: peft_type {config.get('peft_type')!r} is not supported (only LORA adapters)")
-    unsupported = [key for key in ("use_dora", "fan_in_fan_out", "alpha_pattern", "modules_to_save", "lora_bias") if config.get(key)]
+    unsupported = [
+        key
+        for key in ("use_dora", "fan_in_fan_out", "alpha_pattern", "modules_to_save", "lora_bias")
+        if config.get(key)
+    ]
     if config.get("bias", "none") != "none":
         unsupported.append("bias")
     if unsupported:
@@ -110,7 +122,9 @@ def load_peft_adapter(folder: Path, layers: dict[str, LoRAMixin], dtype: mx.Dtyp
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise MlxcelError(f"{path}: missing (the vision LoRA adapter; copy the {folder.name}/ folder from the original checkpoint)")
+            raise MlxcelError(
+                f"{path}: missing (the vision LoRA adapter; copy the {folder.name}/ folder from the original checkpoint)"
+            )
     try:
         config = json.loads(config_path.read_text())
         tensors = mx.load(str(weights_path))
@@ -128,15 +142,23 @@ def load_peft_adapter(folder: Path, layers: dict[str, LoRAMixin], dtype: mx.Dtyp
                 pairs.setdefault(path, {})[part] = value
                 break
         else:
-            raise MlxcelError(f"{weights_path}: unexpected adapter tensor {key} (expected ...lora_A.weight / ...lora_B.weight)")
+            raise MlxcelError(
+                f"{weights_path}: unexpected adapter tensor {key} (expected ...lora_A.weight / ...lora_B.weight)"
+            )
     for path, pair in pairs.items():
         layer = layers.get(path)
         if layer is None:
-            raise MlxcelError(f"{weights_path}: the adapter targets {path}, which is not an adapted layer of this model")
+            raise MlxcelError(
+                f"{weights_path}: the adapter targets {path}, which is not an adapted layer of this model"
+            )
         if set(pair) != {"lora_A", "lora_B"}:
             raise MlxcelError(f"{weights_path}: {path} lacks its {'lora_B' if 'lora_A' in pair else 'lora_A'} tensor")
         a, b = pair["lora_A"], pair["lora_B"]
-        out_dims, in_dims = (layer.weight.shape[0], layer.weight.shape[1] * 32 // layer.bits) if isinstance(layer, nn.QuantizedLinear) else layer.weight.shape
+        out_dims, in_dims = (
+            (layer.weight.shape[0], layer.weight.shape[1] * 32 // layer.bits)
+            if isinstance(layer, nn.QuantizedLinear)
+            else layer.weight.shape
+        )
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[1] != in_dims or b.shape[0] != out_dims:
             raise MlxcelError(
                 f"{weights_path}: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, but the layer is {in_dims} -> {out_dims}"

@@ -51,13 +51,30 @@ SUPPORTED_TEXT = ("mistral", "llama")
 SUPPORTED_TOWERS = ("pixtral",)
 # Mistral3Config's sub-config defaults: used when config.json has no text_config / vision_config at all.
 DEFAULT_TEXT_CONFIG = {
-    "model_type": "mistral", "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
-    "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072,
+    "model_type": "mistral",
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 32768,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000000.0,
+    "sliding_window": None,
+    "vocab_size": 131072,
 }
 DEFAULT_VISION_CONFIG = {
-    "model_type": "pixtral", "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14, "image_size": 1540,
-    "num_hidden_layers": 24, "num_attention_heads": 16, "head_dim": 64, "hidden_act": "gelu",
+    "model_type": "pixtral",
+    "intermediate_size": 4096,
+    "hidden_size": 1024,
+    "patch_size": 14,
+    "image_size": 1540,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "head_dim": 64,
+    "hidden_act": "gelu",
 }
 
 
@@ -66,7 +83,9 @@ class ModelArgs:
     model_type: str  # mistral3
     text: Any  # the language model's ModelArgs (its family's class)
     vision_config: dict = field(default_factory=dict)
-    projector: mistral3_projector.Mistral3ProjectorArgs = field(default_factory=mistral3_projector.Mistral3ProjectorArgs)
+    projector: mistral3_projector.Mistral3ProjectorArgs = field(
+        default_factory=mistral3_projector.Mistral3ProjectorArgs
+    )
     image_token_id: int = 10
     vision_feature_layer: int = -1
     spatial_merge_size: int = 2
@@ -83,7 +102,9 @@ class ModelArgs:
         vision_config = dict(DEFAULT_VISION_CONFIG if raw_vision is None else raw_vision)
         tower = vision_config.get("model_type", "pixtral")
         if tower not in SUPPORTED_TOWERS:
-            raise MlxcelError(f"mistral3: vision tower {tower!r} is not supported (supported: {', '.join(SUPPORTED_TOWERS)})")
+            raise MlxcelError(
+                f"mistral3: vision tower {tower!r} is not supported (supported: {', '.join(SUPPORTED_TOWERS)})"
+            )
         layer = config.get("vision_feature_layer", -1)
         try:
             projector = mistral3_projector.Mistral3ProjectorArgs.from_config(
@@ -190,12 +211,20 @@ class Model(OverTextModel, nn.Module):
     def read_image_setup(self) -> ImageSetup:
         folder = self._preprocessor_folder
         if folder is None:
-            raise MlxcelError("this mistral3 model has no image processor (load it from a checkpoint folder to use images)")
+            raise MlxcelError(
+                "this mistral3 model has no image processor (load it from a checkpoint folder to use images)"
+            )
         path = folder / "preprocessor_config.json"
         if not path.is_file():
-            raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
+            raise MlxcelError(
+                f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)"
+            )
         image_config = pixtral.PixtralImageConfig.load(path)  # a ConfigError (an MlxcelError) names bad keys
-        names = {"image_token": pixtral.IMAGE_TOKEN, "image_break_token": pixtral.IMAGE_BREAK_TOKEN, "image_end_token": pixtral.IMAGE_END_TOKEN}
+        names = {
+            "image_token": pixtral.IMAGE_TOKEN,
+            "image_break_token": pixtral.IMAGE_BREAK_TOKEN,
+            "image_end_token": pixtral.IMAGE_END_TOKEN,
+        }
         resize_patch = self.model_patch
         processor_path = folder / "processor_config.json"
         if processor_path.is_file():
@@ -204,7 +233,9 @@ class Model(OverTextModel, nn.Module):
             # PixtralProcessor's defaults (patch 16, merge 1) when the file leaves them out
             patch, merge = raw.get("patch_size", 16), raw.get("spatial_merge_size", 1)
             if not (isinstance(patch, int) and isinstance(merge, int) and patch > 0 and merge > 0):
-                raise MlxcelError(f"{processor_path}: patch_size and spatial_merge_size must be positive ints (got {patch!r}, {merge!r})")
+                raise MlxcelError(
+                    f"{processor_path}: patch_size and spatial_merge_size must be positive ints (got {patch!r}, {merge!r})"
+                )
             resize_patch = patch * merge
             if resize_patch % self.model_patch:
                 raise MlxcelError(
@@ -220,7 +251,9 @@ class Model(OverTextModel, nn.Module):
             )
         missing = [name for name in names.values() if name not in ids]
         if missing:
-            raise MlxcelError(f"{folder}: the tokenizer files do not name {', '.join(missing)} (the image layout tokens)")
+            raise MlxcelError(
+                f"{folder}: the tokenizer files do not name {', '.join(missing)} (the image layout tokens)"
+            )
         if ids[names["image_token"]] != self.image_token_id:
             raise MlxcelError(
                 f"{folder}: the tokenizer's {names['image_token']} is id {ids[names['image_token']]}, but config.json's "
@@ -237,7 +270,9 @@ class Model(OverTextModel, nn.Module):
         counts = mistral3_projector.count_merged_tokens(sizes, patch, merge)
         for count, (h, w), source in zip(counts, sizes.tolist(), sources):
             if count == 0:
-                raise MlxcelError(f"{source}: preprocesses to {w}x{h}, which holds no {patch * merge}x{patch * merge} patch window")
+                raise MlxcelError(
+                    f"{source}: preprocesses to {w}x{h}, which holds no {patch * merge}x{patch * merge} patch window"
+                )
         return ImageInputs(pixtral.pad_images(values), counts, {"image_sizes": sizes})
 
     def expand_image_tokens(self, token_ids: list[int], inputs: ImageInputs, paths: list[str]) -> list[int]:
@@ -247,7 +282,9 @@ class Model(OverTextModel, nn.Module):
         setup = self.image_setup()
         patch, merge = self.vision_tower.args.patch_size, self.mistral3_args.spatial_merge_size
         layouts = iter(
-            pixtral.expand_image_tokens(int(h), int(w), self.image_token_id, setup.break_token_id, setup.end_token_id, patch, merge, source)
+            pixtral.expand_image_tokens(
+                int(h), int(w), self.image_token_id, setup.break_token_id, setup.end_token_id, patch, merge, source
+            )
             for (h, w), source in zip(inputs.extras["image_sizes"], paths)
         )
         expanded: list[int] = []
@@ -263,7 +300,9 @@ class Model(OverTextModel, nn.Module):
         patches = self.vision_tower(pixels, sizes, self.mistral3_args.vision_feature_layer)
         features = self.multi_modal_projector(patches, sizes)
         if features.shape[0] != sum(inputs.token_counts):
-            raise MlxcelError(f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens")
+            raise MlxcelError(
+                f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens"
+            )
         return features.astype(dtype)
 
     # ---- weights ---------------------------------------------------------------------------------

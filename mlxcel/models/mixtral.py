@@ -23,7 +23,10 @@ class ModelArgs(mistral.ModelArgs):
 
     @classmethod
     def from_config(cls, config: dict, **overrides) -> ModelArgs:
-        values = {"num_local_experts": config["num_local_experts"], "num_experts_per_tok": config["num_experts_per_tok"]}
+        values = {
+            "num_local_experts": config["num_local_experts"],
+            "num_experts_per_tok": config["num_experts_per_tok"],
+        }
         return super().from_config(config, **{**values, **overrides})
 
 

@@ -25,7 +25,9 @@ class MRoPE(nn.Module):
     def __init__(self, dims: int, base: float, sections: list[int]):
         super().__init__()
         if 2 * sum(sections) != dims:
-            raise MlxcelError(f"mrope_section {sections} covers {2 * sum(sections)} of head_dim {dims} (it must cover all of it, in pairs)")
+            raise MlxcelError(
+                f"mrope_section {sections} covers {2 * sum(sections)} of head_dim {dims} (it must cover all of it, in pairs)"
+            )
         self.dims = dims
         self.base = base
         self._inv_freq = mx.array(1.0 / base ** (np.arange(0, dims, 2, dtype=np.float32) / dims))
@@ -54,7 +56,9 @@ def make_vision_positions(start: int, grid_thw: tuple[int, int, int], merge_size
     return np.stack([tt, hh, ww]).reshape(3, -1) + start
 
 
-def make_mrope_positions(token_ids: list[int], image_grids: list[tuple[int, int, int]], image_token_id: int, merge_size: int) -> tuple[np.ndarray, int]:
+def make_mrope_positions(
+    token_ids: list[int], image_grids: list[tuple[int, int, int]], image_token_id: int, merge_size: int
+) -> tuple[np.ndarray, int]:
     """One row's [3, L] position ids and its decode delta (next position - L), as transformers'
     get_rope_index: each run of image tokens is the next image of `image_grids`."""
     ids = np.asarray(token_ids)
@@ -70,7 +74,9 @@ def make_mrope_positions(token_ids: list[int], image_grids: list[tuple[int, int,
                 raise MlxcelError(f"the prompt holds more image placeholder runs than images ({len(image_grids)})")
             piece = make_vision_positions(position, grid, merge_size)
             if piece.shape[1] != end - cursor:
-                raise MlxcelError(f"an image of grid {tuple(grid)} needs {piece.shape[1]} placeholder tokens, the prompt holds {end - cursor}")
+                raise MlxcelError(
+                    f"an image of grid {tuple(grid)} needs {piece.shape[1]} placeholder tokens, the prompt holds {end - cursor}"
+                )
             position += max(grid[1], grid[2]) // merge_size
         else:
             piece = np.broadcast_to(np.arange(position, position + end - cursor), (3, end - cursor))

@@ -222,7 +222,18 @@ def choose_split_length(rows: int, kv_heads: int, longest: int) -> int:
     return -(-per_split // THREADS) * THREADS
 
 
-def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array, pool: PoolLayer, block_table: mx.array, lengths: mx.array, longest: int, scale: float, block_size: int, window: int = 0) -> mx.array:
+def paged_decode_attention(
+    q: mx.array,
+    new_keys: mx.array,
+    new_values: mx.array,
+    pool: PoolLayer,
+    block_table: mx.array,
+    lengths: mx.array,
+    longest: int,
+    scale: float,
+    block_size: int,
+    window: int = 0,
+) -> mx.array:
     """Store each row's new key and value in the pool, and attend its one new query over its
     positions (the new one included).
 
@@ -235,18 +246,35 @@ def paged_decode_attention(q: mx.array, new_keys: mx.array, new_values: mx.array
     group = H // kv_heads
     split_len = choose_split_length(B, kv_heads, longest)
     splits = -(-longest // split_len)
-    inputs = [q.reshape(B, H, D), pool.keys, pool.values, new_keys, new_values, block_table, lengths,
-              constant_array((split_len, block_table.shape[1], window), mx.int32), constant_array((scale,), mx.float32), pool.done]
+    inputs = [
+        q.reshape(B, H, D),
+        pool.keys,
+        pool.values,
+        new_keys,
+        new_values,
+        block_table,
+        lengths,
+        constant_array((split_len, block_table.shape[1], window), mx.int32),
+        constant_array((scale,), mx.float32),
+        pool.done,
+    ]
     template = [("T", pool.keys.dtype), ("D", D), ("G", group), ("KVH", kv_heads), ("BS", block_size)]
     grid, threadgroup = (splits * THREADS, B * kv_heads, 1), (THREADS, 1, 1)
     if splits == 1:
         out, pool.done = _kernel(True)(
-            inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
-            output_shapes=[(B, H, D), (1,)], output_dtypes=[pool.keys.dtype, mx.int32],
+            inputs=inputs,
+            template=template,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=[(B, H, D), (1,)],
+            output_dtypes=[pool.keys.dtype, mx.int32],
         )
         return out.astype(q.dtype)[:, :, None, :]
     out_m, out_l, out_acc, pool.done = _kernel(False)(
-        inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+        inputs=inputs,
+        template=template,
+        grid=grid,
+        threadgroup=threadgroup,
         output_shapes=[(B, H, splits), (B, H, splits), (B, H, splits, D), (1,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
     )
@@ -271,8 +299,13 @@ class PoolLayer:
     def __init__(self, positions: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
         shape = (positions, kv_heads, head_dim)
         self.keys, self.values, self.done = _zeros_kernel()(
-            inputs=[], template=[("T", dtype)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-            output_shapes=[shape, shape, (1,)], output_dtypes=[dtype, dtype, mx.int32], init_value=0,
+            inputs=[],
+            template=[("T", dtype)],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[shape, shape, (1,)],
+            output_dtypes=[dtype, dtype, mx.int32],
+            init_value=0,
         )
 
 
@@ -336,7 +369,15 @@ def _write_gather_kernel():
     )
 
 
-def write_and_gather(pool: PoolLayer, new_keys: mx.array, new_values: mx.array, write: mx.array, gather: mx.array, starts: mx.array, leads: mx.array) -> tuple[mx.array, mx.array]:
+def write_and_gather(
+    pool: PoolLayer,
+    new_keys: mx.array,
+    new_values: mx.array,
+    write: mx.array,
+    gather: mx.array,
+    starts: mx.array,
+    leads: mx.array,
+) -> tuple[mx.array, mx.array]:
     """Store [B, KVH, L, D] new keys and values at flat pool positions `write` [B * L], and
     return each row's positions as dense [B, KVH, S, D] keys and values: `gather` [B, S] names
     the pool position of each earlier one (those before the row's `starts`), the new ones come
@@ -347,7 +388,18 @@ def write_and_gather(pool: PoolLayer, new_keys: mx.array, new_values: mx.array, 
     threads = 256
     total = B * S * kv_heads
     k_out, v_out, pool.done = _write_gather_kernel()(
-        inputs=[pool.keys, pool.values, new_keys, new_values, write, gather, starts, leads, mx.array([B, S, L], mx.int32), pool.done],
+        inputs=[
+            pool.keys,
+            pool.values,
+            new_keys,
+            new_values,
+            write,
+            gather,
+            starts,
+            leads,
+            mx.array([B, S, L], mx.int32),
+            pool.done,
+        ],
         template=[("T", pool.keys.dtype), ("D", D), ("KVH", kv_heads)],
         grid=(-(-total // threads) * threads, 1, 1),
         threadgroup=(threads, 1, 1),

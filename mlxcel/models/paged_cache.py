@@ -42,7 +42,9 @@ def count_blocks(positions):
 class PageTable:
     """The host side: which blocks each row slot owns and how many positions it holds."""
 
-    def __init__(self, num_blocks: int, max_rows: int, max_positions: int, in_place: bool = False, decode_kernel: bool = False):
+    def __init__(
+        self, num_blocks: int, max_rows: int, max_positions: int, in_place: bool = False, decode_kernel: bool = False
+    ):
         self.num_blocks = num_blocks
         self.in_place = in_place  # the pools are written in place by paged_attention's kernels
         # the model's attention takes PagedMask objects: decode reads the blocks in place, prefill
@@ -53,7 +55,9 @@ class PageTable:
         self.owned = np.zeros(max_rows, dtype=np.int32)  # blocks each slot holds
         self.lengths = np.zeros(max_rows, dtype=np.int32)  # positions written
         self.shifts = np.zeros(max_rows, dtype=np.int32)  # added to a row's RoPE position (M-RoPE rows after images)
-        self.adapted = np.zeros(max_rows, dtype=bool)  # rows that take the model's per-row adapter (Phi-4-multimodal's vision LoRA)
+        self.adapted = np.zeros(
+            max_rows, dtype=bool
+        )  # rows that take the model's per-row adapter (Phi-4-multimodal's vision LoRA)
         self.free = list(range(num_blocks))  # lowest first: allocation is a function of the schedule alone
         self.step: StepIndices | None = None
 
@@ -115,7 +119,9 @@ class StepIndices:
         self.decode_kernel = new_tokens == 1 and table.decode_kernel
         if self.decode_kernel:
             return  # the kernel finds each row's new position itself
-        new_pos = np.maximum(starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0)  # [B, L]; leads are never written
+        new_pos = np.maximum(
+            starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0
+        )  # [B, L]; leads are never written
         self.write = mx.array(flat_positions(blocks, new_pos).reshape(-1))
         self.device_leads = mx.array(self.leads) if table.in_place else None
         self.own = None  # the plain path stores only the rows' own tokens (the kernel skips leads itself)
@@ -133,7 +139,12 @@ class StepIndices:
         # a padded query sees what the last real one sees
         self.pad_queries = table.decode_kernel and new_tokens > 1
         self.queries = 1 << (new_tokens - 1).bit_length() if self.pad_queries else new_tokens
-        self.aligned = self.pad_queries and bool((starts == starts[0]).all()) and starts[0] % ALIGNED_START == 0 and not self.leads.any()
+        self.aligned = (
+            self.pad_queries
+            and bool((starts == starts[0]).all())
+            and starts[0] % ALIGNED_START == 0
+            and not self.leads.any()
+        )
         bucket = KEY_BUCKET if table.in_place and new_tokens > 1 else BLOCK_SIZE
         if self.aligned:
             span = int(starts[0]) + self.queries  # the rows' positions, then the queries' padding
@@ -228,7 +239,18 @@ class PagedDecode(PagedMask):
     def attend(self, q: mx.array, new_keys: mx.array, new_values: mx.array, scale: float) -> mx.array:
         from mlxcel.models.paged_attention import paged_decode_attention
 
-        return paged_decode_attention(q, new_keys, new_values, self.layer, self.block_table, self.lengths, self.longest, scale, BLOCK_SIZE, self.window)
+        return paged_decode_attention(
+            q,
+            new_keys,
+            new_values,
+            self.layer,
+            self.block_table,
+            self.lengths,
+            self.longest,
+            scale,
+            BLOCK_SIZE,
+            self.window,
+        )
 
 
 def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -240,7 +262,9 @@ def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
 class PagedKVCache:
     """One layer's pool, behind the KVCache interface the model families call."""
 
-    offset = None  # no one offset for all rows: each row's position comes from rope_offset (Phi-3's longrope reads this)
+    offset = (
+        None  # no one offset for all rows: each row's position comes from rope_offset (Phi-3's longrope reads this)
+    )
 
     def __init__(self, table: PageTable, window: int | None = None):
         self.table = table
@@ -284,11 +308,15 @@ class PagedKVCache:
         from mlxcel.models import paged_attention
 
         if self.pool is None:
-            self.pool = paged_attention.PoolLayer(self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[3], keys.dtype)
+            self.pool = paged_attention.PoolLayer(
+                self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[3], keys.dtype
+            )
         if step.decode_kernel:
             step.attention_mask(self.window).layer = self.pool  # its kernel stores them and reads the pool
             return keys, values
-        return paged_attention.write_and_gather(self.pool, keys, values, step.write, step.gather, step.device_starts, step.device_leads)
+        return paged_attention.write_and_gather(
+            self.pool, keys, values, step.write, step.gather, step.device_starts, step.device_leads
+        )
 
     @property
     def state(self) -> list[mx.array]:
@@ -326,7 +354,10 @@ class QuantizedPagedKVCache(PagedKVCache):
 
         step = self.table.step
         B, heads, L, D = keys.shape
-        new = [mx.quantize(x.transpose(0, 2, 1, 3).reshape(B * L, heads, D), group_size=self.group_size, bits=self.bits) for x in (keys, values)]
+        new = [
+            mx.quantize(x.transpose(0, 2, 1, 3).reshape(B * L, heads, D), group_size=self.group_size, bits=self.bits)
+            for x in (keys, values)
+        ]
         if self.parts is None:
             check_head_dim(D, self.group_size)
             self.dtype = keys.dtype
@@ -349,11 +380,19 @@ class QuantizedPagedKVCache(PagedKVCache):
         return [] if self.parts is None else [p for parts in self.parts for p in parts]
 
 
-def make_paged_caches(num_layers: int, table: PageTable, windows: list[int | None] | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> list[PagedKVCache]:
+def make_paged_caches(
+    num_layers: int,
+    table: PageTable,
+    windows: list[int | None] | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> list[PagedKVCache]:
     """One cache per layer; `windows` gives each layer's sliding window (None: full attention).
     With `kv_bits`, full-attention layers store their pool quantized (windows stay as they are,
     as in the batch engine: a window is already bounded)."""
     return [
-        QuantizedPagedKVCache(table, kv_bits, kv_group_size) if kv_bits and window is None else PagedKVCache(table, window)
+        QuantizedPagedKVCache(table, kv_bits, kv_group_size)
+        if kv_bits and window is None
+        else PagedKVCache(table, window)
         for window in (windows or [None] * num_layers)
     ]

@@ -148,7 +148,9 @@ class Model(SlidingWindowLayers, llama.Model):
         # a compiled step is traced once, but longrope picks its factors on the host at every step
         return self.longrope_limit is None
 
-    def forward_with_embeddings(self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None) -> mx.array:
+    def forward_with_embeddings(
+        self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None
+    ) -> mx.array:
         first = cache[0]
         if self.longrope_limit is None or first.offset is None or mask is not None:
             return super().forward_with_embeddings(embeddings, cache, mask, logits_at)

@@ -39,8 +39,16 @@ from mlxcel.vision.stage import ImageInputs
 
 REQUIRED_KEYS = phi3.REQUIRED_KEYS
 # Phi4MultimodalVisionConfig's defaults where they differ from SiglipVisionArgs'
-VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
-                   "image_size": 448, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
+VISION_DEFAULTS = {
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "image_size": 448,
+    "patch_size": 14,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+}
 DEFAULT_IMAGE_TOKEN_ID = 200010
 DEFAULT_FEATURE_LAYER = -2
 LORA_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -52,7 +60,9 @@ AUDIO_PREFIX = "model.embed_tokens_extend.audio_embed."
 @dataclass
 class ModelArgs:
     text: phi3.ModelArgs
-    vision: siglip.SiglipVisionArgs = field(default_factory=siglip.SiglipVisionArgs)  # num_hidden_layers: the layers run
+    vision: siglip.SiglipVisionArgs = field(
+        default_factory=siglip.SiglipVisionArgs
+    )  # num_hidden_layers: the layers run
     image_token_id: int = DEFAULT_IMAGE_TOKEN_ID
     crop_size: int = 448
 
@@ -64,9 +74,16 @@ class ModelArgs:
         layers = count_feature_layers(vision.num_hidden_layers, raw.get("feature_layer", DEFAULT_FEATURE_LAYER))
         crop = raw.get("crop_size", vision.image_size)
         if crop != vision.image_size:
-            raise MlxcelError(f"vision_config.crop_size {crop} differs from image_size {vision.image_size} (the processor's crops are the tower's input)")
+            raise MlxcelError(
+                f"vision_config.crop_size {crop} differs from image_size {vision.image_size} (the processor's crops are the tower's input)"
+            )
         text = phi3.ModelArgs.from_config(config, **overrides)
-        return cls(text=text, vision=replace(vision, num_hidden_layers=layers), image_token_id=raw.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID), crop_size=crop)
+        return cls(
+            text=text,
+            vision=replace(vision, num_hidden_layers=layers),
+            image_token_id=raw.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID),
+            crop_size=crop,
+        )
 
 
 def count_feature_layers(num_layers: int, feature_layer: object) -> int:
@@ -75,7 +92,9 @@ def count_feature_layers(num_layers: int, feature_layer: object) -> int:
         raise MlxcelError(f"vision_config.feature_layer must be an int (got {feature_layer!r})")
     index = feature_layer if feature_layer >= 0 else num_layers + 1 + feature_layer
     if not 1 <= index <= num_layers:
-        raise MlxcelError(f"vision_config.feature_layer {feature_layer} selects no encoder layer of {num_layers} (legal: 1..{num_layers} or -{num_layers}..-1)")
+        raise MlxcelError(
+            f"vision_config.feature_layer {feature_layer} selects no encoder layer of {num_layers} (legal: 1..{num_layers} or -{num_layers}..-1)"
+        )
     return index
 
 
@@ -163,7 +182,9 @@ class Model(phi3.Model):
                 parent, name = path.split(".")
                 old = find_target(layer, path)
                 out_dims, in_dims = old.weight.shape
-                setattr(getattr(layer, parent), name, make_lora_linear(in_dims, out_dims, "bias" in old, self.lora_control))
+                setattr(
+                    getattr(layer, parent), name, make_lora_linear(in_dims, out_dims, "bias" in old, self.lora_control)
+                )
         self.image_embed = ImageEmbedding(args.vision, args.text.hidden_size)
         self._folder: Path | None = None
         self._image_config: processor.Phi4ImageConfig | None = None
@@ -184,10 +205,14 @@ class Model(phi3.Model):
         if self._image_config is None:
             folder = self._folder
             if folder is None:
-                raise MlxcelError("this phi4_multimodal model has no image processor (load it from a checkpoint folder to use images)")
+                raise MlxcelError(
+                    "this phi4_multimodal model has no image processor (load it from a checkpoint folder to use images)"
+                )
             path = folder / "preprocessor_config.json"
             if not path.is_file():
-                raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
+                raise MlxcelError(
+                    f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)"
+                )
             config = processor.Phi4ImageConfig.load(path)
             vision = self.phi4_args.vision
             if (config.size, config.patch_size) != (vision.image_size, vision.patch_size):
@@ -202,9 +227,15 @@ class Model(phi3.Model):
         """The vision LoRA adapter (`vision-lora/` beside the weights), read once."""
         if self._lora_loaded:
             return
-        layers = {f"model.layers.{i}.{path}": find_target(layer, path) for i, layer in enumerate(self.model.layers) for path in LORA_TARGETS}
+        layers = {
+            f"model.layers.{i}.{path}": find_target(layer, path)
+            for i, layer in enumerate(self.model.layers)
+            for path in LORA_TARGETS
+        }
         if self._folder is None:
-            raise MlxcelError("phi4_multimodal: images need the vision LoRA adapter, but the model was not loaded from a folder")
+            raise MlxcelError(
+                "phi4_multimodal: images need the vision LoRA adapter, but the model was not loaded from a folder"
+            )
         load_peft_adapter(self._folder / ADAPTER_FOLDER, layers, self.model.norm.weight.dtype)
         self._lora_loaded = True
 
@@ -234,17 +265,26 @@ class Model(phi3.Model):
 
     # ---- the language model with the vision LoRA -------------------------------------------------
 
-    def make_prefill_extras(self, token_ids: list[int], inputs: ImageInputs | None, pad: int) -> tuple[dict[str, mx.array], int]:
+    def make_prefill_extras(
+        self, token_ids: list[int], inputs: ImageInputs | None, pad: int
+    ) -> tuple[dict[str, mx.array], int]:
         """Whether the row takes the vision LoRA, at every position of it [1, pad + L]; no position shift."""
         return {"vision_rows": mx.full((1, pad + len(token_ids)), inputs is not None, dtype=mx.bool_)}, 0
 
     def forward_with_embeddings(
-        self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None, vision_rows: mx.array | None = None
+        self,
+        embeddings: mx.array,
+        cache: list,
+        mask: Any = None,
+        logits_at: int | None = None,
+        vision_rows: mx.array | None = None,
     ) -> mx.array:
         first = cache[0]
         if hasattr(first, "table"):  # a paged cache: the scheduler sets lora_control per call
             return super().forward_with_embeddings(embeddings, cache, mask, logits_at)
-        if vision_rows is not None and not hasattr(first, "vision_lora_rows"):  # the first prefill piece of an image batch
+        if vision_rows is not None and not hasattr(
+            first, "vision_lora_rows"
+        ):  # the first prefill piece of an image batch
             flags = vision_rows[:, 0].tolist()  # built on the host: a tiny read
             dtype = self.model.norm.weight.dtype  # the compute dtype: no cast in every adapted layer's decode step
             first.vision_lora_rows = mx.array(flags, dtype=dtype).reshape(-1, 1, 1) if any(flags) else None
@@ -275,4 +315,7 @@ class Model(phi3.Model):
                 vision[key[len(VISION_PREFIX) :]] = value
             else:
                 language[key] = value
-        return {**super().sanitize(language), **{f"image_embed.{k}": v for k, v in self.image_embed.sanitize(vision).items()}}
+        return {
+            **super().sanitize(language),
+            **{f"image_embed.{k}": v for k, v in self.image_embed.sanitize(vision).items()},
+        }

@@ -22,7 +22,11 @@ PROBE_IDS = [(37 * i + 11) % 250 + 3 for i in range(32)]
 
 def read_quantization_spec(spec: Any, source: Path) -> tuple[int, int, str]:
     """(group_size, bits, mode) from config.json's `quantization`, checked."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("group_size"), int) or not isinstance(spec.get("bits"), int):
+    if (
+        not isinstance(spec, dict)
+        or not isinstance(spec.get("group_size"), int)
+        or not isinstance(spec.get("bits"), int)
+    ):
         raise MlxcelError(f"{source}: 'quantization' must give integer group_size and bits (got {spec!r})")
     return spec["group_size"], spec["bits"], spec.get("mode", "affine")
 
@@ -75,7 +79,12 @@ def quantize_at_load(model: nn.Module, bits: int, group_size: int) -> dict:
 
 def describe_checkpoint_quantization(spec: dict) -> dict:
     overrides = {k: v for k, v in spec.items() if isinstance(v, (bool, dict))}
-    return {"bits": spec["bits"], "group_size": spec["group_size"], "source": "checkpoint", "layer_overrides": len(overrides)}
+    return {
+        "bits": spec["bits"],
+        "group_size": spec["group_size"],
+        "source": "checkpoint",
+        "layer_overrides": len(overrides),
+    }
 
 
 def dequantize_model(model: nn.Module) -> None:
@@ -88,12 +97,20 @@ def dequantize_model(model: nn.Module) -> None:
             dense = SwitchLinear.__new__(SwitchLinear)
             nn.Module.__init__(dense)
             dense.weight = mx.dequantize(
-                module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32), module.group_size, module.bits
+                module.weight,
+                module.scales.astype(mx.float32),
+                module.biases.astype(mx.float32),
+                module.group_size,
+                module.bits,
             )
             set_module(model, path, dense)
         elif isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             weight = mx.dequantize(
-                module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32), module.group_size, module.bits
+                module.weight,
+                module.scales.astype(mx.float32),
+                module.biases.astype(mx.float32),
+                module.group_size,
+                module.bits,
             )
             if isinstance(module, nn.QuantizedLinear):
                 dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)

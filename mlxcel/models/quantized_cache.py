@@ -73,7 +73,4 @@ def check_head_dim(head_dim: int, group_size: int) -> None:
 
 def quantize_caches(cache: list, bits: int, group_size: int) -> list:
     """Full-attention layers' caches replaced by quantized ones; sliding windows kept."""
-    return [
-        QuantizedKVCache(bits, group_size, c.batch_size, c.left_pad) if type(c) is KVCache else c
-        for c in cache
-    ]
+    return [QuantizedKVCache(bits, group_size, c.batch_size, c.left_pad) if type(c) is KVCache else c for c in cache]

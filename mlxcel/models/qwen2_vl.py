@@ -31,7 +31,11 @@ from mlxcel.vision.stage import ImageInputs
 
 REQUIRED_KEYS = ("model_type",)
 DEFAULT_MROPE_SECTION = [16, 24, 24]  # Qwen2-VL-2B/7B and Qwen2.5-VL: head_dim 128
-LANGUAGE_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+LANGUAGE_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
 VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.")  # transformers in memory / Hub / mlx-vlm
 
 
@@ -61,7 +65,9 @@ class ModelArgs(llama.ModelArgs):
     @classmethod
     def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
         config = normalize_config(config)
-        base = llama.ModelArgs.from_config(config, attention_bias=True, o_proj_bias=False, rope_scaling=None, **overrides)
+        base = llama.ModelArgs.from_config(
+            config, attention_bias=True, o_proj_bias=False, rope_scaling=None, **overrides
+        )
         return cls(
             **vars(base),
             mrope_section=read_mrope_section(config),
@@ -106,10 +112,14 @@ class Model(llama.Model):
     def read_image_config(self) -> processor.Qwen2VLImageConfig:
         folder = self._preprocessor_folder
         if folder is None:
-            raise MlxcelError("this Qwen2-VL model has no image processor (load it from a checkpoint folder to use images)")
+            raise MlxcelError(
+                "this Qwen2-VL model has no image processor (load it from a checkpoint folder to use images)"
+            )
         path = folder / "preprocessor_config.json"
         if not path.is_file():
-            raise MlxcelError(f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)")
+            raise MlxcelError(
+                f"{folder}: no preprocessor_config.json, which images need (copy it from the original checkpoint)"
+            )
         config = processor.Qwen2VLImageConfig.load(path)
         check_processor_matches_tower(config, self.visual, path)
         return config
@@ -125,7 +135,9 @@ class Model(llama.Model):
         pixels = mx.array(inputs.pixel_values)  # the tower's patch embedding casts to its own dtype
         features = self.visual(pixels, inputs.extras["grid_thw"])
         if features.shape[0] != sum(inputs.token_counts):
-            raise MlxcelError(f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens")
+            raise MlxcelError(
+                f"the vision tower gave {features.shape[0]} features for {sum(inputs.token_counts)} image tokens"
+            )
         # norm weights stay floating when the model is quantized (embed_tokens' may be uint32)
         return features.astype(self.model.norm.weight.dtype)
 
@@ -140,14 +152,21 @@ class Model(llama.Model):
 
     prefill_extras_are_positions = True  # the scheduler slices them per piece and shifts decode by the row's shift
 
-    def make_prefill_extras(self, token_ids: list[int], inputs: ImageInputs | None, pad: int) -> tuple[dict[str, mx.array], int]:
+    def make_prefill_extras(
+        self, token_ids: list[int], inputs: ImageInputs | None, pad: int
+    ) -> tuple[dict[str, mx.array], int]:
         """The engine's per-row prefill inputs: M-RoPE ids [3, 1, pad + L] (padding at 0, masked
         anyway) and the row's decode shift."""
         positions, shift = self.make_positions(token_ids, inputs)
         return {"positions": mx.pad(positions, [(0, 0), (pad, 0)])[:, None]}, shift
 
     def forward_with_embeddings(
-        self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None, positions: mx.array | None = None
+        self,
+        embeddings: mx.array,
+        cache: list,
+        mask: Any = None,
+        logits_at: int | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
         """As llama's; `positions` [3, B, L] rotates this piece by explicit M-RoPE ids."""
         if positions is None:
@@ -180,7 +199,15 @@ def check_processor_matches_tower(config: processor.Qwen2VLImageConfig, tower: Q
     """The processor cuts patches and counts tokens; the tower must agree or features and
     placeholders no longer line up (an error here beats a shape error deep in the tower)."""
     a = tower.args
-    pairs = {"patch_size": a.patch_size, "temporal_patch_size": a.temporal_patch_size, "merge_size": a.spatial_merge_size}
-    wrong = [f"{key} {getattr(config, key)} (vision_config: {value})" for key, value in pairs.items() if getattr(config, key) != value]
+    pairs = {
+        "patch_size": a.patch_size,
+        "temporal_patch_size": a.temporal_patch_size,
+        "merge_size": a.spatial_merge_size,
+    }
+    wrong = [
+        f"{key} {getattr(config, key)} (vision_config: {value})"
+        for key, value in pairs.items()
+        if getattr(config, key) != value
+    ]
     if wrong:
         raise MlxcelError(f"{source}: {', '.join(wrong)} disagree with config.json's vision tower")

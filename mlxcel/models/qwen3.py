@@ -23,7 +23,9 @@ class ModelArgs(llama.ModelArgs):
         # use_sliding_window is off in every released Qwen3; when on, layers from max_window_layers slide
         window = config.get("sliding_window") if config.get("use_sliding_window") else None
         first_sliding = config.get("max_window_layers", config["num_hidden_layers"])
-        default = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(config["num_hidden_layers"])]
+        default = [
+            "sliding_attention" if i >= first_sliding else "full_attention" for i in range(config["num_hidden_layers"])
+        ]
         windows = read_layer_windows(config, window, default)
         return super().from_config(config, **{"layer_windows": windows, **overrides})
 

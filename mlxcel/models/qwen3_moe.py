@@ -50,7 +50,11 @@ class Model(qwen3.Model):
         for layer, sparse in zip(self.model.layers, args.sparse_layers):
             if sparse:
                 layer.mlp = SparseMoeBlock(
-                    args.hidden_size, args.moe_intermediate_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+                    args.hidden_size,
+                    args.moe_intermediate_size,
+                    args.num_experts,
+                    args.num_experts_per_tok,
+                    args.norm_topk_prob,
                 )
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -48,7 +48,9 @@ class RotatingKVCache(KVCache):
         start = self.piece_start()
         if self.keys is not None:
             keys = mx.concatenate([self.keys[..., start - self.start : self.offset - self.start, :], keys], axis=2)
-            values = mx.concatenate([self.values[..., start - self.start : self.offset - self.start, :], values], axis=2)
+            values = mx.concatenate(
+                [self.values[..., start - self.start : self.offset - self.start, :], values], axis=2
+            )
         self.keys, self.values, self.start = keys, values, start
         self.offset = start + keys.shape[2]
         return keys, values
@@ -105,7 +107,9 @@ class RotatingKVCache(KVCache):
         if n <= 0:
             return
         if self.ring:
-            raise MlxcelError("a sliding-window cache cannot trim after a one-token step (the ring overwrote the window)")
+            raise MlxcelError(
+                "a sliding-window cache cannot trim after a one-token step (the ring overwrote the window)"
+            )
         self.offset = max(self.start, self.offset - n)
 
 
@@ -148,7 +152,9 @@ def make_layer_masks(length: int, caches: list) -> list:
         window = getattr(cache, "window", None)
         if window not in built:
             paged = hasattr(cache, "attention_mask")  # a paged cache masks its own windows
-            built[window] = make_attention_mask(length, cache) if window is None or paged else make_window_mask(length, cache)
+            built[window] = (
+                make_attention_mask(length, cache) if window is None or paged else make_window_mask(length, cache)
+            )
         masks.append(built[window])
     return masks
 
@@ -171,5 +177,7 @@ def read_layer_windows(config: dict, window: int | None, default_types: list[str
     family's default pattern; None where the layer attends to everything."""
     types = config.get("layer_types") or default_types
     if len(types) != config["num_hidden_layers"]:
-        raise MlxcelError(f"config.json: layer_types has {len(types)} entries for num_hidden_layers={config['num_hidden_layers']}")
+        raise MlxcelError(
+            f"config.json: layer_types has {len(types)} entries for num_hidden_layers={config['num_hidden_layers']}"
+        )
     return [window if kind == "sliding_attention" and window else None for kind in types]

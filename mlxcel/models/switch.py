@@ -31,7 +31,12 @@ class SwitchLinear(nn.Module):
         w = self.weight
         if w.dtype != mx.float32 and mx.default_device() != mx.gpu:
             # MLX's CPU gather_mm is float32-only (0.32): half-precision weights are upcast per call
-            out = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+            out = mx.gather_mm(
+                x.astype(mx.float32),
+                w.astype(mx.float32).swapaxes(-1, -2),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            )
             return out.astype(x.dtype)
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
@@ -48,18 +53,36 @@ class SwitchLinear(nn.Module):
 
 
 class QuantizedSwitchLinear(nn.Module):
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        num_experts: int,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+    ):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.weight, self.scales, *biases = mx.quantize(mx.zeros((num_experts, output_dims, input_dims)), group_size, bits, mode=mode)
+        self.weight, self.scales, *biases = mx.quantize(
+            mx.zeros((num_experts, output_dims, input_dims)), group_size, bits, mode=mode
+        )
         if biases:
             self.biases = biases[0]
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         return mx.gather_qmm(
-            x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
-            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=sorted_indices,
+            x,
+            self.weight,
+            self.scales,
+            self.get("biases"),
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
         )
 
 
@@ -72,7 +95,9 @@ def concatenate_switch_linears(layers: list[nn.Module]) -> nn.Module | None:
     fused = type(first).__new__(type(first))
     nn.Module.__init__(fused)
     if isinstance(first, QuantizedSwitchLinear):
-        if any((layer.bits, layer.group_size, layer.mode) != (first.bits, first.group_size, first.mode) for layer in layers):
+        if any(
+            (layer.bits, layer.group_size, layer.mode) != (first.bits, first.group_size, first.mode) for layer in layers
+        ):
             return None
         fused.group_size, fused.bits, fused.mode = first.group_size, first.bits, first.mode
     for name in ("weight", "scales", "biases"):
@@ -139,7 +164,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, normalize: bool):
         super().__init__()
         if not 1 <= top_k <= num_experts:
-            raise MlxcelError(f"config.json: num_experts_per_tok={top_k} must be between 1 and the number of experts ({num_experts})")
+            raise MlxcelError(
+                f"config.json: num_experts_per_tok={top_k} must be between 1 and the number of experts ({num_experts})"
+            )
         self.top_k, self.normalize = top_k, normalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.switch_mlp = SwitchGLU(hidden_size, expert_size, num_experts)
@@ -153,7 +180,9 @@ class SparseMoeBlock(nn.Module):
         return (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
 
 
-def stack_expert_weights(weights: dict[str, mx.array], prefix: str, num_experts: int, names: dict[str, str]) -> dict[str, mx.array]:
+def stack_expert_weights(
+    weights: dict[str, mx.array], prefix: str, num_experts: int, names: dict[str, str]
+) -> dict[str, mx.array]:
     """Checkpoint experts under `prefix` (e.g. "model.layers.3.mlp") -> `prefix.switch_mlp.*`.
 
     Two layouts: per expert, `experts.N.<name>.<weight|scales|biases>` with `names` mapping the
@@ -176,6 +205,8 @@ def stack_expert_weights(weights: dict[str, mx.array], prefix: str, num_experts:
                 continue
             if not all(present):
                 missing = keys[present.index(False)]
-                raise MlxcelError(f"checkpoint has {sum(present)} of {num_experts} experts for {prefix}: no tensor {missing}")
+                raise MlxcelError(
+                    f"checkpoint has {sum(present)} of {num_experts} experts for {prefix}: no tensor {missing}"
+                )
             weights[f"{prefix}.switch_mlp.{target}.{part}"] = mx.stack([weights.pop(key) for key in keys])
     return weights

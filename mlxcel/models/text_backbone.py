@@ -15,18 +15,38 @@ from mlxcel.errors import MlxcelError
 # text_config as its difference from them (llava-1.5-7b-hf's omits hidden_size, the layer count, ...)
 TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "eos_token_id": 2,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
     },
     "mistral": {
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-        "sliding_window": 4096, "tie_word_embeddings": False, "eos_token_id": 2,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
     },
     "qwen2": {
-        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
     },
 }
@@ -37,7 +57,10 @@ def import_text_family(kind: str):
 
 
 def read_text_config(
-    config: dict, default_text: dict | None = None, supported: tuple[str, ...] | None = None, default_kind: str = "llama"
+    config: dict,
+    default_text: dict | None = None,
+    supported: tuple[str, ...] | None = None,
+    default_kind: str = "llama",
 ) -> dict:
     """The language model's config as its family reads it: text_config (or `default_text` when
     the file has none) over transformers' defaults for its model_type (`default_kind` when unnamed,
@@ -46,7 +69,9 @@ def read_text_config(
     kind = text.get("model_type", default_kind)
     supported = supported or tuple(TEXT_CONFIG_DEFAULTS)
     if kind not in supported:
-        raise MlxcelError(f"{config.get('model_type')}: language model {kind!r} is not supported (supported: {', '.join(supported)})")
+        raise MlxcelError(
+            f"{config.get('model_type')}: language model {kind!r} is not supported (supported: {', '.join(supported)})"
+        )
     top = {"vocab_size": config["vocab_size"]} if "vocab_size" in config else {}  # older configs keep it here
     merged = {**TEXT_CONFIG_DEFAULTS[kind], **top, **text, "model_type": kind}
     # transformers ties the head when the top level or the text config says so

@@ -77,7 +77,12 @@ class Draw:
 
 class SamplerChain:
     def __init__(
-        self, config: SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=(), compile: bool | None = None
+        self,
+        config: SamplerConfig,
+        vocab_size: int,
+        encode: Callable[[str], list[int]] | None = None,
+        eos_token_ids=(),
+        compile: bool | None = None,
     ):
         self.config = config
         self.vocab_size = vocab_size
@@ -121,7 +126,9 @@ class SamplerChain:
             if name == "logit_bias":
                 x = proc.apply_logit_bias(x, self.bias)
             elif name == "penalties":
-                x = hist.apply_penalties(x, state["history"], stage["repeat"], stage["frequency"], stage["presence"], stage["last_n"])
+                x = hist.apply_penalties(
+                    x, state["history"], stage["repeat"], stage["frequency"], stage["presence"], stage["last_n"]
+                )
             elif name == "dry":
                 x = hist.apply_dry(x, state["history"], state["suffix"], stage, self.breakers, self.exempt)
             elif name == "top_n_sigma":
@@ -139,7 +146,9 @@ class SamplerChain:
                 x = proc.apply_xtc(x, u, stage["probability"], stage["threshold"], stage["min_keep"])
             elif name == "temperature":
                 if stage["dynatemp_range"] > 0:
-                    x = proc.apply_dynamic_temperature(x, stage["value"], stage["dynatemp_range"], stage["dynatemp_exponent"])
+                    x = proc.apply_dynamic_temperature(
+                        x, stage["value"], stage["dynatemp_range"], stage["dynatemp_exponent"]
+                    )
                 else:
                     x = proc.apply_temperature(x, stage["value"])
         return x.astype(mx.float32)
@@ -159,9 +168,13 @@ class SamplerChain:
             tokens, z, state["mu"] = sel.draw_mirostat_v1(x, step_keys, state["mu"], draw["tau"], draw["eta"])
         else:
             decay = sel.clamp_decay(draw["decay"])
-            tokens, z, state["weight"], state["total"] = sel.draw_adaptive_p(x, step_keys, state["weight"], state["total"], draw["target"], decay)
+            tokens, z, state["weight"], state["total"] = sel.draw_adaptive_p(
+                x, step_keys, state["weight"], state["total"], draw["target"], decay
+            )
         if self.uses_history:
-            state["history"], state["suffix"] = hist.append_token(state["history"], state.get("suffix"), tokens, self.history_width is not None)
+            state["history"], state["suffix"] = hist.append_token(
+                state["history"], state.get("suffix"), tokens, self.history_width is not None
+            )
             if state["suffix"] is None:
                 del state["suffix"]
         return tokens, z, state
@@ -175,7 +188,9 @@ class SamplerChain:
     # ---- batches ----
     def start(self, rows: list[RowKey], histories: list[list[int]] | None = None, logprobs: int = 0) -> BatchSampler:
         """A batch's sampler: its rows' keys and the initial state (history = prompt tokens)."""
-        keys = make_base_keys([derive_row_seed(self.seed if r.seed is None else r.seed, r.row_id, r.sample_index) for r in rows])
+        keys = make_base_keys(
+            [derive_row_seed(self.seed if r.seed is None else r.seed, r.row_id, r.sample_index) for r in rows]
+        )
         return BatchSampler(self, keys, self.make_state(len(rows), histories), logprobs)
 
     def make_state(self, batch: int, histories: list[list[int]] | None) -> dict:
@@ -209,7 +224,9 @@ class SamplerChain:
     def __call__(self, logits: mx.array, rows: list[RowKey], positions: list[int]) -> mx.array:
         """A stateless chain's tokens for rows at the given positions (no batch state)."""
         if self.is_stateful:
-            raise MlxcelError("this sampler chain keeps per-row state: draw through chain.start(rows, histories).sample(logits)")
+            raise MlxcelError(
+                "this sampler chain keeps per-row state: draw through chain.start(rows, histories).sample(logits)"
+            )
         keys = self.start(rows).keys
         step_keys = make_step_key_words(keys, mx.array(positions, dtype=mx.uint32)[:, None])[:, 0]
         return self.run_step(logits, step_keys, {})[0]
@@ -276,8 +293,16 @@ def make_bias_vector(config: SamplerConfig, vocab_size: int, eos_token_ids) -> m
     """[V] float32: the biases, -inf for suppressed ids and (ignore_eos) the EOS ids."""
     params = config.processors["logit_bias"]
     key = "sampler.processors.logit_bias"
-    issues = [ConfigIssue(f"{key}.bias.{t}", f"token id must be in [0, {vocab_size}) for this model", t) for t in params["bias"] if t >= vocab_size]
-    issues += [ConfigIssue(f"{key}.suppress", f"token ids must be in [0, {vocab_size}) for this model", t) for t in params["suppress"] if t >= vocab_size]
+    issues = [
+        ConfigIssue(f"{key}.bias.{t}", f"token id must be in [0, {vocab_size}) for this model", t)
+        for t in params["bias"]
+        if t >= vocab_size
+    ]
+    issues += [
+        ConfigIssue(f"{key}.suppress", f"token ids must be in [0, {vocab_size}) for this model", t)
+        for t in params["suppress"]
+        if t >= vocab_size
+    ]
     if issues:
         raise ConfigError(issues, hint="fix: use token ids of this model's vocabulary")
     bias = np.zeros(vocab_size, dtype=np.float32)
@@ -290,7 +315,11 @@ def make_bias_vector(config: SamplerConfig, vocab_size: int, eos_token_ids) -> m
 
 
 def make_sampler_chain(
-    sampler_config: dict | SamplerConfig, vocab_size: int, encode: Callable[[str], list[int]] | None = None, eos_token_ids=(), compile: bool | None = None
+    sampler_config: dict | SamplerConfig,
+    vocab_size: int,
+    encode: Callable[[str], list[int]] | None = None,
+    eos_token_ids=(),
+    compile: bool | None = None,
 ) -> SamplerChain:
     """The chain for a `sampler` group (a plain dict as in the YAML, or validated).
 

@@ -27,7 +27,18 @@ Bool = Annotated[bool, Strict()]
 Int = Annotated[int, Strict()]
 
 # the canonical order, fixed here and never taken from the YAML
-CHAIN_ORDER = ("logit_bias", "penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+CHAIN_ORDER = (
+    "logit_bias",
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typical_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+)
 SELECTOR_KINDS = ("greedy", "categorical", "mirostat_v1", "mirostat_v2", "adaptive_p")
 TRUNCATION_STAGES = ("top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc")  # replaced by mirostat
 MIN_KEEP_STAGES = ("top_k", "typical_p", "top_p", "min_p", "xtc")
@@ -41,7 +52,11 @@ def reject(message: str, field: str | None, value: Any) -> PydanticCustomError:
 def check_range(value: float, low: float | None, high: float | None, note: str = "") -> float:
     """Raise with the legal range (and what the edge values mean) when value is outside it."""
     if (low is not None and value < low) or (high is not None and value > high) or math.isnan(value):
-        legal = f"in [{low}, {high}]" if low is not None and high is not None else (f">= {low}" if low is not None else f"<= {high}")
+        legal = (
+            f"in [{low}, {high}]"
+            if low is not None and high is not None
+            else (f">= {low}" if low is not None else f"<= {high}")
+        )
         raise reject(f"must be {legal}" + (f"; {note}" if note else ""), None, value)
     return value
 
@@ -191,7 +206,9 @@ class AdaptivePParams(Stage):
     target: Float = -1.0  # average selected probability aimed at; < 0 = off (a plain categorical draw)
     decay: Float = 0.9
 
-    _target = field_validator("target")(lambda v: check_range(v, None, 1.0, "a probability; values below 0 turn adaptive-p off"))
+    _target = field_validator("target")(
+        lambda v: check_range(v, None, 1.0, "a probability; values below 0 turn adaptive-p off")
+    )
     _decay = field_validator("decay")(lambda v: check_range(v, 0.0, 0.99))
 
 
@@ -227,7 +244,9 @@ class SelectorConfig(BaseModel):
             return data
         kind = data.get("kind", "categorical")
         if kind not in SELECTORS:
-            raise nested_error(None, (), [custom_error(("kind",), "unknown selector; known: " + ", ".join(SELECTOR_KINDS), kind)])
+            raise nested_error(
+                None, (), [custom_error(("kind",), "unknown selector; known: " + ", ".join(SELECTOR_KINDS), kind)]
+            )
         try:
             return SELECTORS[kind].model_validate({**data, "kind": kind}).model_dump()
         except ValidationError as err:
@@ -314,7 +333,9 @@ def is_stage_off(stage: dict) -> bool:
     if name == "logit_bias":
         return not stage["bias"] and not stage["suppress"] and not stage["ignore_eos"]
     if name == "penalties":
-        return stage["last_n"] == 0 or (stage["repeat"] == 1.0 and stage["frequency"] == 0.0 and stage["presence"] == 0.0)
+        return stage["last_n"] == 0 or (
+            stage["repeat"] == 1.0 and stage["frequency"] == 0.0 and stage["presence"] == 0.0
+        )
     if name == "dry":
         return stage["multiplier"] == 0.0 or stage["base"] < 1.0 or stage["last_n"] == 0
     if name == "top_n_sigma":

@@ -73,7 +73,11 @@ _SOURCE = f"""
 @lru_cache(maxsize=1)
 def _kernel():
     return mx.fast.cuda_kernel(
-        name="mlxcel_gumbel_max", input_names=["x", "keys"], output_names=["block_max", "block_index"], source=_SOURCE, header=_HEADER
+        name="mlxcel_gumbel_max",
+        input_names=["x", "keys"],
+        output_names=["block_max", "block_index"],
+        source=_SOURCE,
+        header=_HEADER,
     )
 
 

@@ -35,7 +35,7 @@ def make_breakers(texts: list[str], encode: Callable[[str], list[int]] | None) -
     for text in texts:
         ids = list(encode(text))
         if ids:
-            breakers.append(Breaker(ids[0], tuple(ids[1:1 + DRY_MAX_TAIL_TOKENS])))
+            breakers.append(Breaker(ids[0], tuple(ids[1 : 1 + DRY_MAX_TAIL_TOKENS])))
     return list(dict.fromkeys(breakers))
 
 
@@ -71,7 +71,7 @@ def make_history(histories: list[list[int]], width: int | None) -> np.ndarray:
     for row, tokens in enumerate(histories):
         tail = tokens[-width:]
         if tail:
-            out[row, width - len(tail):] = tail
+            out[row, width - len(tail) :] = tail
     return out
 
 
@@ -112,17 +112,25 @@ def count_tokens(window: mx.array, vocab_size: int) -> mx.array:
     """[B, V] occurrences of each token in the window (pads ignored)."""
     rows = mx.arange(window.shape[0])[:, None]
     valid = window >= 0
-    return mx.zeros((window.shape[0], vocab_size), mx.float32).at[rows, mx.where(valid, window, 0)].add(valid.astype(mx.float32))
+    return (
+        mx.zeros((window.shape[0], vocab_size), mx.float32)
+        .at[rows, mx.where(valid, window, 0)]
+        .add(valid.astype(mx.float32))
+    )
 
 
-def apply_penalties(x: mx.array, history: mx.array, repeat: float, frequency: float, presence: float, last_n: int) -> mx.array:
+def apply_penalties(
+    x: mx.array, history: mx.array, repeat: float, frequency: float, presence: float, last_n: int
+) -> mx.array:
     window = history if last_n < 0 else history[:, -last_n:]
     counts = count_tokens(window, x.shape[-1])
     penalized = mx.where(x <= 0, x * repeat, x / repeat) - counts * frequency - presence
     return mx.where(counts > 0, penalized, x)
 
 
-def apply_dry(x: mx.array, history: mx.array, suffix: mx.array, params: dict, breakers: list[Breaker], exempt: mx.array | None) -> mx.array:
+def apply_dry(
+    x: mx.array, history: mx.array, suffix: mx.array, params: dict, breakers: list[Breaker], exempt: mx.array | None
+) -> mx.array:
     """exempt: [V] bool, the single-token breakers (never penalized)."""
     allowed, last_n = params["allowed_length"], params["last_n"]
     width = history.shape[-1]
@@ -139,7 +147,9 @@ def apply_dry(x: mx.array, history: mx.array, suffix: mx.array, params: dict, br
     follower = history[:, 1:]  # the token that followed each position
     counted = (length >= allowed) & (follower >= 0)
     rows = mx.arange(x.shape[0])[:, None]
-    max_repeat = mx.full(x.shape, -1, mx.int32).at[rows, mx.where(counted, follower, 0)].maximum(mx.where(counted, length, -1))
+    max_repeat = (
+        mx.full(x.shape, -1, mx.int32).at[rows, mx.where(counted, follower, 0)].maximum(mx.where(counted, length, -1))
+    )
     base = params["base"]
     max_exponent = int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
     exponent = (max_repeat - allowed).astype(mx.float32)

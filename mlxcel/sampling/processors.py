@@ -125,7 +125,11 @@ def apply_xtc(x: mx.array, u: mx.array, probability: float, threshold: float, mi
     except the least probable of them, if at least two are above it and min_keep remain."""
     # p >= threshold as x - logsumexp(x) >= log(threshold): one reduction instead of the
     # softmax's two (max, sum) and no divided copy of the vocabulary.
-    above = x - mx.logsumexp(x.astype(mx.float32), axis=-1, keepdims=True) >= math.log(threshold) if threshold > 0 else is_candidate(x)
+    above = (
+        x - mx.logsumexp(x.astype(mx.float32), axis=-1, keepdims=True) >= math.log(threshold)
+        if threshold > 0
+        else is_candidate(x)
+    )
     least = mx.min(mx.where(above, x, math.inf), axis=-1, keepdims=True)
     fire = u <= probability
     # "At least two above" needs no count: with one above, it is the least and nothing is > it.

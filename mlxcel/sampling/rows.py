@@ -23,7 +23,9 @@ class RowsSampler:
         self.top_n = logprobs
         self.keys = mx.zeros((0, 2), mx.uint32)
         self.steps = np.zeros(0, dtype=np.int64)
-        self.history_lengths = np.zeros(0, dtype=np.int64)  # prompt + drawn tokens: trims histories without a device read
+        self.history_lengths = np.zeros(
+            0, dtype=np.int64
+        )  # prompt + drawn tokens: trims histories without a device read
         self.state: dict[str, mx.array] = {}
         # only a random draw or XTC reads the step keys: greedy chains skip deriving them
         self.needs_keys = not chain.is_greedy or chain.has("xtc")
@@ -59,7 +61,9 @@ class RowsSampler:
         known on the host (prompt + drawn tokens), so no step waits on a device read."""
         first = self.state["history"].shape[1] - int(self.history_lengths.max())
         if first > 0:
-            self.state = {name: value[:, first:] if name in ("history", "suffix") else value for name, value in self.state.items()}
+            self.state = {
+                name: value[:, first:] if name in ("history", "suffix") else value for name, value in self.state.items()
+            }
 
     def sample(self, logits: mx.array) -> Draw:
         """Each row's next token, at its own step."""

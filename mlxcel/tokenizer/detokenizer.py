@@ -101,7 +101,9 @@ class StopStringFilter:
 class TextStream:
     """Streaming detokenizer plus stop strings: what a generated row prints and keeps."""
 
-    def __init__(self, tokenizer: MlxcelTokenizer, stop_strings: list[str] | None = None, skip_special_tokens: bool = False):
+    def __init__(
+        self, tokenizer: MlxcelTokenizer, stop_strings: list[str] | None = None, skip_special_tokens: bool = False
+    ):
         self.detokenizer = StreamingDetokenizer(tokenizer, skip_special_tokens)
         self.filter = StopStringFilter(list(stop_strings or []))
         self._chunks: list[str] = []

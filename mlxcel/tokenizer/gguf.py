@@ -105,7 +105,9 @@ def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> F
     add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
     tokenizer.post_processor = make_post_processor(tokenizer, bos if add_bos else None, eos if add_eos else None)
     # End-of-turn / end-of-message ids also end generation in llama.cpp.
-    eos_ids = [get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    eos_ids = [
+        get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ]
     result = FastTokenizer(
         tokenizer,
         backend="gguf",
@@ -145,7 +147,9 @@ def load_gguf_spm(path: Path, get: Any, templates: dict[str, str]) -> SentencePi
         raise MlxcelError(f"{path}: GGUF llama vocabulary has no unknown token (token_type 2); SentencePiece needs one")
     # llama.cpp's SPM path never collapses whitespace (tokenizer.ggml.remove_extra_whitespaces is
     # read for T5's UGM vocabularies only).
-    data = make_spm_model(list(zip(tokens, scores, types)), add_dummy_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)))
+    data = make_spm_model(
+        list(zip(tokens, scores, types)), add_dummy_prefix=bool(get("tokenizer.ggml.add_space_prefix", True))
+    )
     processor = load_processor(data, path)
     # llama.cpp cuts these out of the raw text before its merges, user-defined pieces even when it
     # does not parse special tokens: Gemma's runs of spaces (respelled from ▁▁.. by its converter,
@@ -161,7 +165,9 @@ def load_gguf_spm(path: Path, get: Any, templates: dict[str, str]) -> SentencePi
         return i if isinstance(i, int) and 0 <= i < len(tokens) else None
 
     bos_id = id_at("tokenizer.ggml.bos_token_id")
-    eos_ids = [id_at(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    eos_ids = [
+        id_at(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ]
     eos_ids = [i for i in eos_ids if i is not None]
     pad_id = id_at("tokenizer.ggml.padding_token_id")
     return SentencePieceTokenizer(
@@ -199,7 +205,9 @@ def make_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], 
     bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _IGNORES_MERGES)
     tokenizer = Tokenizer(bpe)
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     # Control and user-defined tokens are matched whole in the text, as llama.cpp does; they keep
     # their ids because their text is already a vocabulary key.

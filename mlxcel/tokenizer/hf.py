@@ -132,7 +132,11 @@ def read_named_templates(value: Any) -> dict[str, str]:
         return {"default": value}
     if isinstance(value, list):  # [{"name": ..., "template": ...}]
         pairs = (t for t in value if isinstance(t, dict))
-        return {t["name"]: t["template"] for t in pairs if isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        return {
+            t["name"]: t["template"]
+            for t in pairs
+            if isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        }
     if isinstance(value, dict):
         return {k: v for k, v in value.items() if isinstance(v, str)}
     return {}

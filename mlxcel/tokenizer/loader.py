@@ -37,7 +37,9 @@ def detect_tokenizer_kind(path: str | Path) -> str:
     raise MlxcelError(f"tokenizer: no tokenizer found in {path} (looked for {looked_for})")
 
 
-def load_tokenizer(path: str | Path, kind: str = "auto", gguf_metadata: dict[str, Any] | None = None) -> MlxcelTokenizer:
+def load_tokenizer(
+    path: str | Path, kind: str = "auto", gguf_metadata: dict[str, Any] | None = None
+) -> MlxcelTokenizer:
     """Build the tokenizer for a model folder or a .gguf file.
 
     `kind` is auto (detect from the files) or one backend name. `gguf_metadata` lets a caller
@@ -88,5 +90,7 @@ def find_gguf_file(path: Path) -> Path:
     found = sorted(path.glob("*.gguf"))
     if len(found) != 1:
         names = ", ".join(p.name for p in found) or "none"
-        raise MlxcelError(f"tokenizer.kind=gguf: need exactly one .gguf file in {path} (found {names}); pass the file itself")
+        raise MlxcelError(
+            f"tokenizer.kind=gguf: need exactly one .gguf file in {path} (found {names}); pass the file itself"
+        )
     return found[0]

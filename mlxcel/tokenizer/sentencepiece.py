@@ -108,7 +108,9 @@ class SentencePieceTokenizer:
     def encode_without_prefix(self, text: str) -> list[int]:
         """SentencePiece without its dummy-prefix space (a second processor, built on first use)."""
         if self._sp_no_prefix is None:
-            self._sp_no_prefix = load_processor(without_dummy_prefix(self.sp.serialized_model_proto()), "SentencePiece model")
+            self._sp_no_prefix = load_processor(
+                without_dummy_prefix(self.sp.serialized_model_proto()), "SentencePiece model"
+            )
         return self._sp_no_prefix.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -171,7 +173,9 @@ def load_processor(data: bytes, origin: Path | str) -> spm.SentencePieceProcesso
     try:
         processor.LoadFromSerializedProto(data)
     except Exception as exc:  # sentencepiece raises a bare RuntimeError/OSError on bad bytes
-        raise MlxcelError(f"{origin}: cannot read the SentencePiece model ({exc}); the file is corrupt or not a .model file") from exc
+        raise MlxcelError(
+            f"{origin}: cannot read the SentencePiece model ({exc}); the file is corrupt or not a .model file"
+        ) from exc
     if processor.get_piece_size() == 0:
         raise MlxcelError(f"{origin}: the SentencePiece model has no pieces")
     return processor
@@ -202,7 +206,9 @@ def load_sentencepiece_tokenizer(folder: Path) -> SentencePieceTokenizer:
     added, non_special = read_added_tokens(folder, config)
     # Named specials the vocabulary has as ordinary pieces are matched whole too (as transformers).
     named = [read_token_string(config.get(n)) for n in _NAMED_SPECIALS]
-    named += read_token_strings(config.get("additional_special_tokens")) + read_token_strings(config.get("extra_special_tokens"))
+    named += read_token_strings(config.get("additional_special_tokens")) + read_token_strings(
+        config.get("extra_special_tokens")
+    )
     for token in filter(None, named):
         i = added.get(token, processor.piece_to_id(token))
         if token not in added and (i != processor.unk_id() or token == piece_or_none(processor, processor.unk_id())):

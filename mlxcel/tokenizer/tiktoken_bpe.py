@@ -26,9 +26,7 @@ from mlxcel.tokenizer.hf import (
 )
 from mlxcel.tokenizer.sentencepiece import pick_default_template
 
-_CL100K_PATTERN = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-)
+_CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 _O200K_PATTERN = (  # tiktoken's o200k_base, its seven alternatives one per line
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
     r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
@@ -39,10 +37,42 @@ _O200K_PATTERN = (  # tiktoken's o200k_base, its seven alternatives one per line
     r"""|\s+"""
 )
 _QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-_QWEN35_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_QWEN35_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>"]
+_QWEN35_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_QWEN35_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
+]
 
 
 @dataclass(frozen=True)
@@ -57,13 +87,36 @@ class Preset:
 
 def make_presets() -> list[Preset]:
     qwen = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|extra_{i}|>" for i in range(205)]
-    cl100k = {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}
+    cl100k = {
+        "<|endoftext|>": 100257,
+        "<|fim_prefix|>": 100258,
+        "<|fim_middle|>": 100259,
+        "<|fim_suffix|>": 100260,
+        "<|endofprompt|>": 100276,
+    }
     return [
         Preset(_CL100K_PATTERN, cl100k, 100256, ("<|endoftext|>",), names=("cl100k_base",)),
-        Preset(_O200K_PATTERN, {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}, 199998, ("<|endoftext|>",), names=("o200k_base",)),
-        Preset(_QWEN_PATTERN, {t: 151643 + i for i, t in enumerate(qwen)}, 151643, ("<|endoftext|>", "<|im_end|>"), "NFC", ("qwen",)),
         Preset(
-            _QWEN35_PATTERN, {t: 248044 + i for i, t in enumerate(_QWEN35_SPECIALS)}, 248044, ("<|endoftext|>", "<|im_end|>"), "NFC",
+            _O200K_PATTERN,
+            {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
+            199998,
+            ("<|endoftext|>",),
+            names=("o200k_base",),
+        ),
+        Preset(
+            _QWEN_PATTERN,
+            {t: 151643 + i for i, t in enumerate(qwen)},
+            151643,
+            ("<|endoftext|>", "<|im_end|>"),
+            "NFC",
+            ("qwen",),
+        ),
+        Preset(
+            _QWEN35_PATTERN,
+            {t: 248044 + i for i, t in enumerate(_QWEN35_SPECIALS)},
+            248044,
+            ("<|endoftext|>", "<|im_end|>"),
+            "NFC",
             ("qwen3_5", "qwen3_6"),
         ),
     ]
@@ -164,7 +217,9 @@ def load_ranks(path: Path) -> dict[bytes, int]:
 
 
 def read_config_specials(config: dict) -> dict[str, int]:
-    specials = {t: i for t, i in (config.get("special_tokens") or {}).items() if isinstance(t, str) and isinstance(i, int)}
+    specials = {
+        t: i for t, i in (config.get("special_tokens") or {}).items() if isinstance(t, str) and isinstance(i, int)
+    }
     for key, value in (config.get("added_tokens_decoder") or {}).items():
         content = read_token_string(value)
         if content is not None and str(key).isdigit():
@@ -193,12 +248,14 @@ def load_tiktoken_tokenizer(folder: Path) -> TiktokenTokenizer:
         known = ", ".join(f"{p.names[0]} ({p.ranks} ranks)" for p in PRESETS)
         raise MlxcelError(
             f"{path}: no split pattern for these {len(ranks)} ranks: tokenizer_config.json has no 'pattern' (or 'pat_str') "
-            f"and no known preset matches (known: {known}); add the model's regex as \"pattern\" to {folder / 'tokenizer_config.json'}"
+            f'and no known preset matches (known: {known}); add the model\'s regex as "pattern" to {folder / "tokenizer_config.json"}'
         )
     used = set(ranks.values())
     clashes = sorted(t for t, i in specials.items() if i in used)
     if clashes:
-        raise MlxcelError(f"{path}: special token ids collide with ranks ({', '.join(clashes[:5])}); check the config's special tokens")
+        raise MlxcelError(
+            f"{path}: special token ids collide with ranks ({', '.join(clashes[:5])}); check the config's special tokens"
+        )
     try:
         encoding = tiktoken.Encoding(path.stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
     except Exception as exc:  # a bad regex or inconsistent ranks

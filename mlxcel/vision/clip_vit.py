@@ -74,10 +74,22 @@ class VisionArgs:
         def bad(key: str, message: str) -> None:
             issues.append(ConfigIssue(f"{CONFIG_PREFIX}.{key}", message, getattr(self, key)))
 
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "image_size", "patch_size"):
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_channels",
+            "image_size",
+            "patch_size",
+        ):
             value = getattr(self, key)
             if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                bad(key, "must be a positive int" + (" (non-square [h, w] sizes are not supported)" if key in ("image_size", "patch_size") else ""))
+                bad(
+                    key,
+                    "must be a positive int"
+                    + (" (non-square [h, w] sizes are not supported)" if key in ("image_size", "patch_size") else ""),
+                )
         if not issues:
             if self.hidden_size % self.num_attention_heads:
                 bad("num_attention_heads", f"must divide hidden_size {self.hidden_size}")
@@ -105,7 +117,9 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = (p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -169,7 +183,9 @@ class ClipVisionModel(nn.Module):
         self.embeddings = Embeddings(args)
         self.pre_layrnorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)  # sic: checkpoint name
         self.encoder = Encoder(args)
-        self.post_layernorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)  # pooled output only; LLaVA skips it
+        self.post_layernorm = nn.LayerNorm(
+            args.hidden_size, eps=args.layer_norm_eps
+        )  # pooled output only; LLaVA skips it
 
     def __call__(self, pixel_values: mx.array, n_layers: int | None = None) -> list[mx.array]:
         """Hidden states as transformers' `output_hidden_states`: [embeddings after pre-LN, layer 1, ...].

@@ -37,7 +37,11 @@ def pooling_plan(patches_per_side: int, mm_tokens_per_image: int) -> tuple[int, 
     side = patches_per_side
     legal = sorted({(side // (side // t)) ** 2 for t in range(1, side + 1)})
     raise ConfigError(
-        ConfigIssue("mm_tokens_per_image", f"must be a square the {side}x{side} patch grid pools to exactly: one of {legal}", mm_tokens_per_image),
+        ConfigIssue(
+            "mm_tokens_per_image",
+            f"must be a square the {side}x{side} patch grid pools to exactly: one of {legal}",
+            mm_tokens_per_image,
+        ),
         hint="fix the checkpoint's config.json",
     )
 
@@ -104,7 +108,9 @@ def make_gemma3_projector(config: dict, vision: SiglipVisionArgs | None = None) 
     return Gemma3MultiModalProjector(vision, hidden, 256 if tokens is None else tokens)
 
 
-def split_vision_weights(weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, mx.array]]:
+def split_vision_weights(
+    weights: dict[str, mx.array],
+) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, mx.array]]:
     """(tower, projector, rest) of a whole Gemma 3 checkpoint in any layout above: tower and
     projector names relative to their modules (pass them to their `sanitize`), the rest untouched."""
     tower, projector, rest = {}, {}, {}
@@ -122,6 +128,7 @@ def split_vision_weights(weights: dict[str, mx.array]) -> tuple[dict[str, mx.arr
 def count_pooled_tokens(image_size: int, patch_size: int, mm_tokens_per_image: int) -> int:
     """Soft tokens one image (or pan-and-scan crop) becomes; checks the config as the projector does."""
     if not (isinstance(image_size, int) and isinstance(patch_size, int) and 0 < patch_size <= image_size):
-        raise ConfigError(ConfigIssue("vision_config.patch_size", "must be a positive int no larger than image_size", patch_size))
+        raise ConfigError(
+            ConfigIssue("vision_config.patch_size", "must be a positive int no larger than image_size", patch_size)
+        )
     return pooling_plan(image_size // patch_size, mm_tokens_per_image)[1]
-

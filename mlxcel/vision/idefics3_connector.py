@@ -32,7 +32,9 @@ def pixel_shuffle(x: mx.array, scale_factor: int) -> mx.array:
     side = int(seq**0.5)
     s = scale_factor
     if side * side != seq or side % s:
-        raise MlxcelError(f"pixel shuffle by {s} needs a square patch grid with a side divisible by {s} (got {seq} patches)")
+        raise MlxcelError(
+            f"pixel shuffle by {s} needs a square patch grid with a side divisible by {s} (got {seq} patches)"
+        )
     x = x.reshape(batch, side, side, dims)
     x = x.reshape(batch, side, side // s, dims * s)
     x = x.transpose(0, 2, 1, 3)
@@ -68,8 +70,11 @@ class Idefics3Connector(nn.Module):
             "vision_config.hidden_size": vision.get("hidden_size", DEFAULT_VISION_HIDDEN),
             "text_config.hidden_size": text.get("hidden_size", DEFAULT_TEXT_HIDDEN),
         }
-        issues = [ConfigIssue(key, "must be a positive int", value) for key, value in values.items()
-                  if not (isinstance(value, int) and not isinstance(value, bool) and value > 0)]
+        issues = [
+            ConfigIssue(key, "must be a positive int", value)
+            for key, value in values.items()
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+        ]
         if issues:
             raise ConfigError(issues, hint="fix the checkpoint's config.json")
         return cls(values["vision_config.hidden_size"], values["text_config.hidden_size"], values["scale_factor"])
@@ -84,7 +89,7 @@ class Idefics3Connector(nn.Module):
         out = {}
         for name, w in weights.items():
             prefix = next((p for p in CHECKPOINT_PREFIXES if name.startswith(p)), "")
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
             if name.startswith("modality_projection."):
                 out[name] = w
         return out

@@ -37,7 +37,9 @@ def load_image(path: str | Path) -> Image.Image:
             image.load()
             return image.convert("RGB")
     except UnidentifiedImageError:
-        raise VisionInputError(f"image {path}: not an image Pillow can read (expected JPEG, PNG, WebP, GIF, BMP, TIFF, ...)") from None
+        raise VisionInputError(
+            f"image {path}: not an image Pillow can read (expected JPEG, PNG, WebP, GIF, BMP, TIFF, ...)"
+        ) from None
     except Image.DecompressionBombError as exc:
         raise VisionInputError(f"image {path}: too large to decode safely ({exc})") from None
     except OSError as exc:  # truncated or corrupt data, unreadable file

@@ -69,7 +69,9 @@ class PatchMerger(nn.Module):
     def __init__(self, args: Mistral3ProjectorArgs):
         super().__init__()
         self.args = args
-        self.merging_layer = nn.Linear(args.vision_hidden_size * args.spatial_merge_size**2, args.vision_hidden_size, bias=False)
+        self.merging_layer = nn.Linear(
+            args.vision_hidden_size * args.spatial_merge_size**2, args.vision_hidden_size, bias=False
+        )
 
     def __call__(self, features: mx.array, image_sizes) -> mx.array:
         grids = patch_grids(image_sizes, self.args.patch_size)

@@ -178,9 +178,13 @@ class PixtralVisionModel(nn.Module):
         p = self.args.patch_size
         grids = [(image.shape[1] // p, image.shape[2] // p) for image in images]
         if any(rows * cols == 0 for rows, cols in grids):
-            raise ValueError(f"every image needs at least one {p}x{p} patch; got sizes {[tuple(i.shape[1:]) for i in images]}")
+            raise ValueError(
+                f"every image needs at least one {p}x{p} patch; got sizes {[tuple(i.shape[1:]) for i in images]}"
+            )
         h = self.ln_pre(mx.concatenate([self.patch_conv(image) for image in images]))
-        angles = mx.array(make_rope_angles(make_position_ids(grids), self.args.head_dim, self.args.rope_theta))[:, None, :]
+        angles = mx.array(make_rope_angles(make_position_ids(grids), self.args.head_dim, self.args.rope_theta))[
+            :, None, :
+        ]
         cos, sin = mx.cos(angles), mx.sin(angles)
         segments = make_segments(np.concatenate([[0], np.cumsum([rows * cols for rows, cols in grids])]))
         for layer in self.transformer.layers[: self.resolve_layer(feature_layer)]:
@@ -192,7 +196,10 @@ class PixtralVisionModel(nn.Module):
         if isinstance(pixel_values, (list, tuple)):
             images = [mx.array(image) if not isinstance(image, mx.array) else image for image in pixel_values]
             if image_sizes is not None:
-                images = [image[:, : int(h), : int(w)] for image, (h, w) in zip(images, np.asarray(image_sizes).reshape(-1, 2))]
+                images = [
+                    image[:, : int(h), : int(w)]
+                    for image, (h, w) in zip(images, np.asarray(image_sizes).reshape(-1, 2))
+                ]
             return images
         batch = pixel_values if isinstance(pixel_values, mx.array) else mx.array(pixel_values)
         if batch.ndim == 3:

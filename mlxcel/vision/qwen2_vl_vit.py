@@ -99,7 +99,9 @@ def make_cu_seqlens(grid_thw: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)])
 
 
-def make_window_index(grid_thw: np.ndarray, merge: int, window_size: int, patch_size: int) -> tuple[np.ndarray, np.ndarray]:
+def make_window_index(
+    grid_thw: np.ndarray, merge: int, window_size: int, patch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Qwen2.5-VL's window order of merge units and the window boundaries in tokens (transformers'
     `get_vision_window_index`): windows are `window_size` pixels square, cut per image."""
     side = window_size // merge // patch_size  # window side in merge units

@@ -59,7 +59,9 @@ class Embeddings(nn.Module):
         super().__init__()
         self.args = args
         patch = args.patch_size
-        self.patch_embedding = nn.Conv2d(args.num_channels, args.hidden_size, kernel_size=patch, stride=patch, bias=True)
+        self.patch_embedding = nn.Conv2d(
+            args.num_channels, args.hidden_size, kernel_size=patch, stride=patch, bias=True
+        )
         self.position_embedding = nn.Embedding(args.num_patches, args.hidden_size)
 
     def __call__(self, pixel_values: mx.array) -> mx.array:

@@ -115,12 +115,16 @@ def check_images_allowed(model, model_type: str, paths: list[str]) -> None:
 def check_placeholder_count(found: int, paths: list[str]) -> None:
     """One placeholder per image, or an error naming both counts and the files."""
     if found != len(paths):
-        hint = "each image part needs the model's chat template (template=none: write one placeholder per image yourself)"
+        hint = (
+            "each image part needs the model's chat template (template=none: write one placeholder per image yourself)"
+        )
         named = f" ({', '.join(paths)})" if paths else ""
         raise MlxcelError(f"the prompt has {found} image placeholder(s) for {len(paths)} image(s){named}: {hint}")
 
 
-def prepare_images(model, text: str, token_ids: list[int], paths: list[str], encode) -> tuple[list[int], ImageInputs | None]:
+def prepare_images(
+    model, text: str, token_ids: list[int], paths: list[str], encode
+) -> tuple[list[int], ImageInputs | None]:
     """Load and preprocess a prompt's images; its token ids with each image's placeholder expanded.
 
     Expansion is the family's choice: by default the placeholder id is repeated token_counts[i]
@@ -146,5 +150,7 @@ def prepare_images(model, text: str, token_ids: list[int], paths: list[str], enc
     else:
         return expand_placeholders(token_ids, image_token, inputs.token_counts), inputs
     if count_placeholders(expanded, image_token) != sum(inputs.token_counts):
-        raise MlxcelError(f"the expanded prompt holds {count_placeholders(expanded, image_token)} image tokens for {sum(inputs.token_counts)} image features")
+        raise MlxcelError(
+            f"the expanded prompt holds {count_placeholders(expanded, image_token)} image tokens for {sum(inputs.token_counts)} image features"
+        )
     return expanded, inputs

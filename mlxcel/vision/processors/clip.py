@@ -88,8 +88,10 @@ def parse_clip_fields(raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[st
 
 def parse_size(value: object, default: SizeSpec, issues: list[ConfigIssue]) -> SizeSpec:
     """transformers' get_size_dict with default_to_square=False: an int is the shortest edge, [h, w] exact."""
-    message = ("must be a positive int (shortest edge), [height, width], {shortest_edge}, "
-               "{shortest_edge, longest_edge} or {height, width} with positive int values")
+    message = (
+        "must be a positive int (shortest edge), [height, width], {shortest_edge}, "
+        "{shortest_edge, longest_edge} or {height, width} with positive int values"
+    )
     if value is None:
         return default
     if is_positive_int(value):
@@ -113,7 +115,9 @@ def parse_crop_size(value: object, default: tuple[int, int], issues: list[Config
         return (value[0], value[1])
     if isinstance(value, dict) and set(value) == {"height", "width"} and all(map(is_positive_int, value.values())):
         return (value["height"], value["width"])
-    issues.append(make_issue("crop_size", "must be a positive int, [height, width] or {height, width} with positive ints", value))
+    issues.append(
+        make_issue("crop_size", "must be a positive int, [height, width] or {height, width} with positive ints", value)
+    )
     return default
 
 
@@ -164,7 +168,9 @@ def apply_clip_steps(image: np.ndarray, config: ClipImageConfig, source: str | N
     if config.do_resize:
         height, width = plan_resize_size(*image.shape[:2], config.size)
         if height <= 0 or width <= 0:
-            raise VisionInputError(f"{describe_source(source)}: resizing {image.shape[1]}x{image.shape[0]} gives {width}x{height}")
+            raise VisionInputError(
+                f"{describe_source(source)}: resizing {image.shape[1]}x{image.shape[0]} gives {width}x{height}"
+            )
         image = apply_resize(image, height, width, config.resample)
     if config.do_center_crop:
         image = apply_center_crop(image, *config.crop_size)
@@ -175,7 +181,9 @@ def apply_clip_steps(image: np.ndarray, config: ClipImageConfig, source: str | N
     return np.ascontiguousarray(image.transpose(2, 0, 1), dtype=np.float32)
 
 
-def preprocess_images(images: list[Image.Image], config: ClipImageConfig, sources: list[str] | None = None) -> np.ndarray:
+def preprocess_images(
+    images: list[Image.Image], config: ClipImageConfig, sources: list[str] | None = None
+) -> np.ndarray:
     """pixel_values [n, 3, H, W] float32, equal to CLIPImageProcessorPil(**config)(images)."""
     if not images:
         raise VisionInputError("no images to preprocess")
@@ -184,7 +192,9 @@ def preprocess_images(images: list[Image.Image], config: ClipImageConfig, source
     processed = [apply_clip_steps(array, config, name) for array, name in zip(arrays, names)]
     shapes = {array.shape for array in processed}
     if len(shapes) > 1:  # only without resize/crop to a fixed size; transformers cannot stack these either
-        raise VisionInputError(f"images preprocess to different shapes {sorted(shapes)}; enable do_center_crop or a fixed size")
+        raise VisionInputError(
+            f"images preprocess to different shapes {sorted(shapes)}; enable do_center_crop or a fixed size"
+        )
     return np.stack(processed)
 
 
@@ -206,7 +216,9 @@ def check_token_args(image_size: int, patch_size: int, strategy: str, num_additi
     if not is_positive_int(image_size):
         issues.append(ConfigIssue("vision_config.image_size", "must be a positive int", image_size))
     if not (is_positive_int(patch_size) and (not is_positive_int(image_size) or patch_size <= image_size)):
-        issues.append(ConfigIssue("vision_config.patch_size", "must be a positive int no larger than image_size", patch_size))
+        issues.append(
+            ConfigIssue("vision_config.patch_size", "must be a positive int no larger than image_size", patch_size)
+        )
     if strategy not in FEATURE_STRATEGIES:
         issues.append(ConfigIssue("vision_feature_select_strategy", "must be 'default' or 'full'", strategy))
     if not (is_int(num_additional) and num_additional >= 0):

@@ -77,7 +77,9 @@ def parse_rescale_factor(value: object, default: float, issues: list[ConfigIssue
     return float(value)
 
 
-def parse_channel_floats(raw: dict[str, Any], key: str, default: tuple, issues: list[ConfigIssue], positive: bool) -> tuple:
+def parse_channel_floats(
+    raw: dict[str, Any], key: str, default: tuple, issues: list[ConfigIssue], positive: bool
+) -> tuple:
     """Three per-channel floats; a single float applies to all channels, as transformers allows."""
     value = raw.get(key)
     if value is None:
@@ -106,7 +108,9 @@ def apply_rgb_composite(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def apply_convert_rgb(image: Image.Image, convert: bool, source: str | None = None, max_input_pixels: int | None = None) -> np.ndarray:
+def apply_convert_rgb(
+    image: Image.Image, convert: bool, source: str | None = None, max_input_pixels: int | None = None
+) -> np.ndarray:
     """The [H, W, 3] uint8 array transformers' PIL backend starts from (alpha composited onto white);
     with `max_input_pixels`, larger images are refused before any pixel work."""
     if not isinstance(image, Image.Image):

@@ -101,7 +101,13 @@ def parse_gemma3_fields(raw: dict[str, Any], issues: list[ConfigIssue]) -> dict[
         if is_finite_number(ratio) and ratio > 0:
             values["pan_and_scan_min_ratio_to_activate"] = float(ratio)
         else:
-            issues.append(make_issue("pan_and_scan_min_ratio_to_activate", "must be a finite number > 0 (width/height or height/width, e.g. 1.2)", ratio))
+            issues.append(
+                make_issue(
+                    "pan_and_scan_min_ratio_to_activate",
+                    "must be a finite number > 0 (width/height or height/width, e.g. 1.2)",
+                    ratio,
+                )
+            )
     return values
 
 
@@ -117,7 +123,13 @@ def parse_square_size(value: object, default: tuple[int, int], issues: list[Conf
         return (value[0], value[1])
     if isinstance(value, dict) and set(value) == {"height", "width"} and all(map(is_positive_int, value.values())):
         return (value["height"], value["width"])
-    issues.append(make_issue("size", "must be a positive int, [height, width] or {height, width} with positive ints (the tower's image_size)", value))
+    issues.append(
+        make_issue(
+            "size",
+            "must be a positive int, [height, width] or {height, width} with positive ints (the tower's image_size)",
+            value,
+        )
+    )
     return default
 
 
@@ -152,7 +164,10 @@ def plan_pan_and_scan(height: int, width: int, config: Gemma3ImageConfig) -> lis
     if min(crop_w, crop_h) < min_crop:
         return []
     tops, lefts = [crop_h * i for i in range(crops_h)], [crop_w * i for i in range(crops_w)]
-    return [(top, left, max(0, min(crop_h, height - top)), max(0, min(crop_w, width - left))) for top, left in itertools.product(tops, lefts)]
+    return [
+        (top, left, max(0, min(crop_h, height - top)), max(0, min(crop_w, width - left)))
+        for top, left in itertools.product(tops, lefts)
+    ]
 
 
 def apply_gemma3_steps(image: np.ndarray, config: Gemma3ImageConfig) -> np.ndarray:
@@ -172,7 +187,10 @@ def split_pan_and_scan(image: np.ndarray, config: Gemma3ImageConfig) -> list[np.
     resizes that to a black image without complaint, and so does this."""
     if not config.do_pan_and_scan:
         return [image]
-    crops = [image[top : top + height, left : left + width] for top, left, height, width in plan_pan_and_scan(*image.shape[:2], config)]
+    crops = [
+        image[top : top + height, left : left + width]
+        for top, left, height, width in plan_pan_and_scan(*image.shape[:2], config)
+    ]
     return [image, *crops]
 
 
@@ -182,7 +200,9 @@ class Gemma3Pixels:
     num_crops: list[int]  # per input image
 
 
-def preprocess_images(images: list[Image.Image], config: Gemma3ImageConfig, sources: list[str] | None = None) -> Gemma3Pixels:
+def preprocess_images(
+    images: list[Image.Image], config: Gemma3ImageConfig, sources: list[str] | None = None
+) -> Gemma3Pixels:
     """Equal to Gemma3ImageProcessorPil(**config)(images): pixel_values and num_crops."""
     if not images:
         raise VisionInputError("no images to preprocess")
@@ -218,7 +238,9 @@ def image_sequence_text(tokens_per_image: int, tokens: Gemma3ImageTokens = Gemma
     return f"\n\n{tokens.boi}{tokens.image * tokens_per_image}{tokens.eoi}\n\n"
 
 
-def image_replacement_text(num_crops: int, tokens_per_image: int, tokens: Gemma3ImageTokens = Gemma3ImageTokens()) -> str:
+def image_replacement_text(
+    num_crops: int, tokens_per_image: int, tokens: Gemma3ImageTokens = Gemma3ImageTokens()
+) -> str:
     """Gemma3Processor.replace_image_token: what one `<start_of_image>` in the prompt becomes."""
     sequence = image_sequence_text(tokens_per_image, tokens)
     if not num_crops:
@@ -226,7 +248,9 @@ def image_replacement_text(num_crops: int, tokens_per_image: int, tokens: Gemma3
     return f"{PAN_AND_SCAN_INTRO}{sequence}{PAN_AND_SCAN_CROPS}" + " ".join([sequence] * num_crops)
 
 
-def expand_prompt_text(text: str, num_crops: list[int], tokens_per_image: int, tokens: Gemma3ImageTokens = Gemma3ImageTokens()) -> str:
+def expand_prompt_text(
+    text: str, num_crops: list[int], tokens_per_image: int, tokens: Gemma3ImageTokens = Gemma3ImageTokens()
+) -> str:
     """The prompt with its i-th `<start_of_image>` replaced by image i's sequence, left to right
     over the original text (the replacements are not rescanned), as Gemma3Processor does."""
     pieces = text.split(tokens.boi)

@@ -95,10 +95,20 @@ def parse_size(value: object, default: SizeSpec, issues: list[ConfigIssue]) -> S
         return SizeSpec(height=value, width=value)
     if isinstance(value, (list, tuple)) and len(value) == 2 and all(map(is_positive_int, value)):
         return SizeSpec(height=value[0], width=value[1])
-    if isinstance(value, dict) and set(value) in ({"longest_edge"}, {"height", "width"}) and all(map(is_positive_int, value.values())):
+    if (
+        isinstance(value, dict)
+        and set(value) in ({"longest_edge"}, {"height", "width"})
+        and all(map(is_positive_int, value.values()))
+    ):
         return SizeSpec(**value)
-    issues.append(make_issue("size", "must be {longest_edge}, {height, width}, [height, width] or a positive int (square), "
-                                     "with positive int values", value))
+    issues.append(
+        make_issue(
+            "size",
+            "must be {longest_edge}, {height, width}, [height, width] or a positive int (square), "
+            "with positive int values",
+            value,
+        )
+    )
     return default
 
 
@@ -211,11 +221,15 @@ class Idefics3Batch:
 
 def resize_checked(image: np.ndarray, height: int, width: int, resample: int, source: str | None) -> np.ndarray:
     if height <= 0 or width <= 0:  # PIL's ValueError in transformers
-        raise VisionInputError(f"{describe_source(source)}: resizing {image.shape[1]}x{image.shape[0]} gives {width}x{height}")
+        raise VisionInputError(
+            f"{describe_source(source)}: resizing {image.shape[1]}x{image.shape[0]} gives {width}x{height}"
+        )
     return apply_resize(image, height, width, resample)
 
 
-def make_image_frames(image: np.ndarray, config: Idefics3ImageConfig, source: str | None = None) -> tuple[list[np.ndarray], int, int]:
+def make_image_frames(
+    image: np.ndarray, config: Idefics3ImageConfig, source: str | None = None
+) -> tuple[list[np.ndarray], int, int]:
     """(frames, rows, cols): uint8 [H, W, 3] frames before rescale/normalize."""
     if config.do_resize:
         image = resize_checked(image, *plan_resize_size(*image.shape[:2], config.size), config.resample, source)
@@ -274,15 +288,19 @@ def preprocess_batch(
     if not samples or not any(samples):
         raise VisionInputError("no images to preprocess")
     names = sources or [[None] * len(sample) for sample in samples]
-    processed = [[preprocess_image(image, config, name) for image, name in zip(sample, sample_names)]
-                 for sample, sample_names in zip(samples, names)]
+    processed = [
+        [preprocess_image(image, config, name) for image, name in zip(sample, sample_names)]
+        for sample, sample_names in zip(samples, names)
+    ]
     if any(not sample for sample in processed):  # transformers: one sample without images cannot be padded either
         raise VisionInputError("every sample of a batch needs at least one image")
     pixel_values, mask = apply_batch_padding(processed)
     return Idefics3Batch(pixel_values, mask, processed)
 
 
-def preprocess_images(images: list[Image.Image], config: Idefics3ImageConfig, sources: list[str] | None = None) -> Idefics3Batch:
+def preprocess_images(
+    images: list[Image.Image], config: Idefics3ImageConfig, sources: list[str] | None = None
+) -> Idefics3Batch:
     """One prompt's images (one sample, as the processor takes a flat list): pixel_values [1, frames, 3, H, W]."""
     return preprocess_batch([list(images)], config, [list(sources)] if sources else None)
 
@@ -304,8 +322,14 @@ class ImagePromptTokens:
     def from_tokenizer_config(cls, raw: dict[str, Any]) -> ImagePromptTokens:
         """SmolVLM's: tokenizer_config.json's top-level or `extra_special_tokens` entries, else the defaults."""
         extra = raw.get("extra_special_tokens") if isinstance(raw.get("extra_special_tokens"), dict) else {}
-        pick = {name: raw.get(key, extra.get(key)) for name, key in
-                (("fake_image", "fake_image_token"), ("image", "image_token"), ("global_image", "global_image_token"))}
+        pick = {
+            name: raw.get(key, extra.get(key))
+            for name, key in (
+                ("fake_image", "fake_image_token"),
+                ("image", "image_token"),
+                ("global_image", "global_image_token"),
+            )
+        }
         return cls(**{name: value for name, value in pick.items() if isinstance(value, str) and value})
 
 
@@ -319,17 +343,27 @@ def make_prompt_pieces(rows: int, cols: int, image_seq_len: int, tokens: ImagePr
     pieces: list[tuple[str, bool]] = []
     for r in range(rows):
         for c in range(cols):
-            pieces += [(tokens.fake_image, True), (f"<row_{r + 1}_col_{c + 1}>", True)] + [(tokens.image, True)] * image_seq_len
+            pieces += [(tokens.fake_image, True), (f"<row_{r + 1}_col_{c + 1}>", True)] + [
+                (tokens.image, True)
+            ] * image_seq_len
         pieces.append(("\n", False))
     return pieces + [("\n", False)] + global_view
 
 
 def check_layout_args(rows: int, cols: int, image_seq_len: int) -> None:
-    if not (isinstance(rows, (int, np.integer)) and isinstance(cols, (int, np.integer)) and rows >= 0 and cols >= 0 and (rows == 0) == (cols == 0)):
+    if not (
+        isinstance(rows, (int, np.integer))
+        and isinstance(cols, (int, np.integer))
+        and rows >= 0
+        and cols >= 0
+        and (rows == 0) == (cols == 0)
+    ):
         raise MlxcelError(f"image grid must be rows, cols >= 0, both 0 or both > 0 (got {rows}x{cols})")
     if not is_positive_int(image_seq_len):
-        raise ConfigError(ConfigIssue("image_seq_len", "must be a positive int", image_seq_len),
-                          hint="fix the checkpoint's processor_config.json")
+        raise ConfigError(
+            ConfigIssue("image_seq_len", "must be a positive int", image_seq_len),
+            hint="fix the checkpoint's processor_config.json",
+        )
 
 
 def make_image_prompt(rows: int, cols: int, image_seq_len: int, tokens: ImagePromptTokens = ImagePromptTokens()) -> str:

@@ -75,7 +75,11 @@ def parse_pinpoints(value: object, issues: list[ConfigIssue]) -> tuple[tuple[int
     valid = isinstance(value, (list, tuple)) and len(value) > 0
     valid = valid and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_positive_int, p)) for p in value)
     if not valid:
-        issues.append(make_issue("image_grid_pinpoints", "must be a non-empty list of [height, width] pairs of positive ints", value))
+        issues.append(
+            make_issue(
+                "image_grid_pinpoints", "must be a non-empty list of [height, width] pairs of positive ints", value
+            )
+        )
         return DEFAULT_GRID_PINPOINTS
     return tuple((p[0], p[1]) for p in value)
 
@@ -129,7 +133,11 @@ def make_image_tiles(image: np.ndarray, config: LlavaNextImageConfig, source: st
     fitted = apply_resize(image, *plan_patch_output_size(height, width, best), config.resample)
     padded = np.pad(fitted, plan_padding(fitted.shape[:2], best) + ((0, 0),), mode="constant", constant_values=0)
     tile = config.tile_size
-    tiles = [padded[top : top + tile, left : left + tile] for top in range(0, best[0], tile) for left in range(0, best[1], tile)]
+    tiles = [
+        padded[top : top + tile, left : left + tile]
+        for top in range(0, best[0], tile)
+        for left in range(0, best[1], tile)
+    ]
     base = apply_resize(image, *config.base_size, config.resample)
     return [base] + tiles
 

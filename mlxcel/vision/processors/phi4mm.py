@@ -109,8 +109,13 @@ class Phi4ImageConfig(ImageConfig):
         values["image_mean"] = parse_channel_floats(raw, "image_mean", defaults["image_mean"], issues, positive=False)
         values["image_std"] = parse_channel_floats(raw, "image_std", defaults["image_std"], issues, positive=True)
         if not (values["do_rescale"] or values["do_normalize"]):
-            issues.append(make_issue("do_normalize", "do_rescale and do_normalize cannot both be false "
-                                                     "(the pixels would stay uint8)", raw.get("do_normalize")))
+            issues.append(
+                make_issue(
+                    "do_normalize",
+                    "do_rescale and do_normalize cannot both be false (the pixels would stay uint8)",
+                    raw.get("do_normalize"),
+                )
+            )
         if values["size"] % values["patch_size"]:
             issues.append(make_issue("patch_size", f"must divide size ({values['size']})", values["patch_size"]))
         return values
@@ -129,7 +134,9 @@ def parse_square_side(value: object, default: int, issues: list[ConfigIssue]) ->
         sides = tuple(value)
     if sides is not None and all(map(is_positive_int, sides)) and sides[0] == sides[1]:
         return sides[0]
-    issues.append(make_issue("size", "must be square: {height, width} with equal positive ints, [side, side] or an int", value))
+    issues.append(
+        make_issue("size", "must be square: {height, width} with equal positive ints, [side, side] or an int", value)
+    )
     return default
 
 
@@ -140,8 +147,16 @@ def find_closest_aspect_ratio(width: int, height: int, max_crops: int, size: int
     """(cols, rows) with cols * rows <= max_crops whose ratio is closest to width / height; on a tie the
     later grid (by crop count) wins when the image's area is over half of that grid's area."""
     aspect_ratio = width / height
-    grids = sorted({(i, j) for n in range(1, max_crops + 1) for i in range(1, n + 1) for j in range(1, n + 1)
-                    if i * j <= max_crops}, key=lambda grid: grid[0] * grid[1])
+    grids = sorted(
+        {
+            (i, j)
+            for n in range(1, max_crops + 1)
+            for i in range(1, n + 1)
+            for j in range(1, n + 1)
+            if i * j <= max_crops
+        },
+        key=lambda grid: grid[0] * grid[1],
+    )
     best_diff, best = float("inf"), (1, 1)
     for grid in grids:
         diff = abs(aspect_ratio - grid[0] / grid[1])
@@ -182,9 +197,11 @@ def plan_hd(height: int, width: int, config: Phi4ImageConfig, source: str | None
     if pad_height >= patch:
         mask[mask.shape[0] - pad_height // patch :, :] = False
     if min(new_height, target_height) < MIN_RESIZED_SIDE or min(new_width, target_width) < MIN_RESIZED_SIDE:
-        raise VisionInputError(f"{describe_source(source)}: its aspect ratio is too extreme ({width}x{height} would be "
-                               f"resized to {new_width}x{new_height} in a {cols}x{rows} crop grid; each side needs "
-                               f"at least {MIN_RESIZED_SIDE} pixels)")
+        raise VisionInputError(
+            f"{describe_source(source)}: its aspect ratio is too extreme ({width}x{height} would be "
+            f"resized to {new_width}x{new_height} in a {cols}x{rows} crop grid; each side needs "
+            f"at least {MIN_RESIZED_SIDE} pixels)"
+        )
     return HDPlan(rows, cols, new_height, new_width, mask)
 
 

@@ -102,7 +102,9 @@ def parse_max_size(value: object, default: tuple[int, int], issues: list[ConfigI
     if is_positive_int(value):
         return (value, value)
     if isinstance(value, dict):
-        if set(value) in ({"longest_edge"}, {"shortest_edge", "longest_edge"}) and is_positive_int(value["longest_edge"]):
+        if set(value) in ({"longest_edge"}, {"shortest_edge", "longest_edge"}) and is_positive_int(
+            value["longest_edge"]
+        ):
             return (value["longest_edge"], value["longest_edge"])
         if set(value) == {"height", "width"} and all(map(is_positive_int, value.values())):
             return (value["height"], value["width"])
@@ -156,8 +158,14 @@ def count_image_tokens(height: int, width: int, patch_size: int, merge_size: int
 
 
 def expand_image_tokens(
-    height: int, width: int, image_token_id: int, break_token_id: int, end_token_id: int,
-    patch_size: int, merge_size: int = 1, source: str | None = None,
+    height: int,
+    width: int,
+    image_token_id: int,
+    break_token_id: int,
+    end_token_id: int,
+    patch_size: int,
+    merge_size: int = 1,
+    source: str | None = None,
 ) -> list[int]:
     """The ids PixtralProcessor.replace_image_token puts in place of one image's `[IMG]` (Pixtral-12B:
     patch 16, merge 1; Mistral-Small-3.1: patch 14, merge 2): per row of merged patches, that many
@@ -199,8 +207,11 @@ def apply_pixtral_steps(
 
 
 def preprocess_image(
-    image: Image.Image, config: PixtralImageConfig | dict[str, Any], source: str | None = None,
-    patch_size: int | tuple[int, int] | None = None, max_input_pixels: int = MAX_INPUT_PIXELS,
+    image: Image.Image,
+    config: PixtralImageConfig | dict[str, Any],
+    source: str | None = None,
+    patch_size: int | tuple[int, int] | None = None,
+    max_input_pixels: int = MAX_INPUT_PIXELS,
 ) -> np.ndarray:
     """One image: pixel values [3, H, W] float32 (H, W whole patches when do_resize is on)."""
     config = PixtralImageConfig.coerce(config)
@@ -209,8 +220,11 @@ def preprocess_image(
 
 
 def preprocess_images(
-    images: list[Image.Image], config: PixtralImageConfig | dict[str, Any], sources: list[str] | None = None,
-    patch_size: int | tuple[int, int] | None = None, max_input_pixels: int = MAX_INPUT_PIXELS,
+    images: list[Image.Image],
+    config: PixtralImageConfig | dict[str, Any],
+    sources: list[str] | None = None,
+    patch_size: int | tuple[int, int] | None = None,
+    max_input_pixels: int = MAX_INPUT_PIXELS,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """([3, H_i, W_i] float32 per image, image_sizes [n, 2] int64 as (height, width)), equal to
     PixtralImageProcessorPil(**config)(images) with each image cropped out of the padded batch.
@@ -218,7 +232,9 @@ def preprocess_images(
     `sources` name the images in error messages."""
     config = PixtralImageConfig.coerce(config)
     names = list(sources) if sources else [None] * len(images)
-    pixel_values = [preprocess_image(image, config, name, patch_size, max_input_pixels) for image, name in zip(images, names)]
+    pixel_values = [
+        preprocess_image(image, config, name, patch_size, max_input_pixels) for image, name in zip(images, names)
+    ]
     image_sizes = np.array([values.shape[1:] for values in pixel_values], dtype=np.int64).reshape(-1, 2)
     return pixel_values, image_sizes
 

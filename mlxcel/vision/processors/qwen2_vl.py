@@ -88,7 +88,9 @@ def parse_qwen2_vl_fields(raw: dict[str, Any], issues: list[ConfigIssue]) -> dic
     return values
 
 
-def parse_int(raw: dict[str, Any], key: str, default: int, low: int, issues: list[ConfigIssue], label: str | None = None) -> int:
+def parse_int(
+    raw: dict[str, Any], key: str, default: int, low: int, issues: list[ConfigIssue], label: str | None = None
+) -> int:
     value = raw.get(key)
     if value is None:
         return default
@@ -128,7 +130,11 @@ def parse_pixel_range(raw: dict[str, Any], defaults: Qwen2VLImageConfig, issues:
 
 
 def smart_resize(
-    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280,
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
     source: str | None = None,
 ) -> tuple[int, int]:
     """transformers' smart_resize: sides become multiples of `factor`, the area lands in [min_pixels,
@@ -195,7 +201,9 @@ def apply_qwen2_vl_steps(image: np.ndarray, config: Qwen2VLImageConfig, source: 
 
 
 def preprocess_image(
-    image: Image.Image, config: Qwen2VLImageConfig | dict[str, Any], source: str | None = None,
+    image: Image.Image,
+    config: Qwen2VLImageConfig | dict[str, Any],
+    source: str | None = None,
     max_input_pixels: int = MAX_INPUT_PIXELS,
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One image: pixel_values [t*h*w, C*T*P*P] float32 and its grid (t, h, w)."""
@@ -205,7 +213,9 @@ def preprocess_image(
 
 
 def preprocess_images(
-    images: list[Image.Image], config: Qwen2VLImageConfig | dict[str, Any], sources: list[str] | None = None,
+    images: list[Image.Image],
+    config: Qwen2VLImageConfig | dict[str, Any],
+    sources: list[str] | None = None,
     max_input_pixels: int = MAX_INPUT_PIXELS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(pixel_values [sum of patches, D] float32, grid_thw [n, 3] int64), equal to

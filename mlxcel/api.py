@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Union
 
 import mlx.core as mx
 
@@ -28,7 +28,7 @@ from mlxcel.runner import select_device
 from mlxcel.stats import GenerationStats, make_generation_stats, measure_batch
 from mlxcel.tokenizer import TextStream
 
-Prompt = Union[str, list[dict]]  # a user message, or a conversation of {role, content}
+Prompt = str | list[dict]  # a user message, or a conversation of {role, content}
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Generator:
             pending.append(detokenizer.add_token(token))
             return not detokenizer.stopped  # a stop string ends the row
 
-        for state in self.pipeline.steps([prepared], on_token):
+        for state in self.pipeline.steps([prepared], on_token):  # noqa: B007 (the last state is the run's)
             if pending:
                 yield "".join(pending)
                 pending.clear()

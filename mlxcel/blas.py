@@ -98,7 +98,8 @@ def advise_api_blas(environ: dict[str, str] | None = None) -> str | None:
     if library:
         return (
             f"mlxcel: tip: this Python runs MLX on its slow reference BLAS (mlxcel-run preloads OpenBLAS: "
-            f"~15x faster CPU prefill); start Python with LD_PRELOAD={library} for the same speed (MLXCEL_BLAS=off hides this)"
+            f"~15x faster CPU prefill); start Python with LD_PRELOAD={library} for the same speed (MLXCEL_BLAS=off "
+            "hides this)"
         )
     return hint
 

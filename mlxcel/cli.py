@@ -361,7 +361,10 @@ def describe_hydra_error(ex: BaseException) -> str:
         return f"could not find config '{ex.missing_cfg_file}'; available options in '{group}': {options}"
     if isinstance(ex, OverrideParseException):
         reason = first_line(ex.message)
-        return f"cannot parse override {ex.override!r}: {reason}; quote values with special characters, e.g. \"key='a, b: c'\""
+        return (
+            f"cannot parse override {ex.override!r}: {reason}; quote values with special characters, e.g. \"key='a, b: "
+            "c'\""
+        )
     if isinstance(ex, OmegaConfBaseException):
         key = getattr(ex, "full_key", None)
         return f"{key}: {first_line(str(ex))}" if key else first_line(str(ex))

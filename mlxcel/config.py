@@ -97,7 +97,10 @@ class ModelConfig(Group):
                 if len(self.hub_ids) > 1:
                     hint += f" (this family's usual repos: {', '.join(self.hub_ids)})"
             else:
-                hint = "a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)"
+                hint = (
+                    "a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf "
+                    "model.path=/path/to/model)"
+                )
             raise reject(f"required: {hint}", "path", NO_VALUE if self.path is None else self.path)
         return self
 
@@ -127,13 +130,8 @@ class TemplateConfig(Group):
 
 
 # ---- sampler (docs/sampling.md): its schema lives with the sampler chain ----
-from mlxcel.sampling.config import (
-    CHAIN_ORDER,
-    PROCESSORS,
-    SELECTOR_KINDS,
+from mlxcel.sampling.config import (  # noqa: E402 (the schema's sampler half lives with the chain)
     SamplerConfig,
-    SelectorConfig,
-    TemperatureConfig,
 )  # noqa: E402,F401
 
 
@@ -247,7 +245,7 @@ def pick_content_kind(value: Any) -> str:
 # only (a plain union would also report "must be a string" for every list).
 CONTENT_TAGS = ("text", "parts", "none")
 MessageContent = Annotated[
-    Union[Annotated[str, Tag("text")], Annotated[list[ContentPart], Tag("parts")], Annotated[None, Tag("none")]],
+    Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")] | Annotated[None, Tag("none")],
     Discriminator(pick_content_kind),
 ]
 
@@ -355,7 +353,8 @@ class PromptConfig(Group):
                 else ""
             )
             raise reject(
-                f"set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got {', '.join(sources)}){hint}",
+                "set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got "
+                f"{', '.join(sources)}){hint}",
                 sources[1],
                 NO_VALUE,
             )

@@ -9,9 +9,10 @@ job and every process it starts. All of that comes from data: the command line, 
 `--config-dir`. So mlxcel-run composes the config as Hydra is about to (the same search path,
 primary config and overrides) and allows only what mlxcel ships and documents: its own callback,
 Hydra's basic launcher and sweeper, the standard logging handlers and formatters writing to the
-terminal or into the run folder (a log file's name must start with ${hydra.runtime.output_dir}/). Anything else is a config error before Hydra creates a folder or
-imports a name. Hydra's own blocklist (a few builtins) misses `pathlib.Path.write_text` and the
-like, and does not look at logging configs at all.
+terminal or into the run folder (a log file's name must start with ${hydra.runtime.output_dir}/).
+Anything else is a config error before Hydra creates a folder or imports a name. Hydra's own
+blocklist (a few builtins) misses `pathlib.Path.write_text` and the like, and does not look at
+logging configs at all.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def lock_run_folder(folder: Path) -> None:
                 "another mlxcel run is writing to this folder; wait for it to end or pick another folder",
                 str(folder),
             )
-        )
+        ) from None
     _HELD_LOCKS[folder] = fd
 
 
@@ -80,7 +80,8 @@ def check_not_input(folder: Path, inputs: list[Path]) -> None:
             raise ConfigError(
                 ConfigIssue(
                     "prompt.file",
-                    f"is a file this run writes ({Path(path).name} in its run folder); move the input or pick another hydra.run.dir",
+                    f"is a file this run writes ({Path(path).name} in its run folder); move the input or pick another "
+                    "hydra.run.dir",
                     str(path),
                 )
             )
@@ -147,7 +148,7 @@ class RunOutputs:
             except json.JSONDecodeError:
                 raise ConfigError(
                     ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60])
-                )
+                ) from None
             if row.get("finish_reason") == "interrupted":
                 continue  # a single prompt's partial row: it runs again, in its place
             keys[(str(row["id"]), int(row.get("sample", 0)))] = row.get("input_sha256")

@@ -5,8 +5,9 @@ PrefillPlan → engine. `Pipeline.load(cfg)` builds it; `prepare` renders and to
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, TextIO
+from typing import TextIO
 
 from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
@@ -96,8 +97,8 @@ def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
         issues.append(
             ConfigIssue(
                 "model",
-                f"{cfg.model.path} is a {header.arch!r} checkpoint, and this model preset is for {', '.join(families)}; "
-                "pick the preset of its family, or model=hf for any",
+                f"{cfg.model.path} is a {header.arch!r} checkpoint, and this model preset is for "
+                f"{', '.join(families)}; pick the preset of its family, or model=hf for any",
                 has_value=False,
             )
         )
@@ -129,7 +130,8 @@ class Pipeline:
             info = loaded.info
             say(
                 log,
-                f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in {info['load_ms'] / 1000:.1f} s",
+                f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in "
+                f"{info['load_ms'] / 1000:.1f} s",
             )
             if "note" in info:
                 say(log, info["note"])

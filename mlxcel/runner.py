@@ -140,7 +140,8 @@ def run_dry(pipeline: Pipeline, samples, outputs: RunOutputs, report: dict, log:
     outputs.write_stats(order_report(report))
     say(
         log,
-        f"dry run: {len(rows)} prompt(s) rendered and tokenized ({errors} with errors), written to {outputs.dir / 'prompts.jsonl'}",
+        f"dry run: {len(rows)} prompt(s) rendered and tokenized ({errors} with errors), written to "
+        f"{outputs.dir / 'prompts.jsonl'}",
     )
     if rows and errors == len(rows):  # nothing could run: the job itself would fail
         first = next(r["error"] for r in rows)

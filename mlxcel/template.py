@@ -39,22 +39,28 @@ KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython")
 # Built-in templates (template=NAME): the published formats of each family, text-only.
 BUILTIN_TEMPLATES = {
     "chatml": (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     ),
     "llama3": (
-        "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-        " + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
-        "{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+        "{% for message in messages %}"
+        "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+        " + message['content'] | trim + '<|eot_id|>' %}"
+        "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+        "{{ content }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
     ),
     # Gemma 3's: a system message becomes the first user turn's prefix.
     "gemma": (
         "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
-        "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+        "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}"
+        "{% set loop_messages = messages %}{% endif %}"
         "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
         "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-        "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}"
+        "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '')"
+        " + message['content'] | trim + '<end_of_turn>\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
     ),
     # Mistral-7B-Instruct-v0.2's: the system message goes before the first user message.
@@ -62,12 +68,14 @@ BUILTIN_TEMPLATES = {
         "{% if messages[0]['role'] == 'system' %}{% set system_message = messages[0]['content'] %}"
         "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}{{ bos_token }}"
         "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-        "{{ raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{{ raise_exception('After the optional system message, conversation roles must alternate "
+        "user/assistant/user/assistant/...') }}"
         "{% endif %}{% if message['role'] == 'user' %}{% if loop.first and system_message is defined %}"
         "{{ ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{% else %}"
         "{{ ' [INST] ' + message['content'] + ' [/INST]' }}{% endif %}{% elif message['role'] == 'assistant' %}"
         "{{ ' ' + message['content'] + eos_token }}{% else %}"
-        "{{ raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}"
+        "{{ raise_exception('Only user and assistant roles are supported, with the exception of an initial "
+        "optional system message!') }}"
         "{% endif %}{% endfor %}"
     ),
 }

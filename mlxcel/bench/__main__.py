@@ -23,9 +23,9 @@ from pathlib import Path
 import mlx.core as mx
 
 import mlxcel
+from mlxcel import blas
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import bench_model, format_agreement, format_table, log
-from mlxcel import blas
 from mlxcel.blas import describe_blas
 from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import pick_dtype
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     env = describe_environment(dtype)
     log(" | ".join(f"{k} {v}" for k, v in env.items()))
     log(
-        f"models {','.join(args.models)} | prompts {args.prompt_lengths} | batches {args.batch_sizes} | gen {args.gen} | reps {args.reps}"
+        f"models {','.join(args.models)} | prompts {args.prompt_lengths} | batches {args.batch_sizes} | gen {args.gen} "
+        f"| reps {args.reps}"
     )
     work_dir = args.work_dir.expanduser()
     results = []

@@ -87,7 +87,10 @@ def log(message: str) -> None:
 
 def format_run(run: Run) -> str:
     m = run.metrics()
-    return f"prefill {m['prefill_tok_s']:.1f} tok/s, decode {m['decode_tok_s']:.1f} tok/s, ttft {m['ttft_ms']:.0f} ms, peak {m['peak_gb']:.3f} GB"
+    return (
+        f"prefill {m['prefill_tok_s']:.1f} tok/s, decode {m['decode_tok_s']:.1f} tok/s, ttft {m['ttft_ms']:.0f} ms, "
+        f"peak {m['peak_gb']:.3f} GB"
+    )
 
 
 def warm_up(peers: dict[str, Peer], prompts: list[list[int]], gen: int) -> None:

@@ -139,13 +139,15 @@ class ModelResult:
         if self.uniform is not None:
             ragged, uniform = self.runs["mlxcel"].peak_bytes, self.uniform.peak_bytes
             lines.append(
-                f"{self.model} mlxcel peak memory, ragged / uniform at the mean lengths: {ragged / 1e9:.3f} / {uniform / 1e9:.3f} GB = {ragged / uniform:.2f}"
+                f"{self.model} mlxcel peak memory, ragged / uniform at the mean lengths: {ragged / 1e9:.3f} / "
+                f"{uniform / 1e9:.3f} GB = {ragged / uniform:.2f}"
             )
         if self.has_both:
             first = self.find_first_difference()
             detail = "" if first == "agree" else f"; first: {first}"
             lines.append(
-                f"{self.model} greedy token ids: {self.count_agreeing_rows()}/{len(self.job.prompts)} rows agree{detail}"
+                f"{self.model} greedy token ids: {self.count_agreeing_rows()}/{len(self.job.prompts)} rows "
+                f"agree{detail}"
             )
         return lines
 
@@ -198,7 +200,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--uniform",
         action="store_true",
-        help="also run mlxcel on the same rows at their mean lengths (same ids, max rows) and print the ragged job's peak memory against it",
+        help=(
+            "also run mlxcel on the same rows at their mean lengths (same ids, max rows) and print the ragged job's "
+            "peak memory against it"
+        ),
     )
     add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
@@ -426,7 +431,10 @@ def format_run(run: JobRun) -> str:
     )
     if run.scheduler:
         s = run.scheduler
-        line += f"; occupancy {s['occupancy']:.1f}, host {s['host_ms_per_step']:.2f} ms per step, KV peak {s['kv_peak_gb']:.3f} GB"
+        line += (
+            f"; occupancy {s['occupancy']:.1f}, host {s['host_ms_per_step']:.2f} ms per step, KV peak "
+            f"{s['kv_peak_gb']:.3f} GB"
+        )
     return line
 
 
@@ -447,7 +455,8 @@ def describe_job(args: argparse.Namespace, job: Job) -> dict:
 
 def format_job(job: dict) -> str:
     return (
-        f"job: {job['rows']} rows (seed {job['seed']}), prompts {job['prompt_tokens'][0]}-{job['prompt_tokens'][1]} tokens "
+        f"job: {job['rows']} rows (seed {job['seed']}), prompts {job['prompt_tokens'][0]}-{job['prompt_tokens'][1]} "
+        "tokens "
         f"({job['prompt_tokens_total']} in all), outputs {job['output_tokens'][0]}-{job['output_tokens'][1]} tokens "
         f"({job['output_tokens_total']} in all); greedy, no EOS stop; at most {job['max_rows']} rows decoding at once"
     )
@@ -485,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "mlx-lm" in args.engines and importlib.util.find_spec("mlx_lm") is None:
         print(
-            "mlxcel.bench.jobs: mlx-lm (the benchmark peer) is not installed: pip install -e '.[bench]', or --engines mlxcel",
+            "mlxcel.bench.jobs: mlx-lm (the benchmark peer) is not installed: pip install -e '.[bench]', or --engines "
+            "mlxcel",
             file=sys.stderr,
         )
         return 2

@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     ref_lp = log_softmax(reference)
     ref_greedy = greedy(model, ids[:PROMPT_TOKENS], args.tokens, None, args.group_size)
     print(
-        f"{args.model}: {len(ids) - PROMPT_TOKENS} teacher-forced positions after a {PROMPT_TOKENS}-token prompt; group size {args.group_size}"
+        f"{args.model}: {len(ids) - PROMPT_TOKENS} teacher-forced positions after a {PROMPT_TOKENS}-token "
+        "prompt; group "
+        ""
+        f"size {args.group_size}"
     )
     print("| kv_bits | max abs logit diff | mean KL (nats) | argmax agrees | greedy text first differs at token |")
     print("| --- | --- | --- | --- | --- |")

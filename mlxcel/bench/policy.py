@@ -80,14 +80,15 @@ def measure_dtypes(name: str, args: argparse.Namespace) -> list[str]:
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompt = make_prompts(1, args.dtype_prompt_len, vocab)[0]
     figures: dict[mx.Dtype, list[tuple[float, float]]] = {d: [] for d in args.dtypes}
-    for dtype, model in models.items():
+    for model in models.values():
         generate(model, prompt, 4, 2048)  # kernels built per shape on a GPU: outside the measurement
     for rep in range(args.reps):
         for dtype, model in models.items():
             t = generate(model, prompt, args.gen, 2048).timings
             figures[dtype].append((len(prompt) / (t.first_token - t.start), (args.gen - 1) / (t.end - t.first_token)))
             log(
-                f"dtype {dtype} rep {rep + 1}/{args.reps}: prefill {figures[dtype][-1][0]:.1f} tok/s, decode {figures[dtype][-1][1]:.1f} tok/s"
+                f"dtype {dtype} rep {rep + 1}/{args.reps}: prefill {figures[dtype][-1][0]:.1f} tok/s, decode "
+                f"{figures[dtype][-1][1]:.1f} tok/s"
             )
     default = pick_dtype("auto")
     lines = [
@@ -119,7 +120,8 @@ def measure_chunks(name: str, args: argparse.Namespace) -> list[str]:
             piece_ms = [p["ms"] for p in t.prefill_pieces]
             figures[chunk].append((len(prompt) / (t.first_token - t.start), max(piece_ms), statistics.median(piece_ms)))
             log(
-                f"chunk {chunk} rep {rep + 1}/{args.reps}: prefill {figures[chunk][-1][0]:.1f} tok/s, longest piece {max(piece_ms):.1f} ms"
+                f"chunk {chunk} rep {rep + 1}/{args.reps}: prefill {figures[chunk][-1][0]:.1f} tok/s, longest piece "
+                f"{max(piece_ms):.1f} ms"
             )
     lines = [
         f"chunk: batch 1, {args.chunk_prompt_len}-token prompt, {str(dtype).removeprefix('mlx.core.')}",
@@ -129,7 +131,8 @@ def measure_chunks(name: str, args: argparse.Namespace) -> list[str]:
     for chunk, runs in figures.items():
         pieces = -(-args.chunk_prompt_len // chunk)
         lines.append(
-            f"| {chunk} | {pieces} | {statistics.median(r[0] for r in runs):.1f} | {statistics.median(r[1] for r in runs):.1f} | {statistics.median(r[2] for r in runs):.1f} |"
+            f"| {chunk} | {pieces} | {statistics.median(r[0] for r in runs):.1f} | "
+            f"{statistics.median(r[1] for r in runs):.1f} | {statistics.median(r[2] for r in runs):.1f} |"
         )
     return lines
 

@@ -143,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         print("mlx-lm is not installed (pip install 'mlxcel[bench]'): mlxcel's figures only", file=sys.stderr)
         have_peer = False
     print(
-        f"device {mx.default_device()}, vocab {args.vocab}, {args.dtype} logits, median ms per step over {args.steps} steps x {args.reps} rounds"
+        f"device {mx.default_device()}, vocab {args.vocab}, {args.dtype} logits, median ms per step over {args.steps} "
+        f"steps x {args.reps} rounds"
     )
     print(
-        "| case | batch | mlxcel compiled ms | mlxcel eager ms | mlx-lm ms | mlxcel / mlx-lm |\n| --- | --- | --- | --- | --- | --- |"
+        "| case | batch | mlxcel compiled ms | mlxcel eager ms | mlx-lm ms | mlxcel / mlx-lm |\n| --- | --- | "
+        "--- | --- | --- | --- |"
     )
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         logits = mx.random.normal((batch, args.vocab), key=mx.random.key(0)).astype(getattr(mx, args.dtype)) * 3

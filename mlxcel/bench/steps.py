@@ -132,14 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(str(prepare_checkpoint(name, args.work_dir.expanduser(), dtype)), dtype=dtype_name(dtype)).model
     in_place, decode_kernel = uses_kernels(model)
     print(
-        f"model {name} ({dtype}), {mx.default_device()}, pool writes in place: {in_place}, decode kernel: {decode_kernel}"
+        f"model {name} ({dtype}), {mx.default_device()}, pool writes in place: {in_place}, decode kernel: "
+        f"{decode_kernel}"
     )
     lengths = np.random.default_rng(0).integers(args.context // 2, args.context * 3 // 2 + 1, size=rows)
     log(f"filling {rows} rows ({lengths.sum()} positions)")
     table, caches = fill_rows(model, lengths, 32)
     step_ms, build_ms = time_decode_step(model, table, caches, 16)
     print(
-        f"decode step, {rows} rows of {args.context} positions on average: {step_ms:.2f} ms ({build_ms:.2f} ms of it building the graph)"
+        f"decode step, {rows} rows of {args.context} positions on average: {step_ms:.2f} ms ({build_ms:.2f} ms of it "
+        "building the graph)"
     )
     del table, caches
     # a piece after a multiple of ALIGNED_START (the scheduler's pieces) runs mask-free; others do not
@@ -149,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"scheduler: {rows} rows x {args.steps} tokens")
     run = run_scheduler(model, rows, args.context, args.steps)
     print(
-        f"scheduler, {rows} rows of {args.context} prompt tokens x {args.steps} tokens: {run['ms_per_iteration']:.2f} ms per iteration "
-        f"({run['iterations']} iterations, {run['decode_steps']} decode steps), host work {run['host_ms_per_iteration']:.2f} ms per iteration, "
+        f"scheduler, {rows} rows of {args.context} prompt tokens x {args.steps} tokens: {run['ms_per_iteration']:.2f} "
+        "ms per iteration "
+        f"({run['iterations']} iterations, {run['decode_steps']} decode steps), host work "
+        f"{run['host_ms_per_iteration']:.2f} ms per iteration, "
         f"{run['generated'] / run['wall_s']:.0f} generated tok/s over {run['wall_s']:.2f} s (prefill included)"
     )
     return 0

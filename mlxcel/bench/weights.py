@@ -37,14 +37,15 @@ def main() -> None:
     variants = {name: load_model(args.path, gguf_weights=name) for name in ("quantized", "dequantize")}
     prompt = [(17 * i + 3) % 30000 + 100 for i in range(args.prompt_tokens)]
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    for name, loaded in variants.items():  # warm-up: kernel compilation, allocator
+    for loaded in variants.values():  # warm-up: kernel compilation, allocator
         run_once(loaded.model, prompt, 4)
     for _ in range(args.reps):
         for name, loaded in variants.items():
             results[name].append(run_once(loaded.model, prompt, args.gen))
     device = f"{mx.default_device()}" + (" + OpenBLAS" if is_optimized_blas_loaded() else "")
     print(
-        f"device: {device}; dtype: {variants['quantized'].info['dtype']}; prompt {args.prompt_tokens} tok; gen {args.gen}; reps {args.reps}"
+        f"device: {device}; dtype: {variants['quantized'].info['dtype']}; prompt {args.prompt_tokens} tok; gen "
+        f"{args.gen}; reps {args.reps}"
     )
     print(f"{'weights':<12}{'prefill tok/s':>15}{'decode tok/s':>15}{'load ms':>10}")
     for name, runs in results.items():

@@ -21,7 +21,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxcel.config import read_env_flag
-
 from mlxcel.models.cache import KVCache
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
-from mlxcel.engine.engine import BatchState, Engine, OnRowDone, OnToken
 from mlxcel.config import read_env_flag
+from mlxcel.engine.engine import BatchState, Engine, OnRowDone, OnToken
 from mlxcel.engine.request import GenerationRequest
 
 
@@ -23,7 +23,7 @@ class DirectEngine:
         """Generate every row; `on_token(row, token)` streams each token as it reaches the host,
         `on_row_done(row, result)` reports each row the moment it finishes."""
         state = None
-        for state in self.steps(request, on_token, on_row_done):
+        for state in self.steps(request, on_token, on_row_done):  # noqa: B007 (the last state is the result)
             pass
         return state
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import mlx.core as mx
 
 from mlxcel.engine.compiled import CompiledDecoder, is_compile_enabled
-from mlxcel.engine.segmented import SegmentedDecoder
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
+from mlxcel.engine.segmented import SegmentedDecoder
 from mlxcel.errors import MlxcelError
 from mlxcel.models.cache import plan_capacity
 from mlxcel.models.quantized_cache import quantize_caches

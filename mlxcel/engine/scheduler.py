@@ -201,7 +201,7 @@ class BatchScheduler:
         A row that cannot run (empty, longer than the context, more KV than the budget) ends
         with finish_reason "error" and the others run."""
         state = None
-        for state in self.steps(request, on_token, on_row_done):
+        for state in self.steps(request, on_token, on_row_done):  # noqa: B007 (the last state is the result)
             pass
         return state
 

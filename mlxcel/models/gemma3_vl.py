@@ -155,7 +155,8 @@ class Model(gemma3.Model):
             size = self.vision_tower.args.image_size
             if config.do_resize and config.size != (size, size):
                 raise MlxcelError(
-                    f"{path}: size {config.size} disagrees with the vision tower's {size}x{size} (vision_config.image_size)"
+                    f"{path}: size {config.size} disagrees with the vision tower's {size}x{size} "
+                    "(vision_config.image_size)"
                 )
             self._image_config = config
         return self._image_config

@@ -237,7 +237,8 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
         stray = next((name for name in sorted(weights) if is_expert_tensor(name)), None)
         if stray is not None:
             raise MlxcelError(
-                f"{path}: tensor {stray!r} belongs to a mixture of experts, but the GGUF metadata lacks '{arch}.expert_count'"
+                f"{path}: tensor {stray!r} belongs to a mixture of experts, but the GGUF metadata lacks "
+                f"'{arch}.expert_count'"
             )
         return
     for layer in range(config["num_hidden_layers"]):
@@ -247,7 +248,8 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
                 raise MlxcelError(f"{path}: MoE GGUF ('{arch}.expert_count' = {experts}) lacks tensor {name!r}")
             if weights[name].shape[0] != experts:
                 raise MlxcelError(
-                    f"{path}: tensor {name!r} holds {weights[name].shape[0]} experts, but '{arch}.expert_count' says {experts}"
+                    f"{path}: tensor {name!r} holds {weights[name].shape[0]} experts, but '{arch}.expert_count' says "
+                    f"{experts}"
                 )
 
 

@@ -128,7 +128,8 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     for name, dims, kind, offset in raw:
         if kind not in GGML_TYPES:
             raise MlxcelError(
-                f"{path}: tensor {name!r} has ggml type id {kind}, which mlxcel cannot read (readable: {', '.join(sorted(t[0] for t in GGML_TYPES.values()))})"
+                f"{path}: tensor {name!r} has ggml type id {kind}, which mlxcel cannot read (readable: "
+                f"{', '.join(sorted(t[0] for t in GGML_TYPES.values()))})"
             )
         type_name, block, size = GGML_TYPES[kind]
         count = int(np.prod(dims)) if dims else 1
@@ -146,7 +147,8 @@ def load_gguf_numpy(path: Path, tensors: list[TensorInfo]) -> dict[str, np.ndarr
         raw = data[info.offset : info.offset + info.nbytes]
         if info.type_name not in DEQUANTIZERS:
             raise MlxcelError(
-                f"{path}: tensor {info.name!r} is {info.type_name}, which mlxcel cannot dequantize yet (supported: {', '.join(DEQUANTIZERS)}); re-quantize the file as Q4_K_M, Q5_K_M, Q6_K or Q8_0"
+                f"{path}: tensor {info.name!r} is {info.type_name}, which mlxcel cannot dequantize yet (supported: "
+                f"{', '.join(DEQUANTIZERS)}); re-quantize the file as Q4_K_M, Q5_K_M, Q6_K or Q8_0"
             )
         out[info.name] = DEQUANTIZERS[info.type_name](np.asarray(raw)).reshape(info.shape)
     return out

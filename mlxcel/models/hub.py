@@ -43,5 +43,6 @@ def resolve_repo(repo_id: str) -> Path:
     except Exception as exc:  # network, auth, missing repo: one line, whatever the cause
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MlxcelError(
-            f"model.path={repo_id}: not in the Hugging Face cache ({HF_HUB_CACHE}) and the download failed ({reason}); {fetch}"
+            f"model.path={repo_id}: not in the Hugging Face cache ({HF_HUB_CACHE}) and the download failed ({reason}); "
+            f"{fetch}"
         ) from exc

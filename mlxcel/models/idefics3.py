@@ -166,7 +166,8 @@ class Model(OverTextModel, nn.Module):
         size = self.idefics3_args.vision.image_size
         if config.max_image_size != size:
             raise MlxcelError(
-                f"{path}: max_image_size.longest_edge {config.max_image_size} (the tile side) differs from the vision tower's "
+                f"{path}: max_image_size.longest_edge {config.max_image_size} (the tile side) differs from the vision "
+                "tower's "
                 f"image_size {size} (vision_config.image_size)"
             )
         seq_len = self.read_processor_seq_len(folder)

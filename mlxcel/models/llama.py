@@ -56,7 +56,7 @@ class ModelArgs:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_config(cls, config: dict, **overrides: Any) -> "ModelArgs":
+    def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
         """Read leniently: unknown keys are ignored, missing optional ones take defaults."""
         eos = config.get("eos_token_id")
         values = dict(

@@ -86,7 +86,8 @@ class ModelArgs:
         tower = vision_config.get("model_type", "clip_vision_model")
         if tower not in SUPPORTED_TOWERS:
             raise MlxcelError(
-                f"{config.get('model_type')}: vision tower {tower!r} is not supported yet (supported: {', '.join(SUPPORTED_TOWERS)})"
+                f"{config.get('model_type')}: vision tower {tower!r} is not supported yet (supported: "
+                f"{', '.join(SUPPORTED_TOWERS)})"
             )
         image_token = config.get("image_token_index", config.get("image_token_id", 32000))
         is_next = config.get("model_type") == "llava_next"
@@ -123,7 +124,8 @@ def check_feature_args(args: ModelArgs, tower: clip_vit.ClipVisionModel) -> None
     layers = feature_layers(args.vision_feature_layer)
     if not layers or any(not isinstance(i, int) or not -total <= i < total for i in layers):
         raise MlxcelError(
-            f"vision_feature_layer {args.vision_feature_layer} is out of range for {total} hidden states of the vision tower"
+            f"vision_feature_layer {args.vision_feature_layer} is out of range for {total} hidden states of the vision "
+            "tower"
         )
     if args.vision_feature_select_strategy not in clip.FEATURE_STRATEGIES:
         raise MlxcelError(
@@ -192,7 +194,8 @@ class Model(OverTextModel, nn.Module):
         pinpoints = tuple(tuple(p) for p in self.llava_args.image_grid_pinpoints)
         if config.image_grid_pinpoints != pinpoints:
             raise MlxcelError(
-                f"{path}: image_grid_pinpoints {[list(p) for p in config.image_grid_pinpoints]} disagree with config.json's "
+                f"{path}: image_grid_pinpoints {[list(p) for p in config.image_grid_pinpoints]} disagree with "
+                "config.json's "
                 f"{[list(p) for p in pinpoints]} (the tiles would not match the features' grid)"
             )
         return config
@@ -201,7 +204,8 @@ class Model(OverTextModel, nn.Module):
         size = self.vision_tower.args.image_size
         if pixel_values.shape[-2:] != (size, size):
             raise MlxcelError(
-                f"{self._preprocessor_folder / 'preprocessor_config.json'}: images preprocess to {tuple(pixel_values.shape[-2:])}, "
+                f"{self._preprocessor_folder / 'preprocessor_config.json'}: images preprocess to "
+                f"{tuple(pixel_values.shape[-2:])}, "
                 f"but the vision tower takes {size}x{size} (vision_config.image_size)"
             )
 

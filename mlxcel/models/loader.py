@@ -56,8 +56,10 @@ FAMILIES = {
 # model_type of layouts we do not read, with what to load instead
 UNSUPPORTED_LAYOUTS = {
     "phi4mm": (
-        "the original remote-code layout of Phi-4-multimodal (LoRA weights inside the checkpoint); load the transformers-format "
-        "weights instead: `huggingface-cli download microsoft/Phi-4-multimodal-instruct --revision refs/pr/70 --local-dir DIR`, "
+        "the original remote-code layout of Phi-4-multimodal (LoRA weights inside the checkpoint); load the "
+        "transformers-format "
+        "weights instead: `huggingface-cli download microsoft/Phi-4-multimodal-instruct --revision refs/pr/70 "
+        "--local-dir DIR`, "
         "then model=phi4_multimodal model.path=DIR"
     ),
 }
@@ -247,7 +249,8 @@ def load_safetensors(folder: Path) -> tuple[dict[str, mx.array], dict[str, Path]
     absent = sorted(k for k in weight_map if k not in weights)
     if absent:
         raise MlxcelError(
-            f"{folder / weight_map[absent[0]]}: lacks tensor {absent[0]} that {index_path.name} puts there ({len(absent)} missing)"
+            f"{folder / weight_map[absent[0]]}: lacks tensor {absent[0]} that {index_path.name} puts there "
+            f"({len(absent)} missing)"
         )
     return weights, origins
 

@@ -123,7 +123,8 @@ def load_peft_adapter(folder: Path, layers: dict[str, LoRAMixin], dtype: mx.Dtyp
     for path in (config_path, weights_path):
         if not path.is_file():
             raise MlxcelError(
-                f"{path}: missing (the vision LoRA adapter; copy the {folder.name}/ folder from the original checkpoint)"
+                f"{path}: missing (the vision LoRA adapter; copy the {folder.name}/ folder from the original "
+                "checkpoint)"
             )
     try:
         config = json.loads(config_path.read_text())
@@ -161,7 +162,8 @@ def load_peft_adapter(folder: Path, layers: dict[str, LoRAMixin], dtype: mx.Dtyp
         )
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[1] != in_dims or b.shape[0] != out_dims:
             raise MlxcelError(
-                f"{weights_path}: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, but the layer is {in_dims} -> {out_dims}"
+                f"{weights_path}: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, but the layer is "
+                f"{in_dims} -> {out_dims}"
                 " (does this adapter belong to this model?)"
             )
         layer.lora = LoRAWeights(a.astype(dtype), b.astype(dtype), read_adapter_scale(config, a.shape[0], config_path))

@@ -234,14 +234,17 @@ class Model(OverTextModel, nn.Module):
             patch, merge = raw.get("patch_size", 16), raw.get("spatial_merge_size", 1)
             if not (isinstance(patch, int) and isinstance(merge, int) and patch > 0 and merge > 0):
                 raise MlxcelError(
-                    f"{processor_path}: patch_size and spatial_merge_size must be positive ints (got {patch!r}, {merge!r})"
+                    f"{processor_path}: patch_size and spatial_merge_size must be positive ints (got {patch!r}, "
+                    f"{merge!r})"
                 )
             resize_patch = patch * merge
             if resize_patch % self.model_patch:
                 raise MlxcelError(
-                    f"{processor_path}: images resized to multiples of patch_size * spatial_merge_size = {patch} * {merge} = "
+                    f"{processor_path}: images resized to multiples of patch_size * spatial_merge_size = {patch} * "
+                    f"{merge} = "
                     f"{resize_patch} px, but each image token covers {self.model_patch} px (vision_config.patch_size "
-                    f"{self.vision_tower.args.patch_size} x spatial_merge_size {self.mistral3_args.spatial_merge_size} in config.json)"
+                    f"{self.vision_tower.args.patch_size} x spatial_merge_size {self.mistral3_args.spatial_merge_size} "
+                    "in config.json)"
                 )
         ids = read_token_ids(folder)
         if not ids:
@@ -256,8 +259,8 @@ class Model(OverTextModel, nn.Module):
             )
         if ids[names["image_token"]] != self.image_token_id:
             raise MlxcelError(
-                f"{folder}: the tokenizer's {names['image_token']} is id {ids[names['image_token']]}, but config.json's "
-                f"image_token_index is {self.image_token_id}"
+                f"{folder}: the tokenizer's {names['image_token']} is id {ids[names['image_token']]}, but "
+                f"config.json's image_token_index is {self.image_token_id}"
             )
         return ImageSetup(image_config, resize_patch, ids[names["image_break_token"]], ids[names["image_end_token"]])
 

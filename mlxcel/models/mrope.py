@@ -26,7 +26,8 @@ class MRoPE(nn.Module):
         super().__init__()
         if 2 * sum(sections) != dims:
             raise MlxcelError(
-                f"mrope_section {sections} covers {2 * sum(sections)} of head_dim {dims} (it must cover all of it, in pairs)"
+                f"mrope_section {sections} covers {2 * sum(sections)} of head_dim {dims} (it must cover all of it, in "
+                "pairs)"
             )
         self.dims = dims
         self.base = base
@@ -75,7 +76,8 @@ def make_mrope_positions(
             piece = make_vision_positions(position, grid, merge_size)
             if piece.shape[1] != end - cursor:
                 raise MlxcelError(
-                    f"an image of grid {tuple(grid)} needs {piece.shape[1]} placeholder tokens, the prompt holds {end - cursor}"
+                    f"an image of grid {tuple(grid)} needs {piece.shape[1]} placeholder tokens, the prompt holds "
+                    f"{end - cursor}"
                 )
             position += max(grid[1], grid[2]) // merge_size
         else:

@@ -3,8 +3,9 @@ attention that reads the blocks in place.
 
 Writes. MLX arrays are values: `pool[idx] = new` makes a new pool, and its CUDA backend copies
 the whole pool for it whenever the old buffer is still referenced, which a pipelined step always
-does (docs/benchmarks.md has the cost: milliseconds per write, 32 writes a step for 16 layers). vLLM writes its cache in place (reshape_and_cache); so do these kernels: they take the pool
-as an input and store into it. That is sound only because every access to a pool on this path goes
+does (docs/benchmarks.md has the cost: milliseconds per write, 32 writes a step for 16 layers).
+vLLM writes its cache in place (reshape_and_cache); so do these kernels: they take the pool as an
+input and store into it. That is sound only because every access to a pool on this path goes
 through these kernels, and each takes the layer's previous kernel's `done` output as an input, so
 MLX orders them (the pool itself never changes identity, so MLX sees no dependency through it).
 The pool must be a real buffer (`make_pool`): `mx.zeros` may be one broadcast element.
@@ -159,7 +160,10 @@ _SOURCE = f"""
   __shared__ float partial[GROUPS][G][D];
   if (group < GROUPS) {{
     #pragma unroll
-    for (int g = 0; g < G; g++) {{ partial[group][g][2 * pair] = acc[g][0]; partial[group][g][2 * pair + 1] = acc[g][1]; }}
+    for (int g = 0; g < G; g++) {{
+      partial[group][g][2 * pair] = acc[g][0];
+      partial[group][g][2 * pair + 1] = acc[g][1];
+    }}
   }}
   __syncthreads();
 """

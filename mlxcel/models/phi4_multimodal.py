@@ -75,7 +75,8 @@ class ModelArgs:
         crop = raw.get("crop_size", vision.image_size)
         if crop != vision.image_size:
             raise MlxcelError(
-                f"vision_config.crop_size {crop} differs from image_size {vision.image_size} (the processor's crops are the tower's input)"
+                f"vision_config.crop_size {crop} differs from image_size {vision.image_size} (the processor's "
+                "crops are the tower's input)"
             )
         text = phi3.ModelArgs.from_config(config, **overrides)
         return cls(
@@ -93,7 +94,8 @@ def count_feature_layers(num_layers: int, feature_layer: object) -> int:
     index = feature_layer if feature_layer >= 0 else num_layers + 1 + feature_layer
     if not 1 <= index <= num_layers:
         raise MlxcelError(
-            f"vision_config.feature_layer {feature_layer} selects no encoder layer of {num_layers} (legal: 1..{num_layers} or -{num_layers}..-1)"
+            f"vision_config.feature_layer {feature_layer} selects no encoder layer of {num_layers} (legal: "
+            f"1..{num_layers} or -{num_layers}..-1)"
         )
     return index
 
@@ -308,7 +310,8 @@ class Model(phi3.Model):
                 continue  # audio inputs are not supported
             if ".base_layer." in key or ".lora_A." in key or ".lora_B." in key:
                 raise MlxcelError(
-                    f"weight {key}: LoRA tensors inside the checkpoint (the original remote-code layout) are not supported; "
+                    f"weight {key}: LoRA tensors inside the checkpoint (the original remote-code layout) are not "
+                    "supported; "
                     "use the transformers-format checkpoint, whose adapters are in vision-lora/ and speech-lora/"
                 )
             if key.startswith(VISION_PREFIX):

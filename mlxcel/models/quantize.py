@@ -46,8 +46,8 @@ def apply_checkpoint_quantization(model: nn.Module, spec: dict, weights: dict[st
 
 def quantize_at_load(model: nn.Module, bits: int, group_size: int) -> dict:
     """Quantize every Linear and Embedding of the language model whose input width the group size
-    divides (the rest, and a VLM's vision stage, stay dense), and measure what it costs: max and mean |logit difference| against the dense
-    model on a fixed 32-token probe."""
+    divides (the rest, and a VLM's vision stage, stay dense), and measure what it costs: max and mean
+    |logit difference| against the dense model on a fixed 32-token probe."""
     vocab = model.args.vocab_size
     probe = mx.array([[i % vocab for i in PROBE_IDS]])
     dense = model(probe, model.make_cache()).astype(mx.float32)

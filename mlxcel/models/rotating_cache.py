@@ -99,7 +99,8 @@ class RotatingKVCache(KVCache):
     def reserve(self, needed: int) -> None:
         # Only the compiled decode step calls this: it writes whole linear buffers at the offset.
         raise MlxcelError(
-            "the whole-step compiled decode (MLXCEL_DECODE_STEP=compiled) does not support sliding-window layers: use segmented or eager"
+            "the whole-step compiled decode (MLXCEL_DECODE_STEP=compiled) does not support sliding-window layers: use "
+            "segmented or eager"
         )
 
     def trim(self, n: int) -> None:

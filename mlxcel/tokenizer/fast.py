@@ -56,7 +56,10 @@ class FastTokenizer:
         return self.tokenizer.id_to_token(token_id)
 
     def __repr__(self) -> str:
-        return f"FastTokenizer(backend={self.backend!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r})"
+        return (
+            f"FastTokenizer(backend={self.backend!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos={self.eos_token!r})"
+        )
 
 
 def make_post_processor(tokenizer: Tokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:

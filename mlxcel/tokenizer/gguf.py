@@ -141,7 +141,8 @@ def load_gguf_spm(path: Path, get: Any, templates: dict[str, str]) -> SentencePi
     types: list[int] = list(get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if not tokens or len(scores) != len(tokens) or len(types) != len(tokens):
         raise MlxcelError(
-            f"{path}: GGUF llama vocabulary is inconsistent ({len(tokens)} tokens, {len(scores)} scores, {len(types)} types)"
+            f"{path}: GGUF llama vocabulary is inconsistent ({len(tokens)} tokens, {len(scores)} scores, {len(types)} "
+            "types)"
         )
     if UNKNOWN not in types:
         raise MlxcelError(f"{path}: GGUF llama vocabulary has no unknown token (token_type 2); SentencePiece needs one")
@@ -198,7 +199,8 @@ def make_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], 
     regexes = PRE_TOKENIZER_REGEXES.get(pre)
     if regexes is None:
         raise MlxcelError(
-            f"{path}: GGUF tokenizer.ggml.pre={pre!r} is not supported yet; known: {', '.join(sorted(PRE_TOKENIZER_REGEXES))}"
+            f"{path}: GGUF tokenizer.ggml.pre={pre!r} is not supported yet; known: "
+            f"{', '.join(sorted(PRE_TOKENIZER_REGEXES))}"
         )
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [split_merge(m) for m in merges]

@@ -151,7 +151,10 @@ class SentencePieceTokenizer:
         return self.sp.id_to_piece(token_id) if 0 <= token_id < self.sp.get_piece_size() else None
 
     def __repr__(self) -> str:
-        return f"SentencePieceTokenizer(backend={self.backend!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r})"
+        return (
+            f"SentencePieceTokenizer(backend={self.backend!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos={self.eos_token!r})"
+        )
 
 
 def without_dummy_prefix(model: bytes) -> bytes:

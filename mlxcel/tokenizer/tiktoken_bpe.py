@@ -26,7 +26,7 @@ from mlxcel.tokenizer.hf import (
 )
 from mlxcel.tokenizer.sentencepiece import pick_default_template
 
-_CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+_CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""  # noqa: E501 (verbatim, as published)
 _O200K_PATTERN = (  # tiktoken's o200k_base, its seven alternatives one per line
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
     r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
@@ -36,8 +36,8 @@ _O200K_PATTERN = (  # tiktoken's o200k_base, its seven alternatives one per line
     r"""|\s+(?!\S)"""
     r"""|\s+"""
 )
-_QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-_QWEN35_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (verbatim, as published)
+_QWEN35_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (verbatim, as published)
 _QWEN35_SPECIALS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -209,7 +209,8 @@ def load_ranks(path: Path) -> dict[bytes, int]:
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except (ValueError, binascii.Error) as exc:
             raise MlxcelError(
-                f"{path}: line {number} is not 'base64-token rank' ({line[:40]!r}); the ranks file is corrupt or not a .tiktoken file"
+                f"{path}: line {number} is not 'base64-token rank' ({line[:40]!r}); the ranks file is corrupt or not a "
+                ".tiktoken file"
             ) from exc
     if not ranks:
         raise MlxcelError(f"{path}: the ranks file is empty")
@@ -247,14 +248,17 @@ def load_tiktoken_tokenizer(folder: Path) -> TiktokenTokenizer:
     if pattern is None:
         known = ", ".join(f"{p.names[0]} ({p.ranks} ranks)" for p in PRESETS)
         raise MlxcelError(
-            f"{path}: no split pattern for these {len(ranks)} ranks: tokenizer_config.json has no 'pattern' (or 'pat_str') "
-            f'and no known preset matches (known: {known}); add the model\'s regex as "pattern" to {folder / "tokenizer_config.json"}'
+            f"{path}: no split pattern for these {len(ranks)} ranks: tokenizer_config.json has no 'pattern' (or "
+            "'pat_str') "
+            f'and no known preset matches (known: {known}); add the model\'s regex as "pattern" to '
+            f"{folder / 'tokenizer_config.json'}"
         )
     used = set(ranks.values())
     clashes = sorted(t for t, i in specials.items() if i in used)
     if clashes:
         raise MlxcelError(
-            f"{path}: special token ids collide with ranks ({', '.join(clashes[:5])}); check the config's special tokens"
+            f"{path}: special token ids collide with ranks ({', '.join(clashes[:5])}); check the config's special "
+            "tokens"
         )
     try:
         encoding = tiktoken.Encoding(path.stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)

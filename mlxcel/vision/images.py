@@ -31,7 +31,8 @@ def load_image(path: str | Path) -> Image.Image:
             width, height = opened.size
             if width * height > MAX_IMAGE_PIXELS:
                 raise VisionInputError(
-                    f"image {path}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the limit of {MAX_IMAGE_PIXELS / 1e6:.0f} (downscale it first)"
+                    f"image {path}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the limit of "
+                    f"{MAX_IMAGE_PIXELS / 1e6:.0f} (downscale it first)"
                 )
             image = ImageOps.exif_transpose(opened)
             image.load()

@@ -50,7 +50,8 @@ class PixtralVisionArgs:
         args = cls(**values)
         if args.hidden_size % args.num_attention_heads or args.head_dim % 4:
             raise ValueError(
-                f"vision_config: hidden_size {args.hidden_size} / num_attention_heads {args.num_attention_heads} must give "
+                f"vision_config: hidden_size {args.hidden_size} / num_attention_heads {args.num_attention_heads} must "
+                "give "
                 "a head size divisible by 4 (2-D RoPE splits each half between rows and columns)"
             )
         return args

@@ -107,8 +107,10 @@ def flatten_text_parts(messages: list[dict]) -> list[dict]:
 def check_images_allowed(model, model_type: str, paths: list[str]) -> None:
     if paths and not is_vision_model(model):
         raise MlxcelError(
-            f"{len(paths)} image(s) given ({paths[0]}{', ...' if len(paths) > 1 else ''}), but {model_type} is a text-only model "
-            "(drop the images, or use a vision-language model: Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, Gemma 3 4B+, Mistral 3, Idefics3, SmolVLM, Phi-4-multimodal)"
+            f"{len(paths)} image(s) given ({paths[0]}{', ...' if len(paths) > 1 else ''}), but {model_type} is a "
+            "text-only model "
+            "(drop the images, or use a vision-language model: Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, Gemma 3 4B+, "
+            "Mistral 3, Idefics3, SmolVLM, Phi-4-multimodal)"
         )
 
 
@@ -151,6 +153,7 @@ def prepare_images(
         return expand_placeholders(token_ids, image_token, inputs.token_counts), inputs
     if count_placeholders(expanded, image_token) != sum(inputs.token_counts):
         raise MlxcelError(
-            f"the expanded prompt holds {count_placeholders(expanded, image_token)} image tokens for {sum(inputs.token_counts)} image features"
+            f"the expanded prompt holds {count_placeholders(expanded, image_token)} image tokens for "
+            f"{sum(inputs.token_counts)} image features"
         )
     return expanded, inputs

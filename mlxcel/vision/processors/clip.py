@@ -205,7 +205,8 @@ def count_image_tokens(
     num_additional_image_tokens: int = 1,
 ) -> int:
     """`<image>` placeholders per image, as LlavaProcessor expands them: one per vision patch, plus the CLS
-    token (llava-hf's processor_config.json sets num_additional_image_tokens=1) unless the "default" strategy drops it."""
+    token (llava-hf's processor_config.json sets num_additional_image_tokens=1) unless the "default"
+    strategy drops it."""
     check_token_args(image_size, patch_size, vision_feature_select_strategy, num_additional_image_tokens)
     count = (image_size // patch_size) ** 2 + num_additional_image_tokens
     return count - 1 if vision_feature_select_strategy == "default" else count

@@ -77,10 +77,10 @@ class ModelConfig(Group):
     gguf_weights: Literal["auto", "quantized", "dequantize"] = "auto"
     max_context: PositiveInt | None = None
     quantize: QuantizeConfig | None = None
-    families: list[str] | None = (
-        None  # a family preset's model_types: the checkpoint must be one (checked from its header)
-    )
+    # a family preset's model_types: the checkpoint must be one (checked from its header)
+    families: list[str] | None = None
     hub_ids: list[str] | None = None  # a family preset's usual Hub repos, named when model.path is missing
+    fuse: Bool = True  # QKV and gate/up as single matmuls at load; $MLXCEL_FUSE overrides (to measure or debug)
 
     @field_validator("path")
     @classmethod
@@ -88,6 +88,11 @@ class ModelConfig(Group):
         if path is not None and path.startswith("embedded:") and path.removeprefix("embedded:") not in EMBEDDED_MODELS:
             raise reject("unknown embedded model; known: " + ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS))
         return path
+
+    def resolved_fuse(self) -> bool:
+        """$MLXCEL_FUSE when set, else model.fuse."""
+        raw = os.environ.get("MLXCEL_FUSE", "").strip()
+        return self.fuse if not raw else read_env_flag("MLXCEL_FUSE")
 
     @model_validator(mode="after")
     def _require_path(self) -> ModelConfig:
@@ -193,11 +198,11 @@ class DecodeConfig(Group):
     stop_strings: list[str] = Field(default_factory=list)  # text that ends a row, cut from its output
     ignore_eos: Bool = False
     pipeline: Bool = True
-    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] = (
-        0  # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
-    )
+    # > 0: each generated token's logprob and the top-N alternatives in generations.jsonl
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] = 0
     kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # store the KV cache quantized (full-attention layers)
     kv_group_size: Literal[32, 64, 128] = 64  # must divide the model's head_dim
+    step: Literal["auto", "eager", "segmented", "compiled"] = "auto"  # how a decode step runs; env: MLXCEL_DECODE_STEP
 
     @field_validator("stop_strings")
     @classmethod
@@ -209,6 +214,33 @@ class DecodeConfig(Group):
     def use_pipeline(self) -> bool:
         """Pipelined decode unless decode.pipeline=false or MLXCEL_FORCE_SYNC=1."""
         return self.pipeline and not read_env_flag("MLXCEL_FORCE_SYNC")
+
+    def resolved_step(self) -> str:
+        return resolve_decode_step(self.step)
+
+
+DECODE_STEPS = ("eager", "segmented", "compiled")
+
+
+def resolve_decode_step(requested: str = "auto") -> str:
+    """$MLXCEL_DECODE_STEP (or the older MLXCEL_COMPILE=1) when set, else `requested`; auto is
+    segmented on a GPU (per-op host cost bounds decode there) and eager on the CPU (bound by the
+    matmuls, and compiling there needs a system C++ compiler)."""
+    step = os.environ.get("MLXCEL_DECODE_STEP", "").strip().lower()
+    if step and step not in DECODE_STEPS:
+        raise ConfigError(
+            ConfigIssue(
+                "MLXCEL_DECODE_STEP",
+                f"environment variable: must be one of {', '.join(DECODE_STEPS)} (unset it for decode.step)",
+                step,
+            )
+        )
+    step = step or ("compiled" if read_env_flag("MLXCEL_COMPILE") else requested)
+    if step == "auto":
+        import mlx.core as mx
+
+        step = "segmented" if mx.default_device() == mx.gpu else "eager"
+    return step
 
 
 def _check_not_blank(text: str | None) -> str | None:
@@ -257,9 +289,8 @@ class Message(Group):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: MessageContent = None
-    tool_calls: list[dict[str, Any]] | None = (
-        None  # assistant: [{"type": "function", "function": {"name", "arguments"}}]
-    )
+    # assistant: [{"type": "function", "function": {"name", "arguments"}}]
+    tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None  # tool: which call this answers
     name: str | None = None  # tool: the function's name
 
@@ -389,9 +420,8 @@ class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
     max_rows: PositiveInt = 8  # rows decoding at once
-    kv_budget_gb: Annotated[float, Field(gt=0)] | None = (
-        None  # KV cache cap; None: 40% of device memory (RAM on the CPU)
-    )
+    # KV cache cap; None: 40% of device memory (RAM on the CPU)
+    kv_budget_gb: Annotated[float, Field(gt=0)] | None = None
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
     progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise
@@ -428,6 +458,8 @@ class RunConfig(Group):
         data = self.model_dump(mode="json")
         data["prefill"]["resolved_chunk_size"] = self.prefill.resolved_chunk_size()
         data["decode"]["use_pipeline"] = self.decode.use_pipeline()
+        data["decode"]["resolved_step"] = self.decode.resolved_step()
+        data["model"]["resolved_fuse"] = self.model.resolved_fuse()
         data["sampler"]["chain"] = self.sampler.effective_chain()
         return data
 
@@ -441,7 +473,14 @@ def validate_config(data: dict) -> RunConfig:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         issues += format_errors(RunConfig, err.errors())
-    for check in (lambda: read_env_flag("MLXCEL_FORCE_SYNC"), lambda: read_env_int("MLXCEL_PREFILL_CHUNK", 1)):
+    env_checks = (
+        lambda: read_env_flag("MLXCEL_FORCE_SYNC"),
+        lambda: read_env_int("MLXCEL_PREFILL_CHUNK", 1),
+        lambda: read_env_flag("MLXCEL_FUSE"),
+        lambda: read_env_flag("MLXCEL_COMPILE"),
+        resolve_decode_step,
+    )
+    for check in env_checks:
         try:
             check()
         except ConfigError as err:

@@ -22,7 +22,8 @@ PROMPTS_FILE = "prompts.jsonl"
 LOCK_FILE = ".lock"
 # Keys that may change between a run and its resumption: they do not change what a row contains.
 # runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed;
-# model.families only checks the checkpoint, model.hub_ids only words an error (folders written before them have none).
+# model.families only checks the checkpoint, model.hub_ids only words an error (folders written before them have none);
+# every decode step (eager, segmented, compiled) gives the same tokens (tests/test_segmented_decode.py).
 RESUMABLE_KEYS = (
     "runner.resume",
     "runner.progress",
@@ -31,6 +32,8 @@ RESUMABLE_KEYS = (
     "runner.dry_run",
     "model.families",
     "model.hub_ids",
+    "decode.step",
+    "decode.resolved_step",
 )
 
 
@@ -260,11 +263,13 @@ def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], s
 def resolve_setting(key: str, value: Any) -> Any:
     """What a setting means on this machine, where its default changed its spelling:
     prefill.tile_size was null before `auto` (which is null here unless the GPU has Neural
-    Accelerators), so a folder written before still resumes."""
+    Accelerators), and model.fuse was not a key, so a folder written before still resumes."""
     if key == "prefill.tile_size":
         from mlxcel.prefill_plan import choose_tile_size
 
         return choose_tile_size(value)
+    if key in ("model.fuse", "model.resolved_fuse") and value is None:
+        return True  # folders written before model.fuse was a key fused (unless $MLXCEL_FUSE=0 said otherwise)
     return value
 
 

@@ -4,7 +4,6 @@ PrefillPlan → engine. `Pipeline.load(cfg)` builds it; `prepare` renders and to
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TextIO
@@ -68,18 +67,7 @@ def check_model_config(cfg: RunConfig) -> tuple:
 def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
     """What the config asks of this model, checked from its header: config errors (exit 2)
     before minutes of loading."""
-    from mlxcel.engine.engine import DECODE_STEPS
-
     issues = []
-    step = os.environ.get("MLXCEL_DECODE_STEP", "").strip().lower()
-    if step and step not in DECODE_STEPS:
-        issues.append(
-            ConfigIssue(
-                "MLXCEL_DECODE_STEP",
-                f"environment variable: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)",
-                step,
-            )
-        )
     context = cfg.model.max_context or header.max_context
     tile = cfg.prefill.resolved_tile_size()
     if tile and tile >= context:
@@ -126,7 +114,9 @@ class Pipeline:
         if load_weights:
             say(log, f"loading model {cfg.model.path} ...")
             quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
-            loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize)
+            loaded = load_model(
+                cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize, fuse=cfg.model.resolved_fuse()
+            )
             info = loaded.info
             say(
                 log,
@@ -265,9 +255,15 @@ class Pipeline:
             runner = self.cfg.runner
             budget = int(runner.kv_budget_gb * 1e9) if runner.kv_budget_gb else None
             return BatchScheduler(
-                self.loaded.model, self.max_context, runner.max_rows, budget, pipelined, self.cfg.prefill.chunk_size
+                self.loaded.model,
+                self.max_context,
+                runner.max_rows,
+                budget,
+                pipelined,
+                self.cfg.prefill.chunk_size,
+                decode_step=self.cfg.decode.step,
             )
-        return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined)
+        return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined, decode_step=self.cfg.decode.step)
 
     def make_request(self, batch: list[PreparedSample]) -> GenerationRequest:
         cfg = self.cfg

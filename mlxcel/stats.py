@@ -66,9 +66,8 @@ class GenerationStats:
     row_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p95: start to a row's last token
     kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
-    host_ms_per_step: float = (
-        0.0  # the scheduler's host work per iteration: below the device's step time, the device bounds the job
-    )
+    # the scheduler's host work per iteration: below the device's step time, the device bounds the job
+    host_ms_per_step: float = 0.0
     batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:

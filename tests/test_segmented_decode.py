@@ -75,5 +75,7 @@ def test_unknown_decode_step_is_a_clear_error(tiny_llama, monkeypatch):
     from mlxcel.errors import MlxcelError
 
     monkeypatch.setenv("MLXCEL_DECODE_STEP", "fast")
-    with pytest.raises(MlxcelError, match=r"MLXCEL_DECODE_STEP='fast': must be one of eager, segmented, compiled"):
+    with pytest.raises(
+        MlxcelError, match=r"MLXCEL_DECODE_STEP: environment variable: must be one of eager, segmented, compiled"
+    ):
         DirectEngine(load_model(str(tiny_llama), dtype="float32").model, 512)

@@ -7,7 +7,7 @@ and writes the cache's whole preallocated buffer (attention masks the unused slo
 the position as an array. The graph is traced again only when the cache grows (every
 `GROW_STEP` tokens).
 
-Opt-in (MLXCEL_DECODE_STEP=compiled, or the older MLXCEL_COMPILE=1): on the H200 (bf16,
+Opt-in (decode.step=compiled; $MLXCEL_DECODE_STEP=compiled or the older MLXCEL_COMPILE=1): on the H200 (bf16,
 512-token prompts) it gained at batch 8 (Llama-1B shape 1335 -> 2187 tok/s) but lost at batch 1
 (~-5%) and at batch 32 on the 1B shape (6017 -> 4095 tok/s). Why, from MLX's CUDA source: the
 array mask this step needs disqualifies both fused attention kernels (sdpa_vector and cuDNN take
@@ -20,12 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxcel.config import read_env_flag
 from mlxcel.models.cache import KVCache
-
-
-def is_compile_enabled() -> bool:
-    return read_env_flag("MLXCEL_COMPILE")
 
 
 class BufferView:

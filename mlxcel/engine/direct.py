@@ -10,8 +10,8 @@ from mlxcel.engine.request import GenerationRequest
 
 
 class DirectEngine:
-    def __init__(self, model, max_context: int, pipeline: bool = True):
-        self.engine = Engine(model, max_context)
+    def __init__(self, model, max_context: int, pipeline: bool = True, decode_step: str = "auto"):
+        self.engine = Engine(model, max_context, decode_step)
         self.pipeline = pipeline and not read_env_flag("MLXCEL_FORCE_SYNC")
 
     def generate(

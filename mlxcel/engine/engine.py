@@ -7,7 +7,6 @@ row's padding, so every row computes what it would compute alone.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,7 +14,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxcel.engine.compiled import CompiledDecoder, is_compile_enabled
+from mlxcel.config import resolve_decode_step
+from mlxcel.engine.compiled import CompiledDecoder
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowResult
 from mlxcel.engine.segmented import SegmentedDecoder
 from mlxcel.errors import MlxcelError
@@ -63,21 +63,12 @@ def check_prompt(index: int, prompt_ids: list[int], max_context: int) -> str | N
     return None
 
 
-DECODE_STEPS = ("eager", "segmented", "compiled")
-
-
-def choose_decode_step(model) -> str:
-    """`$MLXCEL_DECODE_STEP`, else segmented on a GPU (where per-op host cost bounds decode) and
-    eager on the CPU (bound by the matmuls; compiling there also needs a system C++ compiler).
-    A family whose step cannot be traced once (longrope) says so and runs eager; a compiled step
-    that cannot drive a request's caches (`can_drive`) leaves that request eager."""
-    step = os.environ.get("MLXCEL_DECODE_STEP", "").strip().lower()
-    if not step:
-        step = "compiled" if is_compile_enabled() else ("segmented" if mx.default_device() == mx.gpu else "eager")
-    if step not in DECODE_STEPS:
-        raise MlxcelError(
-            f"MLXCEL_DECODE_STEP={step!r}: must be one of {', '.join(DECODE_STEPS)} (unset it for the default)"
-        )
+def choose_decode_step(model, requested: str = "auto") -> str:
+    """decode.step (`requested`) as config.resolve_decode_step resolves it ($MLXCEL_DECODE_STEP
+    overrides it; auto: segmented on a GPU, eager on the CPU). A family whose step cannot be traced
+    once (longrope) says so and runs eager; a compiled step that cannot drive a request's caches
+    (`can_drive`) leaves that request eager."""
+    step = resolve_decode_step(requested)
     return step if getattr(model, "supports_compiled_decode", True) else "eager"
 
 
@@ -110,10 +101,10 @@ class BatchState:
 
 
 class Engine:
-    def __init__(self, model, max_context: int):
+    def __init__(self, model, max_context: int, decode_step: str = "auto"):
         self.model = model
         self.max_context = max_context
-        step = choose_decode_step(model)
+        step = choose_decode_step(model, decode_step)
         self.decoder = None if step == "eager" else get_decoder(model, step)
 
     def start(self, request: GenerationRequest) -> BatchState:

@@ -20,9 +20,8 @@ class ModelHeader:
     max_context: int
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes
     fingerprint: str = ""  # sha256 of the config and the weights index (names, shapes, dtypes)
-    head_dim: int | None = (
-        None  # attention head size, where the config says (checks decode.kv_group_size before loading)
-    )
+    # attention head size, where the config says (checks decode.kv_group_size before loading)
+    head_dim: int | None = None
 
 
 def read_model_header(path: Path) -> ModelHeader:

@@ -109,10 +109,15 @@ def pick_dtype(dtype: str) -> mx.Dtype:
 
 
 def load_model(
-    path: str | None, dtype: str = "auto", gguf_weights: str = "auto", quantize: dict | None = None
+    path: str | None,
+    dtype: str = "auto",
+    gguf_weights: str = "auto",
+    quantize: dict | None = None,
+    fuse: bool | None = None,
 ) -> LoadedModel:
     """`quantize` ({"bits", "group_size"}): quantize the dense layers at load and record the
-    logit error that costs in info["quantization"]."""
+    logit error that costs in info["quantization"]. `fuse` (model.fuse; None: $MLXCEL_FUSE, else
+    on): QKV and gate/up as single matmuls."""
     start = time.perf_counter()
     resolved = resolve_model_path(path)
     target_dtype = pick_dtype(dtype)
@@ -128,7 +133,7 @@ def load_model(
         )
     if quantize:
         loaded.info["quantization"] = quantize_at_load(loaded.model, quantize["bits"], quantize["group_size"])
-    if fuse_projections_enabled() and hasattr(loaded.model, "fuse_projections"):
+    if (fuse_projections_enabled() if fuse is None else fuse) and hasattr(loaded.model, "fuse_projections"):
         loaded.model.fuse_projections()  # QKV and gate/up as single matmuls: fewer ops per token
     mx.eval(read_language_parameters(loaded.model))
     loaded.info.update(

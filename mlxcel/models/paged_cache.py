@@ -262,9 +262,8 @@ def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
 class PagedKVCache:
     """One layer's pool, behind the KVCache interface the model families call."""
 
-    offset = (
-        None  # no one offset for all rows: each row's position comes from rope_offset (Phi-3's longrope reads this)
-    )
+    # no one offset for all rows: each row's position comes from rope_offset (Phi-3's longrope reads this)
+    offset = None
 
     def __init__(self, table: PageTable, window: int | None = None):
         self.table = table

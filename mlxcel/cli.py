@@ -200,23 +200,26 @@ def quote_stop_strings(arg: str) -> str:
 def run_job(cfg: Any) -> Any:
     """The Hydra task: composed config -> RunConfig -> runner."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from mlxcel.config import validate_config
     from mlxcel.errors import ConfigError
     from mlxcel.outputs import write_failure_stats
 
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         data = read_job_config(cfg)
         run_cfg = validate_config(data)
-    except (
-        ConfigError
-    ) as ex:  # a sweep's job (one run is validated before Hydra makes its folder): say in it why nothing ran
+    except ConfigError as ex:
+        # a sweep's job (one run is validated before Hydra makes its folder): say in it why nothing ran
         write_failure_stats(out_dir, ex)
         raise
     from mlxcel import runner  # lazy: loads MLX and the model code only for a valid config
 
-    return runner.run(run_cfg, out_dir=out_dir, overrides=list(HydraConfig.get().overrides.task))
+    # a sweep's jobs keep the weights loaded for the next job of this process that uses the same ones
+    sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    return runner.run(run_cfg, out_dir=out_dir, overrides=list(hydra_cfg.overrides.task), keep_weights=sweep)
 
 
 def read_job_config(cfg: Any) -> dict:

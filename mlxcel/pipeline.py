@@ -4,8 +4,10 @@ PrefillPlan → engine. `Pipeline.load(cfg)` builds it; `prepare` renders and to
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TextIO
 
 from mlxcel.config import RunConfig
@@ -50,6 +52,44 @@ def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer):
         where = cfg.tokenizer.path or cfg.model.path
         raise MlxcelError(f"template=auto: the tokenizer of {where} has no chat template; {NO_TEMPLATE_HINT}")
     return source
+
+
+# The last job's weights (one entry: a sweep over models holds one at a time), with what identifies them.
+_KEPT_WEIGHTS: dict[tuple, LoadedModel] = {}
+
+
+def describe_weights(cfg: RunConfig, path: Path) -> tuple:
+    """What makes two jobs' weights the same: the files (their paths and modification times), the
+    load settings, and the device."""
+    import mlx.core as mx
+
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    stamps = tuple((f.name, f.stat().st_mtime_ns) for f in files if f.is_file())
+    quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
+    settings = (cfg.model.dtype, cfg.model.gguf_weights, json.dumps(quantize), cfg.model.resolved_fuse())
+    return (str(path.resolve()), stamps, settings, str(mx.default_device()))
+
+
+def load_weights_for(cfg: RunConfig, path: Path, log: TextIO | None, keep: bool) -> LoadedModel:
+    key = describe_weights(cfg, path) if keep else None
+    if key is not None and key in _KEPT_WEIGHTS:
+        say(log, f"model {cfg.model.path}: the previous job's weights, still loaded")
+        kept = _KEPT_WEIGHTS[key]
+        return replace(kept, info={**kept.info, "load_ms": 0.0, "kept_from_previous_job": True})
+    _KEPT_WEIGHTS.clear()  # the previous model goes before this one loads
+    say(log, f"loading model {cfg.model.path} ...")
+    quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
+    loaded = load_model(
+        cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize, fuse=cfg.model.resolved_fuse()
+    )
+    info = loaded.info
+    params, seconds = info["params"] / 1e6, info["load_ms"] / 1000
+    say(log, f"loaded {info['arch']} ({params:.0f}M params, {info['dtype']}) in {seconds:.1f} s")
+    if "note" in info:
+        say(log, info["note"])
+    if key is not None:
+        _KEPT_WEIGHTS[key] = loaded
+    return loaded
 
 
 def check_model_config(cfg: RunConfig) -> tuple:
@@ -108,23 +148,15 @@ class Pipeline:
         self.sampler = self.make_sampler() if loaded else None
 
     @classmethod
-    def load(cls, cfg: RunConfig, load_weights: bool = True, log: TextIO | None = None) -> Pipeline:
-        _, header, tokenizer = check_model_config(cfg)  # (a GGUF file's tokenizer reads its metadata itself)
+    def load(
+        cls, cfg: RunConfig, load_weights: bool = True, log: TextIO | None = None, keep_weights: bool = False
+    ) -> Pipeline:
+        """`keep_weights`: the jobs of a sweep run in this process (Hydra's basic launcher) one
+        after another; the weights stay loaded for the next job that asks for the same ones."""
+        path, header, tokenizer = check_model_config(cfg)  # (a GGUF file's tokenizer reads its metadata itself)
         loaded = None
         if load_weights:
-            say(log, f"loading model {cfg.model.path} ...")
-            quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
-            loaded = load_model(
-                cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize, fuse=cfg.model.resolved_fuse()
-            )
-            info = loaded.info
-            say(
-                log,
-                f"loaded {info['arch']} ({info['params'] / 1e6:.0f}M params, {info['dtype']}) in "
-                f"{info['load_ms'] / 1000:.1f} s",
-            )
-            if "note" in info:
-                say(log, info["note"])
+            loaded = load_weights_for(cfg, path, log, keep_weights)
         return cls(cfg, header, tokenizer, loaded)
 
     def _merge_stop_ids(self) -> set[int]:

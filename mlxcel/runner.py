@@ -57,6 +57,7 @@ def run(
     stream: TextIO | None = sys.stdout,
     log: TextIO | None = sys.stderr,
     overrides: list[str] | None = None,
+    keep_weights: bool = False,
 ) -> RunResult:
     # A refused start (another run's folder, a resume with another config, an input the run would
     # write over) leaves the folder as it was: no failure stats over another run's.
@@ -70,7 +71,7 @@ def run(
         select_device(cfg.runner.device)
         report["environment"] = read_environment()
         outputs.write_config(cfg.resolved_dict())
-        pipeline = Pipeline.load(cfg, load_weights=not cfg.runner.dry_run, log=log)  # 3
+        pipeline = Pipeline.load(cfg, load_weights=not cfg.runner.dry_run, log=log, keep_weights=keep_weights)  # 3
         report["model"] = describe_model(pipeline)
         report["sampler_chain"] = cfg.sampler.effective_chain()
         if cfg.runner.dry_run:

@@ -12,7 +12,7 @@ import numpy as np
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
-from tests.conftest import load_reference, write_tiny_tokenizer
+from tests.helpers import load_reference, write_tiny_tokenizer
 
 PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]
 LOGIT_TOLERANCE = 1e-3

@@ -198,7 +198,8 @@ def ref_temperature(c: Candidates, value: float, spread: float = 0.0, exponent: 
 def ref_chain(
     logits: np.ndarray, processors: dict, min_keep: int = 0, history=None, breakers=(), eos=(), u_xtc: float = 1.0
 ) -> np.ndarray:
-    """Log-probabilities [V] after the stages present in `processors` (docs/sampling.md defaults filled by the caller)."""
+    """Log-probabilities [V] after the stages present in `processors` (docs/sampling.md defaults
+    filled by the caller)."""
     c = Candidates.full(logits)
     p = processors
     if "logit_bias" in p:

@@ -8,7 +8,7 @@ import pytest
 
 from mlxcel import load_config, load_generator
 from mlxcel.errors import ConfigError, MlxcelError
-from tests.test_cli_run import read_run, run_cli
+from tests.helpers import read_run, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from tests.test_cli_run import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, by_key, job_args, read_rows, run_cli, write_rows
 
 ROWS = [
     {"id": "capital", "prompt": "What is the capital of France?"},
@@ -18,31 +17,6 @@ ROWS = [
     {"id": "too_long", "prompt": "hello world " * 300},
     {"id": "seeded", "prompt": "The capital of Italy", "seed": 5},
 ]
-
-
-def write_rows(path: Path, rows: list[dict], extra_lines: tuple[str, ...] = ()) -> Path:
-    path.write_text("\n".join([json.dumps(r) for r in rows] + list(extra_lines)) + "\n")
-    return path
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
-
-
-def by_key(rows: list[dict]) -> dict:
-    return {(str(r["id"]), r["sample"]): r for r in rows}
-
-
-def job_args(model: Path, rows_file: Path, *extra: str) -> tuple[str, ...]:
-    return (
-        f"model.path={model}",
-        "prompt=jsonl",
-        f"prompt.file={rows_file}",
-        "model.max_context=256",
-        "decode.max_tokens=6",
-        "decode.ignore_eos=true",
-        *extra,
-    )
 
 
 def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llama):
@@ -204,7 +178,7 @@ def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
     import sys
     import time
 
-    from tests.test_cli_run import REPO
+    from tests.helpers import REPO
 
     rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": i, "prompt": f"row {i}"} for i in range(6)])
     run_dir = tmp_path / "run"
@@ -260,8 +234,7 @@ def test_jsonl_tool_call_conversations_with_row_tools_render_as_transformers(tmp
     template as transformers passes them; a row without tools renders without them."""
     from transformers import AutoTokenizer
 
-    from tests.conftest import make_tiny_checkpoint
-    from tests.test_template_real import TEMPLATES, TOOLS, WEATHER_TOOL
+    from tests.helpers import TEMPLATES, TOOLS, WEATHER_TOOL, make_tiny_checkpoint
 
     tiny_llama = make_tiny_checkpoint(
         tmp_path / "long_context", "llama", max_position_embeddings=2048

@@ -29,7 +29,7 @@ from mlxcel.bench.harness import (
     format_table,
     make_table_rows,
 )
-from tests.conftest import requires_smollm2
+from tests.helpers import requires_smollm2
 
 requires_mlx_lm = pytest.mark.skipif(
     importlib.util.find_spec("mlx_lm") is None,

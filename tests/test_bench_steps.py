@@ -23,7 +23,8 @@ def test_the_profile_prints_every_figure(tiny_llama, tmp_path, capsys):
         r"prefill piece of 2048 tokens after 20: [\d.]+ ms", out
     )
     run = re.search(
-        r"scheduler, 3 rows of 20 prompt tokens x 4 tokens: ([\d.]+) ms per iteration .* host work ([\d.]+) ms per iteration",
+        r"scheduler, 3 rows of 20 prompt tokens x 4 tokens: ([\d.]+) ms per iteration"
+        r" .* host work ([\d.]+) ms per iteration",
         out,
     )
     assert run and 0 < float(run.group(2)) <= float(run.group(1)), out

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlxcel import blas
-from tests.test_cli_run import REPO, read_run, run_cli
+from tests.helpers import REPO, read_run, run_cli
 
 
 @pytest.fixture

@@ -26,8 +26,9 @@ STUB = """
 import json, sys, types
 import mlxcel
 stub = types.ModuleType("mlxcel.runner")
-def run(cfg, out_dir, overrides=None):
-    print(json.dumps({"text": cfg.prompt.text, "system": cfg.prompt.system, "template": cfg.template.text, "out_dir": str(out_dir)}))
+def run(cfg, out_dir, overrides=None, keep_weights=False):
+    print(json.dumps({"text": cfg.prompt.text, "system": cfg.prompt.system, "template": cfg.template.text,
+                      "out_dir": str(out_dir)}))
     return {"ok": True}
 stub.run = run
 sys.modules["mlxcel.runner"] = mlxcel.runner = stub
@@ -112,7 +113,7 @@ def stub_runner(monkeypatch, tmp_path):
     calls: list[tuple] = []
     effect: dict = {}
 
-    def run(cfg, out_dir, overrides=None):
+    def run(cfg, out_dir, overrides=None, keep_weights=False):
         calls.append((cfg, out_dir))
         effect["overrides"] = overrides
         if "raise" in effect:
@@ -184,9 +185,15 @@ def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys
     assert run_main(monkeypatch, "decode.max_tokens=0", "sampler.selector.kind=beam") == 2
     assert stub_runner.calls == []
     assert capsys.readouterr().err.splitlines() == [
-        "mlxcel: config error: sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')",
+        (
+            "mlxcel: config error: sampler.selector.kind: unknown selector; known: greedy, categorical, "
+            "mirostat_v1, mirostat_v2, adaptive_p (got 'beam')"
+        ),
         "mlxcel: config error: decode.max_tokens: must be > 0 (got 0)",
-        "mlxcel: config error: fix: override it on the command line (e.g. sampler.selector.kind=...) or edit conf/sampler/ (or your own config)",
+        (
+            "mlxcel: config error: fix: override it on the command line (e.g. sampler.selector.kind=...) "
+            "or edit conf/sampler/ (or your own config)"
+        ),
     ]
 
 
@@ -195,11 +202,13 @@ def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys
     [
         (
             ["sampler=nope"],
-            "could not find config 'sampler/nope'; available options in 'sampler': adaptive_p, default, dry, dynatemp, greedy, min_p, mirostat, mirostat_v1, penalties, temperature, top_n_sigma, typical, xtc",
+            "could not find config 'sampler/nope'; available options in 'sampler': adaptive_p, default, dry, "
+            "dynatemp, greedy, min_p, mirostat, mirostat_v1, penalties, temperature, top_n_sigma, typical, xtc",
         ),
         (
             ["decode.max_tokenz=1"],
-            "decode.max_tokenz: unknown key (did you mean decode.max_tokens?); valid keys: max_tokens, stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size",
+            "decode.max_tokenz: unknown key (did you mean decode.max_tokens?); valid keys: max_tokens, "
+            "stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size, step",
         ),
         (
             ["runner.batch_size=4"],
@@ -287,7 +296,10 @@ def test_config_error_exits_2_without_traceback(tmp_path):
     assert result.stderr.splitlines() == [
         "mlxcel: config error: model.dtype: must be one of: auto, float32, float16, bfloat16 (got 'fp8')",
         "mlxcel: config error: decode.max_tokens: must be > 0 (got -1)",
-        "mlxcel: config error: fix: override it on the command line (e.g. model.dtype=...) or edit conf/model/ (or your own config)",
+        (
+            "mlxcel: config error: fix: override it on the command line (e.g. model.dtype=...) "
+            "or edit conf/model/ (or your own config)"
+        ),
     ]
     assert result.stdout == ""
 

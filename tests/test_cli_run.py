@@ -6,13 +6,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import requires_smollm2
+from tests.helpers import REPO, assert_one_line_error, find_smollm2_gguf, read_run, requires_smollm2, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
 SPEC_FIELDS = (
     "prompt_tokens",
     "generated_tokens",
@@ -21,28 +19,6 @@ SPEC_FIELDS = (
     "prefill_tok_per_sec",
     "decode_tok_per_sec",
 )
-
-
-def run_cli(tmp_path: Path, *args: str, env: dict | None = None, run: str = "run") -> subprocess.CompletedProcess:
-    run_dir = tmp_path / run
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    full_env.pop("MLXCEL_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "mlxcel", f"hydra.run.dir={run_dir}", *args],
-        cwd=tmp_path,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def read_run(tmp_path: Path, run: str = "run") -> tuple[dict, list[dict], dict]:
-    run_dir = tmp_path / run
-    stats = json.loads((run_dir / "stats.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
-    config = json.loads((run_dir / "config.resolved.json").read_text())
-    return stats, rows, config
 
 
 @requires_smollm2
@@ -116,15 +92,6 @@ def test_pipelined_and_forced_sync_runs_agree(tmp_path, tiny_llama):
     assert rows[0]["token_ids"] == pipelined
 
 
-def assert_one_line_error(result, code: int, *fragments: str):
-    assert result.returncode == code, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if "error" in line]
-    assert lines, result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
-
-
 def test_bad_model_inputs_give_clear_errors(tmp_path, tiny_llama):
     missing = run_cli(tmp_path, "model.path=/nonexistent/model")
     assert_one_line_error(missing, 2, "model.path", "/nonexistent/model")
@@ -154,8 +121,6 @@ def test_bad_model_inputs_give_clear_errors(tmp_path, tiny_llama):
 
 @requires_smollm2
 def test_truncated_gguf(tmp_path):
-    from tests.conftest import find_smollm2_gguf
-
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(find_smollm2_gguf().read_bytes()[:1_000_000])
     assert_one_line_error(run_cli(tmp_path, f"model.path={broken}"), 1, "broken.gguf")

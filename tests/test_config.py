@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxcel.config import make_hint, RunConfig, SamplerConfig, validate_config
+from mlxcel.config import RunConfig, SamplerConfig, make_hint, validate_config
 from mlxcel.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -108,11 +108,13 @@ def test_prompt_messages_put_system_first():
 ERROR_CASES = [
     (
         {"model": {"path": None}},
-        "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)",
+        "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 "
+        "(e.g. model=hf model.path=/path/to/model)",
     ),
     (
         {"model": {"path": None, "families": ["qwen3"], "hub_ids": ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-4B"]}},
-        "model.path: required: a model folder, a .gguf file or a Hub repo id, e.g. model.path=Qwen/Qwen3-0.6B (this family's usual repos: Qwen/Qwen3-0.6B, Qwen/Qwen3-4B)",
+        "model.path: required: a model folder, a .gguf file or a Hub repo id, e.g. model.path=Qwen/Qwen3-0.6B "
+        "(this family's usual repos: Qwen/Qwen3-0.6B, Qwen/Qwen3-4B)",
     ),
     (
         {"model": {"path": "embedded:foo"}},
@@ -123,7 +125,8 @@ ERROR_CASES = [
     ({"model": {"max_context": 0}}, "model.max_context: must be > 0 (got 0)"),
     (
         {"model": {"colour": 1}},
-        "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families, hub_ids (got 1)",
+        "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families, "
+        "hub_ids, fuse (got 1)",
     ),
     (
         {"runner": {"batch_size": 4}},
@@ -171,7 +174,8 @@ ERROR_CASES = [
     ),
     (
         {"sampler": {"processors": {"top_q": {}}}},
-        "sampler.processors.top_q: unknown sampler stage; known: logit_bias, penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature (got {})",
+        "sampler.processors.top_q: unknown sampler stage; known: logit_bias, penalties, dry, top_n_sigma, top_k, "
+        "typical_p, top_p, min_p, xtc, temperature (got {})",
     ),
     (
         {"sampler": {"processors": {"temperature": {"value": "hot"}}}},
@@ -179,7 +183,8 @@ ERROR_CASES = [
     ),
     (
         {"sampler": {"processors": {"temperature": {"valu": 1.0}}}},
-        "sampler.processors.temperature.valu: unknown key (did you mean sampler.processors.temperature.value?); valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)",
+        "sampler.processors.temperature.valu: unknown key (did you mean sampler.processors.temperature.value?); "
+        "valid keys: value, dynatemp_range, dynatemp_exponent (got 1.0)",
     ),
     (
         {"sampler": {"processors": {"temperature": {"dynatemp_range": -0.5}}}},
@@ -189,7 +194,8 @@ ERROR_CASES = [
     ({"sampler": {"processors": [1]}}, "sampler.processors: must be a mapping (got [1])"),
     (
         {"sampler": {"processors": {"top_k": {}}, "selector": {"kind": "mirostat_v2"}}},
-        "sampler.processors.top_k: cannot be combined with sampler.selector.kind=mirostat_v2 (mirostat does its own truncation); "
+        "sampler.processors.top_k: cannot be combined with sampler.selector.kind=mirostat_v2 "
+        "(mirostat does its own truncation); "
         "remove it with '~sampler.processors.top_k' or choose another selector (got {'k': 40})",
     ),
     (
@@ -206,7 +212,8 @@ ERROR_CASES = [
     ),
     (
         {"sampler": {"selector": {"kind": "beam"}}},
-        "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, adaptive_p (got 'beam')",
+        "sampler.selector.kind: unknown selector; known: greedy, categorical, mirostat_v1, mirostat_v2, "
+        "adaptive_p (got 'beam')",
     ),
     (
         {"sampler": {"selector": {"kind": "greedy", "tau": 5.0}}},
@@ -226,7 +233,8 @@ ERROR_CASES = [
     ),
     (
         {"prompt": {"messages": [{"role": "user", "content": "x"}]}},
-        "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows (got text, messages); give one (prompt.file alone runs a batch job: the default text steps aside)",
+        "prompt.messages: set only one of prompt.text, prompt.messages, prompt.file, prompt.rows "
+        "(got text, messages); give one (prompt.file alone runs a batch job: the default text steps aside)",
     ),
     (
         {"prompt": {"text": None, "messages": [{"role": "bot", "content": "x"}]}},
@@ -252,7 +260,8 @@ ERROR_CASES = [
     ({"runner": {"device": "tpu"}}, "runner.device: must be one of: auto, cpu, gpu (got 'tpu')"),
     (
         {"extra": {"x": 1}},
-        "extra: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner (got {'x': 1})",
+        "extra: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner "
+        "(got {'x': 1})",
     ),
     ({"decode": None}, "decode: must be a mapping (got None)"),
 ]
@@ -290,7 +299,8 @@ def test_all_errors_are_reported_at_once():
 
 def test_missing_groups_report_their_fields():
     assert issue_lines({}) == [
-        "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 (e.g. model=hf model.path=/path/to/model)",
+        "model.path: required: a model folder, a .gguf file, a Hub repo id (org/name) or embedded:smollm2 "
+        "(e.g. model=hf model.path=/path/to/model)",
         "prompt.text: required: set prompt.text, prompt.messages, prompt.file (JSONL) or prompt.rows",
     ]
 

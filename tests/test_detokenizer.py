@@ -8,27 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, normalizers, trainers
 
-from mlxcel.tokenizer import MlxcelTokenizer, StreamingDetokenizer, load_tokenizer
-from tests.test_tokenizer import CORPUS, load_smollm2, make_hf_folder, requires_smollm2
-
-REPLACEMENT = "\ufffd"
-
-
-def stream(tokenizer: MlxcelTokenizer, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
-    detok = StreamingDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-    chunks = [detok.add_token(i) for i in ids] + [detok.finalize()]
-    assert detok.text == "".join(chunks)
-    assert detok.tokens == list(ids)
-    return chunks
-
-
-def check_stream(tokenizer: MlxcelTokenizer, ids: list[int]) -> None:
-    for skip in (False, True):
-        chunks = stream(tokenizer, ids, skip)
-        full = tokenizer.decode(ids, skip_special_tokens=skip)
-        assert "".join(chunks) == full
-        if REPLACEMENT not in full:
-            assert not any(REPLACEMENT in c for c in chunks), chunks
+from mlxcel.tokenizer import MlxcelTokenizer, load_tokenizer
+from tests.helpers import CORPUS, REPLACEMENT, check_stream, load_smollm2, make_hf_folder, requires_smollm2, stream
 
 
 def make_byte_fallback_folder(folder: Path) -> Path:

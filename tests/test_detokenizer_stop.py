@@ -10,8 +10,7 @@ from mlxcel import load_generator
 from mlxcel.config import validate_config
 from mlxcel.errors import ConfigError
 from mlxcel.tokenizer import DeferredTextStream, StopStringFilter, TextStream
-from tests.test_cli_run import read_run, run_cli
-from tests.test_tokenizer import CORPUS, load_smollm2, requires_smollm2
+from tests.helpers import CORPUS, load_smollm2, read_run, requires_smollm2, run_cli
 
 
 def cut_at_first(text: str, stops: list[str]) -> str:

@@ -12,7 +12,6 @@ import pytest
 from mlxcel.models import gemma3
 from mlxcel.models.loader import load_model
 from mlxcel.vision.stage import is_vision_model
-from tests.conftest import write_tiny_tokenizer
 from tests.family_fixtures import (
     BASE_SHAPE,
     FAMILIES,
@@ -21,6 +20,7 @@ from tests.family_fixtures import (
     mlxcel_generate,
     save_widened,
 )
+from tests.helpers import write_tiny_tokenizer
 
 pytest.importorskip("torch")
 

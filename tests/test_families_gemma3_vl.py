@@ -21,7 +21,6 @@ from mlxcel.sampling import Sampler
 from mlxcel.vision.images import load_image
 from mlxcel.vision.processors import gemma3 as gemma3_processor
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
-from tests.vision_fixtures import build_once
 from tests.family_fixtures import (
     BASE_SHAPE,
     FAMILIES,
@@ -31,10 +30,11 @@ from tests.family_fixtures import (
     reference_greedy,
     save_widened,
 )
+from tests.vision_fixtures import build_once
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil  # noqa: E402 -- after importorskip
 
 GREEDY = 24
 SPECIALS = [
@@ -281,8 +281,7 @@ def test_image_blocks():
 
 
 def test_prompt_images_through_mlxcel_run(tmp_path, checkpoint, photo_path):
-    from tests.test_batch_jobs import read_rows
-    from tests.test_cli_run import run_cli
+    from tests.helpers import read_rows, run_cli
 
     folder, reference, tokenizer = checkpoint("window6")
     args = (

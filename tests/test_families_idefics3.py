@@ -19,20 +19,18 @@ from mlxcel.models.loader import FAMILIES, load_model
 from mlxcel.vision import siglip
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
-from tests.vision_fixtures import build_once
-from tests.conftest import SPECIALS, TRAINING_TEXT, write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, save_widened
-from tests.test_batch_jobs import read_rows
-from tests.test_cli_run import run_cli
+from tests.helpers import SPECIALS, TRAINING_TEXT, read_rows, run_cli, write_tiny_tokenizer
+from tests.vision_fixtures import build_once
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.models.idefics3.image_processing_pil_idefics3 import (
+from transformers.models.idefics3.image_processing_pil_idefics3 import (  # noqa: E402 -- after importorskip
     Idefics3ImageProcessorPil,
 )
-from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
-from transformers.models.smolvlm import processing_smolvlm
-from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings  # noqa: E402 -- after importorskip
+from transformers.models.smolvlm import processing_smolvlm  # noqa: E402 -- after importorskip
+from transformers.models.smolvlm.image_processing_pil_smolvlm import (  # noqa: E402 -- after importorskip
     SmolVLMImageProcessorPil,
 )
 
@@ -264,7 +262,8 @@ def test_two_image_prompt_matches_transformers(checkpoint, images, monkeypatch, 
 
 
 def test_layouts_load_alike_and_text_prompts_need_no_vision(checkpoint, images, tmp_path):
-    """transformers' in-memory names and an MLX conversion's (language_model.*, vision_model.*, connector.*) give the same logits."""
+    """transformers' in-memory names and an MLX conversion's (language_model.*, vision_model.*,
+    connector.*) give the same logits."""
     from safetensors.numpy import load_file, save_file
 
     folder, reference = checkpoint("idefics3")
@@ -378,7 +377,7 @@ def test_presets_compose_and_name_their_model_type(preset, tmp_path):
 def test_mixed_batch_of_image_and_text_rows_generates_as_transformers(
     tmp_path, checkpoint, photo_path, odd_images, monkeypatch
 ):
-    from tests.test_batch_jobs import by_key, write_rows
+    from tests.helpers import by_key, write_rows
 
     kind = "smolvlm"
     folder, reference = checkpoint(kind)

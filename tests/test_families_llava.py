@@ -18,7 +18,6 @@ from mlxcel.models import llava
 from mlxcel.models.loader import load_model
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import expand_placeholders, is_vision_model, merge_embeddings
-from tests.conftest import write_tiny_tokenizer
 from tests.family_fixtures import (
     LOGIT_TOLERANCE,
     PROMPT,
@@ -27,61 +26,18 @@ from tests.family_fixtures import (
     reference_logits,
     save_widened,
 )
+from tests.helpers import write_tiny_tokenizer
+from tests.llava_fixtures import CLIP_PROCESSOR, IMAGE, NEXT_PROCESSOR, PINPOINTS, TEXT, VISION, image_runs
 from tests.vision_fixtures import build_once, mlxcel_greedy_after
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-from transformers.models.llava_next.image_processing_pil_llava_next import (
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: E402 -- after importorskip
+from transformers.models.llava_next.image_processing_pil_llava_next import (  # noqa: E402 -- after importorskip
     LlavaNextImageProcessorPil,
 )
 
-IMAGE = 3  # the image token id (the text ids below are all >= 5)
 GREEDY = 24
-VISION = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "image_size": 56,
-    "patch_size": 14,
-}
-TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "eos_token_id": 2,
-    "bos_token_id": None,
-    "pad_token_id": 0,
-}
-PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]
-CLIP_PROCESSOR = {  # LLaVA-1.5's preprocessor_config.json at 56 px: resize to 64, centre crop 56
-    "image_processor_type": "CLIPImageProcessor",
-    "processor_class": "LlavaProcessor",
-    "do_resize": True,
-    "size": {"shortest_edge": 64},
-    "resample": 3,
-    "do_center_crop": True,
-    "crop_size": {"height": 56, "width": 56},
-    "do_rescale": True,
-    "rescale_factor": 1 / 255,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-}
-NEXT_PROCESSOR = {
-    **CLIP_PROCESSOR,
-    "image_processor_type": "LlavaNextImageProcessor",
-    "processor_class": "LlavaNextProcessor",
-    "size": {"shortest_edge": 56},
-    "image_grid_pinpoints": PINPOINTS,
-    "aspect_ratio_setting": "anyres",
-}
 CASES = {
     "llava": {"kind": "llava", "text": "llama"},
     "llava-full": {
@@ -164,17 +120,6 @@ def make_processor(kind: str, strategy: str):
         vision_feature_select_strategy=strategy,
         num_additional_image_tokens=1,
     )
-
-
-def image_runs(ids: np.ndarray, token: int) -> list[int]:
-    """Lengths of the runs of `token` (one run per image when text separates them)."""
-    runs, length = [], 0
-    for t in [*ids.tolist(), None]:
-        if t == token:
-            length += 1
-        elif length:
-            runs, length = [*runs, length], 0
-    return runs
 
 
 def two_image_prompt() -> list[int]:

@@ -84,9 +84,8 @@ def test_rotating_cache_refuses_to_trim_the_ring():
 
 
 def test_compiled_decode_falls_back_to_the_eager_step_on_sliding_window_layers(mistral_parity, monkeypatch):
-    from tests.family_fixtures import mlxcel_generate
-
     from mlxcel.engine.compiled import CompiledDecoder
+    from tests.family_fixtures import mlxcel_generate
 
     model = mistral_parity["model"]
     assert not CompiledDecoder.can_drive(model.make_cache(1))  # rotating caches

@@ -22,7 +22,6 @@ from mlxcel.models import mistral3
 from mlxcel.models.loader import load_model
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
-from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import (
     LOGIT_TOLERANCE,
     mlxcel_generate,
@@ -30,13 +29,12 @@ from tests.family_fixtures import (
     reference_logits,
     save_widened,
 )
-from tests.test_batch_jobs import read_rows
-from tests.test_cli_run import run_cli
+from tests.helpers import SPECIALS, read_rows, run_cli, write_tiny_tokenizer
 from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone, build_once, mlxcel_greedy_after
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.models.pixtral import image_processing_pil_pixtral as pixtral_pil
+from transformers.models.pixtral import image_processing_pil_pixtral as pixtral_pil  # noqa: E402 -- after importorskip
 
 GREEDY = 24
 MAX_TOKENS = 8
@@ -90,7 +88,8 @@ PROCESSOR = {
 # Mistral's format, cut down: [INST]...[/INST]; an image part renders as [IMG] where it stands
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}[INST]{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}[IMG]{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}[IMG]{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
     "{% endif %}[/INST]{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
 )
 CASES = {

@@ -58,7 +58,7 @@ def flip_routing_normalisation(model) -> None:
 def assert_normalisation_matters(folder, model) -> None:
     """The fixture's router weights are far enough from one-hot that renormalising or not shows
     in the logits: the parity above would catch the wrong choice."""
-    from tests.conftest import load_reference
+    from tests.helpers import load_reference
 
     expected = reference_logits(load_reference(folder), PROMPT)
     flip_routing_normalisation(model)
@@ -95,7 +95,7 @@ def test_mixtral_loads_transformers_stacked_experts(tiny_mixtral, tmp_path):
     [E, 2I, H] and mlp.experts.down_proj, no per-expert tensors."""
     from safetensors import safe_open
 
-    from tests.conftest import load_reference
+    from tests.helpers import load_reference
 
     folder = tmp_path / "stacked"
     load_reference(tiny_mixtral).save_pretrained(folder, save_original_format=False)
@@ -294,7 +294,7 @@ def test_moe_presets_require_a_path_and_name_their_family(tmp_path):
     from mlxcel.config import validate_config
     from mlxcel.errors import ConfigError
     from mlxcel.models.loader import list_supported_families
-    from tests.test_families_presets import CONF_DIR, compose_run
+    from tests.helpers import CONF_DIR, compose_run
 
     for preset in ("mixtral", "qwen3_moe"):
         with pytest.raises(ConfigError, match=r"model\.path: required"):
@@ -306,9 +306,8 @@ def test_moe_presets_require_a_path_and_name_their_family(tmp_path):
 
 def test_qwen3_moe_compiled_decode_matches_eager(qwen3_moe_parity, monkeypatch):
     """Routing, top-k and the expert gather trace into the compiled step (no sliding window here)."""
-    from tests.family_fixtures import mlxcel_generate
-
     from mlxcel.engine.compiled import CompiledDecoder
+    from tests.family_fixtures import mlxcel_generate
 
     model = qwen3_moe_parity["model"]
     assert CompiledDecoder.can_drive(model.make_cache(1))

@@ -26,10 +26,8 @@ from mlxcel.models.loader import load_model
 from mlxcel.models.lora import LoRAControl, LoRAWeights, make_lora_linear
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import expand_placeholders, is_vision_model, merge_embeddings
-from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, mlxcel_generate, save_widened
-from tests.test_batch_jobs import read_rows
-from tests.test_cli_run import run_cli
+from tests.helpers import SPECIALS, read_rows, run_cli, write_tiny_tokenizer
 from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone, mlxcel_greedy_after
 
 torch = pytest.importorskip("torch")

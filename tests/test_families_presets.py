@@ -5,14 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from mlxcel.config import validate_config
 from mlxcel.errors import ConfigError
 from mlxcel.models.loader import FAMILIES, list_supported_families
+from tests.helpers import CONF_DIR, compose_run
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # preset -> the model_type it documents
 FAMILY_PRESETS = {
     "mistral": "mistral",
@@ -32,12 +30,6 @@ FAMILY_PRESETS = {
     "smolvlm": "smolvlm",
 }
 LANDED = [name for name in FAMILY_PRESETS if (CONF_DIR / "model" / f"{name}.yaml").exists()]
-
-
-def compose_run(overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
 @pytest.mark.parametrize("preset", LANDED)
@@ -65,7 +57,7 @@ def test_every_model_preset_takes_every_model_key(preset):
     model = compose_config([f"model={preset}", "model.quantize={bits: 4, group_size: 64}", "model.max_context=512"])[
         "model"
     ]
-    assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize", "families", "hub_ids"}
+    assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize", "families", "hub_ids", "fuse"}
     # a family preset names its usual repos when model.path is missing (model=hf and smollm2 need none)
     assert bool(model["hub_ids"]) == bool(model["families"]) and all("/" in repo for repo in model["hub_ids"] or [])
     assert model["quantize"] == {"bits": 4, "group_size": 64} and model["max_context"] == 512

@@ -11,7 +11,6 @@ import pytest
 from mlxcel.models.cache import make_kv_caches
 from mlxcel.models.loader import load_model
 from mlxcel.models.mrope import make_mrope_positions
-from tests.conftest import write_tiny_tokenizer
 from tests.family_fixtures import (
     GREEDY_TOKENS,
     LOGIT_TOLERANCE,
@@ -21,21 +20,13 @@ from tests.family_fixtures import (
     reference_greedy,
     reference_logits,
 )
+from tests.helpers import write_tiny_tokenizer
+from tests.qwen2_vl_fixtures import TEXT
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 IMAGE = 5
-TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 512,
-    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-}
 VISION = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2}
 
 

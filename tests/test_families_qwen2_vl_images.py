@@ -16,9 +16,9 @@ from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import load_model
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import expand_placeholders, is_vision_model, merge_embeddings
-from tests.conftest import write_tiny_tokenizer
 from tests.family_fixtures import LOGIT_TOLERANCE, PROMPT, mlxcel_logits, reference_logits
-from tests.test_families_qwen2_vl import TEXT
+from tests.helpers import write_tiny_tokenizer
+from tests.qwen2_vl_fixtures import PREPROCESSOR, TEXT, VISION
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,33 +26,9 @@ transformers = pytest.importorskip("transformers")
 # In-vocab ids the text of PROMPT never uses (its ids are 8..281).
 VISION_START, VISION_END, IMAGE = 3, 4, 5
 GREEDY = 24
-VISION = {
-    "qwen2_vl": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
-    # window 56 px = 2x2 merge units: the photo's 8x7 merged grid needs padded windows
-    "qwen2_5_vl": {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "out_hidden_size": 64,
-        "num_heads": 2,
-        "window_size": 56,
-        "fullatt_block_indexes": [1],
-    },
-}
 CLASSES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-}
-# Qwen2-VL-2B's preprocessor_config.json with a small max_pixels: the photo becomes 16x14 patches.
-PREPROCESSOR = {
-    "min_pixels": 3136,
-    "max_pixels": 50_000,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor",
 }
 
 

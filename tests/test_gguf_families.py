@@ -13,44 +13,11 @@ import pytest
 
 from mlxcel.models.loader import load_model
 from mlxcel.tokenizer import load_tokenizer
-from tests.conftest import load_reference
+from tests.gguf_fixtures import PROMPT, gguf_name, permute_for_llama_cpp
+from tests.helpers import load_reference
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
-
-PROMPT = [(13 * i + 5) % 300 + 3 for i in range(40)]
-TENSOR_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-
-
-def permute_for_llama_cpp(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half layout -> interleaved pairs."""
-    return (
-        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight"
-    if hf_name == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{TENSOR_NAMES[module]}.{kind}"
 
 
 def write_gguf_from_hf(folder: Path, arch: str, out: Path, quant: str = "F32") -> Path:

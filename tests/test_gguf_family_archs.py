@@ -14,8 +14,8 @@ import pytest
 
 from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import load_model
-from tests.conftest import load_reference
 from tests.family_fixtures import make_family_checkpoint
+from tests.helpers import load_reference
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")

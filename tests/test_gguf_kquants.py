@@ -10,32 +10,10 @@ import pytest
 from mlxcel.errors import MlxcelError
 from mlxcel.models import gguf_reader
 from mlxcel.models.gguf_reader import DEQUANTIZERS, load_gguf_numpy, read_gguf_header
+from tests.gguf_fixtures import FP16_FIELDS, random_blocks
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
-# byte offsets of each block's fp16 scales (random bytes there could be inf/nan)
-FP16_FIELDS = {
-    "Q4_0": [0],
-    "Q4_1": [0, 2],
-    "Q5_0": [0],
-    "Q5_1": [0, 2],
-    "Q8_0": [0],
-    "Q4_K": [0, 2],
-    "Q5_K": [0, 2],
-    "Q6_K": [208],
-}
-
-
-def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Raw quantized rows [rows, bytes per row] with finite fp16 scales."""
-    rng = np.random.default_rng(seed)
-    block, size = gguf.GGML_QUANT_SIZES[T[type_name]]
-    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for start in FP16_FIELDS[type_name]:
-        raw[..., start : start + 2] = (
-            rng.normal(0, 0.05, size=raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
-        )
-    return raw.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("type_name", list(FP16_FIELDS))
@@ -174,8 +152,8 @@ def test_k_quant_model_matches_transformers_gguf_loader(tmp_path):
     import transformers
 
     from mlxcel.models.loader import load_model
-    from tests.conftest import make_tiny_checkpoint
-    from tests.test_gguf_families import PROMPT, gguf_name, permute_for_llama_cpp
+    from tests.gguf_fixtures import PROMPT, gguf_name, permute_for_llama_cpp
+    from tests.helpers import make_tiny_checkpoint
 
     shape = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
     folder = make_tiny_checkpoint(tmp_path / "hf", "llama", **shape)

@@ -11,7 +11,7 @@ from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from mlxcel.template import build_prompt, load_template_source
 from mlxcel.tokenizer import load_tokenizer
-from tests.conftest import find_smollm2_gguf, requires_smollm2
+from tests.helpers import find_smollm2_gguf, requires_smollm2
 
 pytestmark = [requires_smollm2, pytest.mark.slow]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

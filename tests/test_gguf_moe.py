@@ -18,7 +18,6 @@ import pytest
 from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import load_model
 from mlxcel.models.switch import QuantizedSwitchLinear, SwitchLinear
-from tests.conftest import load_reference
 from tests.family_fixtures import (
     GREEDY_TOKENS,
     PROMPT,
@@ -27,8 +26,8 @@ from tests.family_fixtures import (
     reference_greedy,
     reference_logits,
 )
-from tests.test_gguf_families import permute_for_llama_cpp
-from tests.test_gguf_kquants import random_blocks
+from tests.gguf_fixtures import permute_for_llama_cpp, random_blocks
+from tests.helpers import load_reference
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -274,7 +273,8 @@ def test_k_quant_experts_are_dequantized(tmp_path, monkeypatch):
         (
             "mixtral",
             {"expert_count": None},
-            r"tensor 'blk\.0\.ffn_down_exps\.weight' belongs to a mixture of experts, but the GGUF metadata lacks 'llama\.expert_count'",
+            r"tensor 'blk\.0\.ffn_down_exps\.weight' belongs to a mixture of experts, "
+            r"but the GGUF metadata lacks 'llama\.expert_count'",
         ),
         (
             "mixtral",

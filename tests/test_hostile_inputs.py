@@ -88,7 +88,8 @@ def test_recipes_are_data(tmp_path):
         check(f"recipe={recipe}")
     params = tmp_path / "params.yaml"
     params.write_text(
-        "defaults:\n  - config\n  - _self_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      hydra.job_logging.root.level: INFO\n"
+        "defaults:\n  - config\n  - _self_\n"
+        "hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      hydra.job_logging.root.level: INFO\n"
     )
     with pytest.raises(ConfigError, match="hydra.sweeper.params"):
         check(f"recipe={params}")
@@ -402,7 +403,8 @@ def validate(**groups):
         ),
         (
             {"sampler": {"processors": {"logit_bias": {"bias": {5: float("nan")}}}}},
-            "sampler.processors.logit_bias.bias: token 5: a bias is a finite number, or -inf to ban the token (got nan)",
+            "sampler.processors.logit_bias.bias: token 5: a bias is a finite number, "
+            "or -inf to ban the token (got nan)",
         ),
         ({"decode": {"logprobs": 100000}}, "decode.logprobs: must be <= 20 (got 100000)"),
     ],
@@ -417,7 +419,8 @@ def test_a_row_asking_for_endless_samples_is_refused(tmp_path):
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
-        '{"prompt": "hi", "n": 100000000}\n{"id": [1], "prompt": "x"}\n{"prompt": 123}\n{"prompt": "a", "prompt": "b"}\n'
+        '{"prompt": "hi", "n": 100000000}\n{"id": [1], "prompt": "x"}\n'
+        '{"prompt": 123}\n{"prompt": "a", "prompt": "b"}\n'
     )
     with pytest.raises(ConfigError) as raised:
         load_job_rows(PromptConfig(file=str(rows)))

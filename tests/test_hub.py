@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from mlxcel.models.hub import is_repo_id
-from tests.test_cli_run import run_cli
+from tests.helpers import run_cli
 
 pytest.importorskip("huggingface_hub")
 

@@ -11,7 +11,7 @@ import pytest
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
-from tests.conftest import load_reference, make_tiny_checkpoint
+from tests.helpers import load_reference, make_tiny_checkpoint
 
 torch = pytest.importorskip("torch")
 

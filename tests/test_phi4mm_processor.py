@@ -21,9 +21,10 @@ with each torchvision function replaced by what torchvision's source does for th
 
 mlxcel resizes the HD image with Pillow's BILINEAR instead of torch's kernel; the measured
 difference (asserted below, on the cases and on the photo at several scales) is at most 2 uint8
-levels, with up to 22.5% of the resized values off by one at some scales, so the crops agree to 2 / 127.5 in normalized units and the bicubic global view (whose 4-tap weights
-at A = -0.75 sum in absolute value to at most 1.375 per axis) to 2 / 127.5 * 1.375**2. Every stage
-after the resize is checked on its own to float32 rounding."""
+levels, with up to 22.5% of the resized values off by one at some scales, so the crops agree to
+2 / 127.5 in normalized units and the bicubic global view (whose 4-tap weights at A = -0.75 sum in
+absolute value to at most 1.375 per axis) to 2 / 127.5 * 1.375**2. Every stage after the resize is
+checked on its own to float32 rounding."""
 
 from __future__ import annotations
 
@@ -389,8 +390,8 @@ def test_config_errors_reported_together():
 
 def test_config_file_and_defaults(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(
-        '{"image_processor_type": "Phi4MultimodalImageProcessor", "dynamic_hd": 16, "size": {"height": 448, "width": 448},'
-        ' "audio_compression_rate": 8, "do_resize": null}'
+        '{"image_processor_type": "Phi4MultimodalImageProcessor", "dynamic_hd": 16,'
+        ' "size": {"height": 448, "width": 448}, "audio_compression_rate": 8, "do_resize": null}'
     )
     config = Phi4ImageConfig.load(tmp_path)
     assert config == Phi4ImageConfig(dynamic_hd=16)

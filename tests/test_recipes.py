@@ -25,7 +25,7 @@ from mlxcel.cli import (
 )
 from mlxcel.config import PromptRow, validate_config
 from mlxcel.errors import ConfigError
-from tests.conftest import find_smollm2_gguf, requires_smollm2
+from tests.helpers import find_smollm2_gguf, requires_smollm2
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.yaml"))

@@ -5,7 +5,8 @@ Tolerances: kept sets identical and log-probabilities within 2e-4 + 5e-5 * |logp
 float64 over a 50k vocabulary; the relative part covers dynamic temperature's entropy). Top-p and
 typical-p cut on cumulative mass (typical-p also on the entropy), which float32 sums over thousands
 of tokens get only to ~1e-4, as large as the probability of the tokens at the cut; there up to 4
-tokens at the cut may differ, holding at most 2e-3 of the mass (log-probabilities then within 2e-3). Statistical tests use fixed seeds; their bounds are stated where they are checked.
+tokens at the cut may differ, holding at most 2e-3 of the mass (log-probabilities then within 2e-3).
+Statistical tests use fixed seeds; their bounds are stated where they are checked.
 """
 
 from __future__ import annotations

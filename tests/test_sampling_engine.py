@@ -14,43 +14,13 @@ from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.models.loader import load_model
 from mlxcel.runner import run
 from mlxcel.sampling import make_sampler_chain
+from tests.helpers import CHAINS
 
 PROMPTS = [
     [(5 * i + 11) % 300 + 3 for i in range(37)],
     [(3 * i + 7) % 300 + 3 for i in range(9)],
     [(11 * i + 1) % 300 + 3 for i in range(23)],
 ]
-CHAINS = {
-    # every stage; DRY over the whole history (the eager path: its state grows each step)
-    "full": {
-        "processors": {
-            "logit_bias": {"bias": {7: 2.0}, "suppress": [8]},
-            "penalties": {"repeat": 1.3, "frequency": 0.1, "presence": 0.1, "last_n": 16},
-            "dry": {"multiplier": 0.8, "allowed_length": 1, "last_n": -1, "breakers": []},
-            "top_n_sigma": {"n": 3.0},
-            "top_k": {"k": 80},
-            "typical_p": {"p": 0.98},
-            "top_p": {"p": 0.97},
-            "min_p": {"p": 0.01},
-            "xtc": {"probability": 0.5, "threshold": 0.05},
-            "temperature": {"value": 1.2, "dynatemp_range": 0.3},
-        },
-        "selector": {"kind": "categorical"},
-    },
-    # bounded windows: the compiled path
-    "penalties": {
-        "processors": {
-            "penalties": {"repeat": 1.5, "last_n": 8},
-            "dry": {"multiplier": 1.0, "last_n": 32, "breakers": []},
-            "temperature": {"value": 1.0},
-        }
-    },
-    "mirostat": {
-        "processors": {"penalties": {"repeat": 1.2}, "temperature": {"value": 1.0}},
-        "selector": {"kind": "mirostat_v2", "tau": 3.0},
-    },
-    "adaptive_p": {"processors": {"min_p": {"p": 0.02}}, "selector": {"kind": "adaptive_p", "target": 0.3}},
-}
 
 
 @pytest.fixture(scope="module")

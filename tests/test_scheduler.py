@@ -15,7 +15,7 @@ from mlxcel.engine.scheduler import PIECES_PER_STEP, BatchScheduler, kv_bytes_pe
 from mlxcel.models.loader import load_model
 from mlxcel.models.paged_cache import BLOCK_SIZE
 from mlxcel.sampling import Sampler, make_sampler_chain
-from tests.test_sampling_engine import CHAINS
+from tests.helpers import CHAINS
 
 GREEDY = Sampler("greedy")
 CATEGORICAL = Sampler("categorical", temperature=1.0, seed=1234)

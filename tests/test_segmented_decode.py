@@ -46,7 +46,7 @@ def decode_both_ways(model, prompts: list[list[int]]) -> tuple[float, list, list
     scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe"]
 )
 def family_model(request, tmp_path_factory):
-    from tests.conftest import make_tiny_checkpoint
+    from tests.helpers import make_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp(f"seg_{request.param}")
     if request.param in ("llama", "qwen2"):

@@ -15,7 +15,7 @@ from mlxcel.template import (
     render_prompt,
 )
 from mlxcel.tokenizer import load_tokenizer
-from tests.test_tokenizer import (
+from tests.helpers import (
     HF_TEMPLATE,
     load_hf_pair,
     load_reference_smollm2,
@@ -189,7 +189,8 @@ def test_named_templates_and_builtins(tmp_path):
     assert load_template_source(ours, name="tool_use") == ref.get_chat_template("tool_use")
     with pytest.raises(
         MlxcelError,
-        match=r"template.name: the model has no chat template of that name \(it has: default, tool_use\) \(got 'nope'\)",
+        match=r"template.name: the model has no chat template of that name "
+        r"\(it has: default, tool_use\) \(got 'nope'\)",
     ):
         load_template_source(ours, name="nope")
     chatml = load_template_source(ours, kind="chatml")

@@ -4,8 +4,6 @@ system-prompt and tool-call conversations, with and without the generation promp
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from mlxcel.errors import MlxcelError
@@ -15,34 +13,16 @@ from mlxcel.template import (
     build_prompt,
     render_prompt,
 )
-from tests.test_tokenizer import (
+from tests.helpers import (
+    TEMPLATES,
+    TOOL_CALL,
+    TOOLS,
+    WEATHER_TOOL,
     load_hf_pair,
     load_smollm2,
     make_hf_folder,
     requires_smollm2,
 )
-
-TEMPLATES = Path(__file__).parent / "data" / "templates"
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "City name, e.g. Paris"},
-                "unit": {"type": "string", "enum": ["c", "f"]},
-            },
-            "required": ["city"],
-        },
-    },
-}
-TOOL_CALL = {
-    "id": "call0abcd",
-    "type": "function",
-    "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}},
-}
 
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 SYSTEM = [
@@ -55,12 +35,6 @@ MULTI = [
     {"role": "user", "content": "  Tell me a joke.\n"},
     {"role": "assistant", "content": "Why did the <b>chicken</b> cross the road?"},
     {"role": "user", "content": "Why?"},
-]
-TOOLS = [
-    {"role": "system", "content": "Use tools when needed."},
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "tool_calls": [TOOL_CALL]},
-    {"role": "tool", "tool_call_id": "call0abcd", "name": "get_weather", "content": '{"temp": 21, "sky": "clear"}'},
 ]
 CONVERSATIONS = {"user": USER, "system": SYSTEM, "multi": MULTI, "tools": TOOLS}
 # Conversations each template supports (Gemma has no system role, Phi-3 and the

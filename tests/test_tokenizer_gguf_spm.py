@@ -10,7 +10,7 @@ import pytest
 from mlxcel.tokenizer import load_tokenizer
 from mlxcel.tokenizer.whole_tokens import WholeTokenSplitter
 from tests.gguf_spm_fixtures import ADDED_USER_DEFINED, TEXTS, VARIANTS, read_llama_cpp_ids, write_spm_gguf
-from tests.test_detokenizer import check_stream
+from tests.helpers import check_stream
 
 
 def test_the_recording_covers_every_variant_and_text():

@@ -19,8 +19,7 @@ import sentencepiece as spm
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer import load_tokenizer
 from tests.gguf_spm_fixtures import write_spm_gguf
-from tests.test_detokenizer import check_stream
-from tests.test_tokenizer import CORPUS
+from tests.helpers import CORPUS, check_stream
 
 DATA = Path(__file__).parent / "data" / "sentencepiece"
 VERSIONS = ("v1", "v3", "v7")

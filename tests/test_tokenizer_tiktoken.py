@@ -19,8 +19,7 @@ import pytest
 
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer import load_tokenizer
-from tests.test_detokenizer import check_stream
-from tests.test_tokenizer import CORPUS
+from tests.helpers import CORPUS, check_stream
 
 SPECIAL_TEXTS = [
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n你好<|im_end|>",

@@ -9,11 +9,8 @@ import json
 
 import pytest
 
-from tests.conftest import SPECIALS, write_tiny_tokenizer
-from tests.test_batch_jobs import by_key, read_rows, write_rows
-from tests.test_cli_run import run_cli
-from tests.test_families_qwen2_vl import TEXT
-from tests.test_families_qwen2_vl_images import PREPROCESSOR, VISION
+from tests.helpers import SPECIALS, by_key, read_rows, run_cli, write_rows, write_tiny_tokenizer
+from tests.qwen2_vl_fixtures import PREPROCESSOR, TEXT, VISION
 from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone
 
 torch = pytest.importorskip("torch")

@@ -13,17 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import SPECIALS, write_tiny_tokenizer
 from tests.family_fixtures import save_widened
-from tests.test_batch_jobs import read_rows
-from tests.test_cli_run import run_cli
-from tests.test_families_llava import CLIP_PROCESSOR, IMAGE, NEXT_PROCESSOR, PINPOINTS, TEXT, VISION, image_runs
+from tests.helpers import SPECIALS, read_rows, run_cli, write_tiny_tokenizer
+from tests.llava_fixtures import CLIP_PROCESSOR, IMAGE, NEXT_PROCESSOR, PINPOINTS, TEXT, VISION, image_runs
 from tests.vision_fixtures import assert_batch_rows_equal_their_runs_alone, build_once
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-from transformers.models.llava_next.image_processing_pil_llava_next import (
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: E402 -- after importorskip
+from transformers.models.llava_next.image_processing_pil_llava_next import (  # noqa: E402 -- after importorskip
     LlavaNextImageProcessorPil,
 )
 
@@ -37,7 +35,8 @@ LLAVA_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 MAX_TOKENS = 8
-KINDS = {  # model preset -> (config class, model class, processor class, Pil image processor class, preprocessor_config)
+# model preset -> (config class, model class, processor class, Pil image processor class, preprocessor_config)
+KINDS = {
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration", "LlavaProcessor", CLIPImageProcessorPil, CLIP_PROCESSOR),
     "llava_next": (
         "LlavaNextConfig",

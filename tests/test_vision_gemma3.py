@@ -16,7 +16,7 @@ from mlxcel.vision.processors import gemma3
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.models.gemma3.image_processing_pil_gemma3 import (
+from transformers.models.gemma3.image_processing_pil_gemma3 import (  # noqa: E402 -- after importorskip
     Gemma3ImageProcessorPil,
 )
 
@@ -461,7 +461,10 @@ def test_prompt_ids_match_gemma3_processor(hf_tokenizer, photo_path, pan_and_sca
     assert np.abs(pixels_.pixel_values - theirs["pixel_values"]).max() <= 1e-4
 
     tokens = image_tokens_of(hf_tokenizer)
-    encode = lambda s: hf_tokenizer(s)["input_ids"]  # as the processor calls it
+
+    def encode(s):  # as the processor calls it
+        return hf_tokenizer(s)["input_ids"]
+
     ours = gemma3.expand_prompt_ids(text, pixels_.num_crops, 256, encode, tokens)
     assert ours == theirs["input_ids"][0].tolist()
     assert gemma3.image_token_type_ids(ours, tokens.image_id) == theirs["token_type_ids"][0].tolist()

@@ -227,7 +227,10 @@ def test_prompt_ids_match_the_processors(odd_images, monkeypatch, kind, splittin
 
     batch = idefics3.preprocess_images(images, idefics3.Idefics3ImageConfig.from_dict(raw))
     special = tokenizer.get_added_vocab()
-    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+
+    def encode(s):
+        return tokenizer(s, add_special_tokens=False)["input_ids"]
+
     layouts = [idefics3.make_image_prompt_ids(image.rows, image.cols, 5, special, encode) for image in batch.images[0]]
     ours = idefics3.expand_image_prompts(encode(text), special["<image>"], layouts)
     assert ours == theirs
@@ -286,7 +289,10 @@ def test_layout_lengths_match_the_processor_token_counts(merge_newlines):
         image_processor=Idefics3ImageProcessorPil.from_dict(WIDE_GRID), tokenizer=tokenizer, image_seq_len=4
     )
     config = idefics3.Idefics3ImageConfig.from_dict(WIDE_GRID)
-    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+
+    def encode(s):
+        return tokenizer(s, add_special_tokens=False)["input_ids"]
+
     ours = [
         len(idefics3.make_image_prompt_ids(*idefics3.plan_grid(h, w, config), 4, tokenizer.get_added_vocab(), encode))
         for h, w in SIZES

@@ -9,8 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from mlxcel.config import Message, PromptConfig, PromptRow
-from tests.test_batch_jobs import by_key, job_args, read_rows, write_rows
-from tests.test_cli_run import run_cli
+from tests.helpers import by_key, job_args, read_rows, run_cli, write_rows
 
 
 def test_images_go_before_the_text_of_the_user_turn():

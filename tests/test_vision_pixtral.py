@@ -397,13 +397,31 @@ def test_bad_config_values_are_all_reported_with_key_value_and_range():
     lines = str(info.value).splitlines()
     expected = [
         "preprocessor_config.do_resize: must be true or false (got 'yes')",
-        "preprocessor_config.size: must be {longest_edge}, {height, width} or an int, with positive int values (got {'shortest_edge': 224})",
-        "preprocessor_config.patch_size: must be a positive int or {height, width} with positive ints (got {'height': 0, 'width': 14})",
-        "preprocessor_config.crop_size: must be a positive int, [height, width] or {height, width} with positive ints (got -2)",
-        "preprocessor_config.resample: must be a Pillow filter id: 0 (nearest), 1 (lanczos), 2 (bilinear), 3 (bicubic), 4 (box), 5 (hamming) (got 7)",
+        (
+            "preprocessor_config.size: must be {longest_edge}, {height, width} or an int, "
+            "with positive int values (got {'shortest_edge': 224})"
+        ),
+        (
+            "preprocessor_config.patch_size: must be a positive int or {height, width} with positive ints "
+            "(got {'height': 0, 'width': 14})"
+        ),
+        (
+            "preprocessor_config.crop_size: must be a positive int, [height, width] or {height, width} "
+            "with positive ints (got -2)"
+        ),
+        (
+            "preprocessor_config.resample: must be a Pillow filter id: 0 (nearest), 1 (lanczos), 2 (bilinear), "
+            "3 (bicubic), 4 (box), 5 (hamming) (got 7)"
+        ),
         "preprocessor_config.rescale_factor: must be a finite number > 0 (usually 1/255) (got -1)",
-        "preprocessor_config.image_mean: must be a number or a list of 3 numbers (R, G, B), each finite (got [0.5, 0.5])",
-        "preprocessor_config.image_std: must be a number or a list of 3 numbers (R, G, B), each > 0 (got [0.2, 0.0, 0.2])",
+        (
+            "preprocessor_config.image_mean: must be a number or a list of 3 numbers (R, G, B), each finite "
+            "(got [0.5, 0.5])"
+        ),
+        (
+            "preprocessor_config.image_std: must be a number or a list of 3 numbers (R, G, B), each > 0 "
+            "(got [0.2, 0.0, 0.2])"
+        ),
     ]
     assert lines[: len(expected)] == expected
     assert "preprocessor_config.json" in lines[-1]

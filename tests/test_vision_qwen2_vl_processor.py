@@ -213,10 +213,19 @@ def test_bad_config_values_are_all_reported_with_key_value_and_range():
         "preprocessor_config.temporal_patch_size: must be an integer >= 1 (got True)",
         "preprocessor_config.merge_size: must be an integer >= 1 (got 2.5)",
         "preprocessor_config.max_pixels: max_pixels (or size.longest_edge) must be >= min_pixels 5000 (got 4000)",
-        "preprocessor_config.resample: must be a Pillow filter id: 0 (nearest), 1 (lanczos), 2 (bilinear), 3 (bicubic), 4 (box), 5 (hamming) (got 7)",
+        (
+            "preprocessor_config.resample: must be a Pillow filter id: 0 (nearest), 1 (lanczos), 2 (bilinear), "
+            "3 (bicubic), 4 (box), 5 (hamming) (got 7)"
+        ),
         "preprocessor_config.rescale_factor: must be a finite number > 0 (usually 1/255) (got -1)",
-        "preprocessor_config.image_mean: must be a number or a list of 3 numbers (R, G, B), each finite (got [0.5, 0.5])",
-        "preprocessor_config.image_std: must be a number or a list of 3 numbers (R, G, B), each > 0 (got [0.2, 0.0, 0.2])",
+        (
+            "preprocessor_config.image_mean: must be a number or a list of 3 numbers (R, G, B), each finite "
+            "(got [0.5, 0.5])"
+        ),
+        (
+            "preprocessor_config.image_std: must be a number or a list of 3 numbers (R, G, B), each > 0 "
+            "(got [0.2, 0.0, 0.2])"
+        ),
     ]
     assert lines[: len(expected)] == expected
     assert "preprocessor_config.json" in lines[-1]

@@ -19,7 +19,7 @@ from mlxcel.errors import MlxcelError
 from mlxcel.models.loader import load_model
 from mlxcel.models.quantize import dequantize_model
 from mlxcel.sampling import Sampler
-from tests.conftest import load_reference, make_tiny_checkpoint, requires_smollm2
+from tests.helpers import load_reference, make_tiny_checkpoint, requires_smollm2
 
 torch = pytest.importorskip("torch")
 PROMPT = [(13 * i + 5) % 300 + 3 for i in range(40)]
@@ -108,7 +108,8 @@ def test_shape_that_does_not_fit_the_config_names_file_and_tensor(checkpoint, tm
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(
         MlxcelError,
-        match=r"bad/model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \(128, 64\), but the config gives \(96, 64\)",
+        match=r"bad/model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \(128, 64\), "
+        r"but the config gives \(96, 64\)",
     ):
         load_model(str(folder), dtype="float32")
 

@@ -1,4 +1,5 @@
-"""What the VLM families' tests share: greedy decoding after an image prefill, a mixed JSONL batch through mlxcel-run."""
+"""What the VLM families' tests share: greedy decoding after an image prefill, a mixed JSONL batch
+through mlxcel-run."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tests.test_batch_jobs import by_key, read_rows, write_rows
-from tests.test_cli_run import run_cli
+from tests.helpers import by_key, read_rows, run_cli, write_rows
 
 
 def assert_batch_rows_equal_their_runs_alone(

@@ -24,12 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import llama_cpp
+
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-import llama_cpp
-
-from tests.gguf_spm_fixtures import LLAMA_CPP_IDS, TEXTS, VARIANTS, write_spm_gguf
+from tests.gguf_spm_fixtures import LLAMA_CPP_IDS, TEXTS, VARIANTS, write_spm_gguf  # noqa: E402 -- needs ROOT on sys.path
 
 
 def record(path: Path) -> dict:

@@ -19,6 +19,7 @@ def generator(tiny_llama):
     )
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_generate_matches_the_cli(generator, tiny_llama, tmp_path):
     out = generator.generate("Hello, world: how are you?")
     assert out.finish_reason == "length" and len(out.token_ids) == 8

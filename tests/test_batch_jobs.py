@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.helpers import assert_one_line_error, by_key, job_args, read_rows, run_cli, write_rows
 
 ROWS = [
@@ -19,6 +21,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", ROWS)
     result = run_cli(tmp_path, *job_args(tiny_llama, rows_file, "runner.max_rows=2"))
@@ -56,6 +59,7 @@ def test_jsonl_job_writes_every_row_and_isolates_the_bad_one(tmp_path, tiny_llam
     assert "6/6 rows" in result.stderr  # plain progress lines when stderr is not a terminal
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_rows_are_the_same_alone_in_batches_and_across_reruns(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", [r for r in ROWS if r.get("id") != "too_long"])
     for run, batch in (("b1", 1), ("b4", 4), ("b4again", 4)):
@@ -71,6 +75,7 @@ def test_rows_are_the_same_alone_in_batches_and_across_reruns(tmp_path, tiny_lla
     assert batched[("many", 0)]["token_ids"] != batched[("many", 1)]["token_ids"]  # samples draw differently
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_row_seed_replaces_the_sampler_seed(tmp_path, tiny_llama):
     seeded = write_rows(tmp_path / "a.jsonl", [{"id": "s", "prompt": "The capital of Italy", "seed": 5}])
     plain = write_rows(tmp_path / "b.jsonl", [{"id": "s", "prompt": "The capital of Italy"}])
@@ -82,6 +87,7 @@ def test_row_seed_replaces_the_sampler_seed(tmp_path, tiny_llama):
     assert read_rows(tmp_path / "a")[0]["token_ids"] == read_rows(tmp_path / "b")[0]["token_ids"]
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_resume_skips_written_rows_and_appends_the_rest(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", [r for r in ROWS if r.get("id") != "too_long"])
     assert run_cli(tmp_path, *job_args(tiny_llama, rows_file), run="full").returncode == 0
@@ -103,6 +109,7 @@ def test_resume_skips_written_rows_and_appends_the_rest(tmp_path, tiny_llama):
     assert {k: r["token_ids"] for k, r in by_key(rows).items()} == {k: r["token_ids"] for k, r in by_key(full).items()}
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_resume_a_folder_written_before_max_rows_and_tile_size_auto(tmp_path, tiny_llama):
     """A run folder from before runner.batch_size became runner.max_rows and prefill.tile_size's
     default became auto resumes, and gives the rows the uninterrupted run gives."""
@@ -122,6 +129,7 @@ def test_resume_a_folder_written_before_max_rows_and_tile_size_auto(tmp_path, ti
     assert {k: r["token_ids"] for k, r in rows.items()} == {k: r["token_ids"] for k, r in full.items()}
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_resume_with_a_different_config_says_what_differs(tmp_path, tiny_llama):
     rows_file = write_rows(tmp_path / "rows.jsonl", ROWS[:2])
     assert run_cli(tmp_path, *job_args(tiny_llama, rows_file)).returncode == 0
@@ -131,6 +139,7 @@ def test_resume_with_a_different_config_says_what_differs(tmp_path, tiny_llama):
     assert_one_line_error(missing, 2, "not a run folder to resume")
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_bad_jsonl_lines_are_reported_with_line_numbers(tmp_path, tiny_llama):
     rows_file = write_rows(
         tmp_path / "rows.jsonl",
@@ -151,6 +160,7 @@ def test_bad_jsonl_lines_are_reported_with_line_numbers(tmp_path, tiny_llama):
     )
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_inline_rows_and_dry_run(tmp_path, tiny_llama):
     rows = "prompt.rows=[{id: a, prompt: 'Hello, world'}, {messages: [{role: user, content: hi}], n: 2}]"
     result = run_cli(
@@ -171,6 +181,7 @@ def test_inline_rows_and_dry_run(tmp_path, tiny_llama):
     assert not (run_dir / "generations.jsonl").exists()
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
     import os
     import signal
@@ -229,6 +240,7 @@ def test_ctrl_c_inside_a_row_write_waits_for_the_write(tmp_path):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_jsonl_tool_call_conversations_with_row_tools_render_as_transformers(tmp_path):
     """Assistant tool calls, tool results (tool_call_id, name) and per-row `tools` reach the
     template as transformers passes them; a row without tools renders without them."""
@@ -264,6 +276,7 @@ def test_jsonl_tool_call_conversations_with_row_tools_render_as_transformers(tmp
     assert prompts["plain"]["prompt_text"] == plain and "get_weather" not in plain
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_message_checks_name_the_field(tmp_path, tiny_llama):
     rows_file = write_rows(
         tmp_path / "rows.jsonl",

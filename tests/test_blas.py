@@ -45,6 +45,7 @@ np.save(sys.argv[2], np.array(m(ids, m.make_cache())[0]))
 """
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 @needs_openblas
 def test_openblas_gives_the_same_logits(tiny_llama, tmp_path):
     outputs = {}
@@ -57,6 +58,7 @@ def test_openblas_gives_the_same_logits(tiny_llama, tmp_path):
     assert (outputs["reference"].argmax(-1) == outputs["openblas"].argmax(-1)).all()
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 @needs_openblas
 def test_cli_preloads_openblas_and_tokens_match(tiny_llama, tmp_path):
     args = (f"model.path={tiny_llama}", "decode.max_tokens=16", "decode.ignore_eos=true", "prefill.chunk_size=8")

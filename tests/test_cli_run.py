@@ -40,6 +40,7 @@ def test_default_run_answers_paris(tmp_path):
     assert config["sampler"]["chain"] == [{"stage": "draw", "kind": "greedy"}]
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_tiny_model_run_writes_the_run_folder(tmp_path, tiny_llama):
     result = run_cli(
         tmp_path,
@@ -58,6 +59,7 @@ def test_tiny_model_run_writes_the_run_folder(tmp_path, tiny_llama):
     assert config["model"]["path"] == str(tiny_llama)
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_template_none_is_raw_completion(tmp_path, tiny_llama):
     result = run_cli(
         tmp_path, f"model.path={tiny_llama}", "template=none", "decode.max_tokens=3", "prompt.text=The capital of"
@@ -68,6 +70,7 @@ def test_template_none_is_raw_completion(tmp_path, tiny_llama):
     assert len(rows[0]["prompt_token_ids"]) < 10
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_stop_token_ids_merge_and_never_appear(tmp_path, tiny_llama):
     first = run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=12", "decode.ignore_eos=true")
     tokens = read_run(tmp_path)[1][0]["token_ids"]
@@ -82,6 +85,7 @@ def test_stop_token_ids_merge_and_never_appear(tmp_path, tiny_llama):
     assert {2, stop} <= set(stats["stop_token_ids"])  # generation_config / config.json EOS kept
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_pipelined_and_forced_sync_runs_agree(tmp_path, tiny_llama):
     args = (f"model.path={tiny_llama}", "decode.max_tokens=10", "decode.ignore_eos=true", "sampler=temperature")
     assert run_cli(tmp_path, *args).returncode == 0
@@ -92,6 +96,7 @@ def test_pipelined_and_forced_sync_runs_agree(tmp_path, tiny_llama):
     assert rows[0]["token_ids"] == pipelined
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_bad_model_inputs_give_clear_errors(tmp_path, tiny_llama):
     missing = run_cli(tmp_path, "model.path=/nonexistent/model")
     assert_one_line_error(missing, 2, "model.path", "/nonexistent/model")
@@ -119,6 +124,7 @@ def test_bad_model_inputs_give_clear_errors(tmp_path, tiny_llama):
     )
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 @requires_smollm2
 def test_truncated_gguf(tmp_path):
     broken = tmp_path / "broken.gguf"
@@ -126,6 +132,7 @@ def test_truncated_gguf(tmp_path):
     assert_one_line_error(run_cli(tmp_path, f"model.path={broken}"), 1, "broken.gguf")
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_bad_prompts(tmp_path, tiny_llama):
     assert_one_line_error(run_cli(tmp_path, f"model.path={tiny_llama}", "prompt.text= "), 2, "prompt.text")
     long_text = "hello world " * 200
@@ -134,12 +141,14 @@ def test_bad_prompts(tmp_path, tiny_llama):
     assert json.loads((tmp_path / "run" / "stats.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_config_errors_exit_2_and_make_no_run_folder(tmp_path):
     result = run_cli(tmp_path, "decode.max_tokens=0", "sampler.seed=-1")
     assert_one_line_error(result, 2, "decode.max_tokens", "sampler.seed")
     assert not (tmp_path / "run").exists()  # validated before Hydra makes the folder
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_generation_config_defaults_are_recorded(tmp_path, tiny_llama):
     assert run_cli(tmp_path, f"model.path={tiny_llama}", "decode.max_tokens=2").returncode == 0
     stats, _, _ = read_run(tmp_path)

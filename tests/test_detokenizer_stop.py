@@ -95,6 +95,7 @@ def tiny_generator(tiny_llama):
     )
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_generation_stops_at_a_stop_string(tiny_generator, tiny_llama, tmp_path):
     prompt = "Hello, world: how are you?"
     free = tiny_generator.generate(prompt)
@@ -128,6 +129,7 @@ def test_generation_stops_at_a_stop_string(tiny_generator, tiny_llama, tmp_path)
     assert (row["text"], row["finish_reason"]) == (expected, "stop")
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_text_held_back_for_a_stop_string_is_kept_once(tiny_generator, tiny_llama, tmp_path):
     """A row that ends (at max_tokens) on the start of a stop string: the held-back text is the
     row's tail, written once (the run folder once wrote it twice)."""

@@ -280,6 +280,7 @@ def test_image_blocks():
     assert gemma3_vl.find_image_blocks([], 9) == []
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_prompt_images_through_mlxcel_run(tmp_path, checkpoint, photo_path):
     from tests.helpers import read_rows, run_cli
 

@@ -332,6 +332,7 @@ def test_tile_size_must_match_the_tower(checkpoint, images, tmp_path):
 # --- mlxcel-run end to end -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 @pytest.mark.parametrize("kind", KINDS)
 def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path, monkeypatch, kind):
     folder, reference = checkpoint(kind)
@@ -374,6 +375,7 @@ def test_presets_compose_and_name_their_model_type(preset, tmp_path):
     assert f'model_type "{preset}"' in (CONF_DIR / "model" / f"{preset}.yaml").read_text()
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_mixed_batch_of_image_and_text_rows_generates_as_transformers(
     tmp_path, checkpoint, photo_path, odd_images, monkeypatch
 ):

@@ -368,6 +368,7 @@ def test_hub_config_reads_as_transformers_reads_it():
 # ---- end to end through mlxcel-run ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path):
     folder, reference = checkpoint("mistral")
     result = run_cli(

@@ -344,6 +344,7 @@ def test_adapter_for_another_model_is_refused(checkpoint, images, tmp_path):
 # ---- end to end through mlxcel-run ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path):
     folder, reference = checkpoint
     result = run_cli(

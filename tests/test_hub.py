@@ -29,6 +29,7 @@ def test_repo_ids_and_local_paths(tmp_path, monkeypatch):
     assert not is_repo_id("org/name")  # an existing local folder wins
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_cached_repo_runs_offline(tmp_path, tiny_llama):
     cache = tmp_path / "hub"
     make_hub_cache(cache, "tiny-org/tiny-llama", tiny_llama)
@@ -40,6 +41,7 @@ def test_cached_repo_runs_offline(tmp_path, tiny_llama):
     assert "loaded llama" in result.stderr
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_uncached_repo_offline_is_one_clear_line(tmp_path, tiny_llama):
     env = {"HF_HUB_CACHE": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1"}
     result = run_cli(tmp_path, "model.path=no-org/not-cached", env=env)

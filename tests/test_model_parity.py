@@ -116,6 +116,7 @@ def test_one_row_bias_split_gives_the_fused_linear_result(tiny_qwen2, monkeypatc
     assert mx.abs(fused - split).max().item() < 1e-5
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_import_sets_the_cuda_graph_size_unless_the_user_did():
     import os
     import subprocess

@@ -92,6 +92,7 @@ def run_args(folder, *extra):
     )
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_prompt_images_generate_as_transformers(tmp_path, vlm, photo_path):
     folder, reference = vlm
     result = run_cli(tmp_path, *run_args(folder, "prompt.text=Describe it.", f"prompt.images=[{photo_path}]"))
@@ -157,6 +158,7 @@ def test_vision_weights_stay_unread_until_an_image_needs_them(vlm):
     assert mx.get_active_memory() - before >= language_bytes + tower_bytes
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_quantize_at_load_keeps_the_vision_stage_dense_and_images_work(tmp_path, vlm, photo_path):
     folder, _ = vlm
     result = run_cli(
@@ -172,6 +174,7 @@ def test_quantize_at_load_keeps_the_vision_stage_dense_and_images_work(tmp_path,
     assert stats["model"]["quantization"]["bits"] == 8
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_images):
     """Rendering, tokenizing and expanding as transformers' Qwen2VLProcessor does. The processor
     class insists on a (torchvision) video processor, so its image step is reproduced by hand
@@ -209,6 +212,7 @@ def test_prompt_ids_equal_transformers_processor(tmp_path, vlm, photo_path, odd_
     assert ours.count(IMAGE) == 15 + 56
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_images_without_placeholders_fail_that_row(tmp_path, vlm, photo_path):
     """template=none renders no placeholder for the image part: one clear error row."""
     folder, _ = vlm

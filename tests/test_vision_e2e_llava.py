@@ -130,6 +130,7 @@ def run_args(kind: str, folder, *extra):
     )
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 @pytest.mark.parametrize("kind", ["llava", "llava_next"])
 def test_prompt_images_generate_as_transformers(tmp_path, checkpoint, photo_path, kind):
     folder, reference = checkpoint(kind)

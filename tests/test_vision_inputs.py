@@ -53,6 +53,7 @@ def test_bad_image_inputs_are_config_errors(make, message):
         make()
 
 
+@pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_text_only_model_given_an_image_fails_that_row_only(tmp_path, tiny_llama, photo_path):
     rows = [
         {"id": "picture", "prompt": "What is in it?", "images": [str(photo_path)]},

@@ -31,9 +31,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from mlxcel.checkpoints.embedded import EMBEDDED_MODELS
+from mlxcel.checkpoints.hub import is_repo_id
 from mlxcel.errors import ConfigError, ConfigIssue
-from mlxcel.models.embedded import EMBEDDED_MODELS
-from mlxcel.models.hub import is_repo_id
 from mlxcel.prefill_plan import DEFAULT_CHUNK_SIZE, choose_tile_size
 
 Float = Annotated[float, Strict()]

@@ -10,14 +10,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
+from mlxcel.checkpoints.fingerprint import ModelHeader, read_model_header
+from mlxcel.checkpoints.loader import LoadedModel, load_model, resolve_model_path
 from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.engine import OnRowDone, OnToken
 from mlxcel.engine.scheduler import BatchScheduler, ScheduleState, supports_scheduling
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
-from mlxcel.models.fingerprint import ModelHeader, read_model_header
-from mlxcel.models.loader import LoadedModel, load_model, resolve_model_path
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.sampling.history import make_piece_encoder

@@ -9,8 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from tests.helpers import load_reference, write_tiny_tokenizer
 

@@ -113,7 +113,7 @@ def test_random_shapes_have_the_published_parameter_counts():
 def test_smollm2_export_matches_the_gguf(tmp_path):
     """The exported folder (dequantized, Q/K un-permuted, standard RoPE) computes what mlxcel
     computes from the GGUF file itself (dequantized, interleaved RoPE)."""
-    from mlxcel.models.loader import load_model
+    from mlxcel.checkpoints.loader import load_model
 
     folder = prepare_checkpoint("smollm2", tmp_path, mx.float32)
     tokens = mx.array([[(17 * i + 3) % 30000 + 100 for i in range(24)]])

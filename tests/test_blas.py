@@ -38,7 +38,7 @@ needs_openblas = pytest.mark.skipif(
 
 LOGITS = """
 import sys, numpy as np, mlx.core as mx
-from mlxcel.models.loader import load_model
+from mlxcel.checkpoints.loader import load_model
 m = load_model(sys.argv[1], dtype="float32").model
 ids = mx.array([[(7 * i + 3) % 300 + 5 for i in range(64)]])
 np.save(sys.argv[2], np.array(m(ids, m.make_cache())[0]))

@@ -158,8 +158,8 @@ def test_generation_config_defaults_are_recorded(tmp_path, tiny_llama):
 def test_missing_embedded_package_says_how_to_install(monkeypatch):
     import importlib.util
 
+    from mlxcel.checkpoints.loader import resolve_model_path
     from mlxcel.errors import MlxcelError
-    from mlxcel.models.loader import resolve_model_path
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

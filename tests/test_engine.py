@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.engine import Engine, PromptTooLongError
 from mlxcel.models.cache import GROW_STEP
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 
 PROMPTS = [

@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.models import gemma3
-from mlxcel.models.loader import load_model
 from mlxcel.vision.stage import is_vision_model
 from tests.family_fixtures import (
     BASE_SHAPE,
@@ -146,7 +146,7 @@ def test_text_config_defaults_match_transformers():
 
 
 def test_dry_run_header_reads_the_language_models_context(tmp_path):
-    from mlxcel.models.fingerprint import read_context_length
+    from mlxcel.checkpoints.fingerprint import read_context_length
 
     assert read_context_length(HUB_4B_CONFIG) == 131072  # Gemma3TextConfig's default; text_config omits it
     assert (

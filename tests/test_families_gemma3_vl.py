@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler
 from mlxcel.models import gemma3_vl
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from mlxcel.vision.images import load_image
 from mlxcel.vision.processors import gemma3 as gemma3_processor

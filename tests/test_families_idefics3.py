@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import FAMILIES, load_model
 from mlxcel.models import idefics3
-from mlxcel.models.loader import FAMILIES, load_model
 from mlxcel.vision import siglip
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
@@ -365,8 +365,8 @@ def test_presets_compose_and_name_their_model_type(preset, tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from mlxcel.checkpoints.loader import list_supported_families
     from mlxcel.config import validate_config
-    from mlxcel.models.loader import list_supported_families
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"model={preset}", f"model.path={tmp_path}"])

@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
 from mlxcel.models import mistral3
-from mlxcel.models.loader import load_model
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import is_vision_model, merge_embeddings
 from tests.family_fixtures import (

@@ -235,7 +235,7 @@ def test_quantized_experts_fuse_gate_and_up():
 def test_model_quantize_at_load_reaches_the_experts(tiny_mixtral, mixtral_parity):
     """model.quantize: the stacked experts quantize through to_quantized (the fused gate/up stays
     fused); 8 bits keeps most argmaxes of this random model (its router is quantized too)."""
-    from mlxcel.models.loader import load_model
+    from mlxcel.checkpoints.loader import load_model
 
     loaded = load_model(str(tiny_mixtral), dtype="float32", quantize={"bits": 8, "group_size": 32})
     switch = loaded.model.model.layers[0].block_sparse_moe.switch_mlp
@@ -250,8 +250,8 @@ def test_model_quantize_at_load_reaches_the_experts(tiny_mixtral, mixtral_parity
 def test_quantized_moe_matches_its_dequantized_form(tiny_mixtral):
     """The quantized experts turn back into dense SwitchLinears with the same weights: logits
     equal and greedy tokens identical (the reference a quantized checkpoint is compared with)."""
-    from mlxcel.models.loader import load_model
-    from mlxcel.models.quantize import dequantize_model
+    from mlxcel.checkpoints.loader import load_model
+    from mlxcel.checkpoints.quantize import dequantize_model
     from mlxcel.models.switch import SwitchLinear
 
     quantized = load_model(str(tiny_mixtral), dtype="float32", quantize={"bits": 4, "group_size": 32})
@@ -291,9 +291,9 @@ def test_mlx_lm_convert_moe_folder_loads_and_matches_mlx_lm(family, overrides, t
 
 
 def test_moe_presets_require_a_path_and_name_their_family(tmp_path):
+    from mlxcel.checkpoints.loader import list_supported_families
     from mlxcel.config import validate_config
     from mlxcel.errors import ConfigError
-    from mlxcel.models.loader import list_supported_families
     from tests.helpers import CONF_DIR, compose_run
 
     for preset in ("mixtral", "qwen3_moe"):

@@ -115,9 +115,9 @@ def test_longrope_rows_run_through_the_scheduler_across_the_switch(tmp_path):
     piece, as the batch engine does, so every row equals its run alone, beside rows that stay short."""
     import mlx.core as mx
 
+    from mlxcel.checkpoints.loader import load_model
     from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
     from mlxcel.engine.scheduler import BatchScheduler, supports_scheduling
-    from mlxcel.models.loader import load_model
     from mlxcel.sampling import Sampler
 
     folder = make_family_checkpoint(

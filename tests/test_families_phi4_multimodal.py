@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from mlx import nn
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
-from mlxcel.models.loader import load_model
 from mlxcel.models.lora import LoRAControl, LoRAWeights, make_lora_linear
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import expand_placeholders, is_vision_model, merge_embeddings
@@ -415,8 +415,8 @@ def test_mixed_batch_rows_equal_their_runs_alone(tmp_path, checkpoint, photo_pat
 
 
 def test_quantized_model_keeps_the_vision_adapter(checkpoint, loaded, images):
+    from mlxcel.checkpoints.quantize import quantize_at_load
     from mlxcel.models.lora import QuantizedLoRALinear
-    from mlxcel.models.quantize import quantize_at_load
 
     folder, _ = checkpoint
     model = load_model(str(folder), dtype="float32").model

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.checkpoints.loader import FAMILIES, list_supported_families
 from mlxcel.config import validate_config
 from mlxcel.errors import ConfigError
-from mlxcel.models.loader import FAMILIES, list_supported_families
 from tests.helpers import CONF_DIR, compose_run
 
 # preset -> the model_type it documents
@@ -66,8 +66,8 @@ def test_every_model_preset_takes_every_model_key(preset):
 def test_a_family_preset_refuses_another_familys_checkpoint(tmp_path):
     """model=qwen2_vl model.path=embedded:smollm2 once ran Llama without a word."""
     from mlxcel.api import load_config
-    from mlxcel.models.fingerprint import read_model_header
-    from mlxcel.models.loader import resolve_model_path
+    from mlxcel.checkpoints.fingerprint import read_model_header
+    from mlxcel.checkpoints.loader import resolve_model_path
     from mlxcel.pipeline import check_before_loading
 
     header = read_model_header(resolve_model_path("embedded:smollm2"))

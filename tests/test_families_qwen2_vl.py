@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.models.cache import make_kv_caches
-from mlxcel.models.loader import load_model
 from mlxcel.models.mrope import make_mrope_positions
 from tests.family_fixtures import (
     GREEDY_TOKENS,

@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
-from mlxcel.models.loader import load_model
 from mlxcel.vision.images import load_image
 from mlxcel.vision.stage import expand_placeholders, is_vision_model, merge_embeddings
 from tests.family_fixtures import LOGIT_TOLERANCE, PROMPT, mlxcel_logits, reference_logits

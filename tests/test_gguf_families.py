@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.models.loader import load_model
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.tokenizer import load_tokenizer
 from tests.gguf_fixtures import PROMPT, gguf_name, permute_for_llama_cpp
 from tests.helpers import load_reference

@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
-from mlxcel.models.loader import load_model
 from tests.family_fixtures import make_family_checkpoint
 from tests.helpers import load_reference
 
@@ -166,7 +166,7 @@ def test_gemma_norms_without_the_offset_differ(tmp_path_factory):
     folder = make_family_checkpoint(tmp_path_factory.mktemp("gemma_raw"), "gemma")
     path = write_gguf(folder, "gemma", tmp_path_factory.mktemp("g") / "g.gguf")
     good, _ = logits_of(path)
-    import mlxcel.models.gguf as gguf_module
+    import mlxcel.checkpoints.gguf as gguf_module
 
     original = gguf_module.undo_gemma_norm_offset
     gguf_module.undo_gemma_norm_offset = lambda weights: weights

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from mlxcel.tokenizer import load_tokenizer
 from tests.gguf_spm_fixtures import read_llama_cpp_ids

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints import gguf_reader
+from mlxcel.checkpoints.gguf_reader import DEQUANTIZERS, load_gguf_numpy, read_gguf_header
 from mlxcel.errors import MlxcelError
-from mlxcel.models import gguf_reader
-from mlxcel.models.gguf_reader import DEQUANTIZERS, load_gguf_numpy, read_gguf_header
 from tests.gguf_fixtures import FP16_FIELDS, random_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -151,7 +151,7 @@ def test_k_quant_model_matches_transformers_gguf_loader(tmp_path):
     torch = pytest.importorskip("torch")
     import transformers
 
-    from mlxcel.models.loader import load_model
+    from mlxcel.checkpoints.loader import load_model
     from tests.gguf_fixtures import PROMPT, gguf_name, permute_for_llama_cpp
     from tests.helpers import make_tiny_checkpoint
 

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from mlxcel.template import build_prompt, load_template_source
 from mlxcel.tokenizer import load_tokenizer

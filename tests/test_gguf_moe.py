@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
-from mlxcel.models.loader import load_model
 from mlxcel.models.switch import QuantizedSwitchLinear, SwitchLinear
 from tests.family_fixtures import (
     GREEDY_TOKENS,

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from mlxcel.models.hub import is_repo_id
+from mlxcel.checkpoints.hub import is_repo_id
 from tests.helpers import run_cli
 
 pytest.importorskip("huggingface_hub")

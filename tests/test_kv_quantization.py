@@ -7,10 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.errors import MlxcelError
 from mlxcel.models.cache import KVCache
-from mlxcel.models.loader import load_model
 from mlxcel.models.quantized_cache import QuantizedKVCache, quantize_caches
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.sampling import Sampler

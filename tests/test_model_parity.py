@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from tests.helpers import load_reference, make_tiny_checkpoint
 

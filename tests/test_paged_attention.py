@@ -127,9 +127,9 @@ def test_write_and_gather_equals_numpy(leads):
 
 
 def test_scheduler_with_the_kernel_equals_it_without(tiny_llama, monkeypatch):
+    from mlxcel.checkpoints.loader import load_model
     from mlxcel.engine import GenerationRequest, RowRequest
     from mlxcel.engine.scheduler import BatchScheduler
-    from mlxcel.models.loader import load_model
     from mlxcel.sampling import Sampler
 
     model = load_model(str(tiny_llama), dtype="float32").model

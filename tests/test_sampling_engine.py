@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.config import validate_config
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import load_model
 from mlxcel.runner import run
 from mlxcel.sampling import make_sampler_chain
 from tests.helpers import CHAINS

@@ -10,9 +10,9 @@ import random
 import mlx.core as mx
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import PIECES_PER_STEP, BatchScheduler, kv_bytes_per_position, supports_scheduling
-from mlxcel.models.loader import load_model
 from mlxcel.models.paged_cache import BLOCK_SIZE
 from mlxcel.sampling import Sampler, make_sampler_chain
 from tests.helpers import CHAINS

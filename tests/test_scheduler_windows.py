@@ -10,9 +10,9 @@ import random
 import mlx.core as mx
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, layer_windows, supports_scheduling
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 from tests.family_fixtures import make_family_checkpoint
 

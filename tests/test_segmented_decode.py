@@ -6,9 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine
 from mlxcel.engine.segmented import SegmentedDecoder
-from mlxcel.models.loader import load_model
 from tests.family_fixtures import PROMPT, make_family_checkpoint, mlxcel_generate
 
 pytest.importorskip("torch")

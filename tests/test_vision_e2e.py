@@ -144,7 +144,7 @@ def test_vision_weights_stay_unread_until_an_image_needs_them(vlm):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxcel.models.loader import load_model
+    from mlxcel.checkpoints.loader import load_model
 
     folder, _ = vlm
     mx.synchronize()

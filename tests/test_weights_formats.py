@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlxcel.checkpoints.loader import load_model
+from mlxcel.checkpoints.quantize import dequantize_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.errors import MlxcelError
-from mlxcel.models.loader import load_model
-from mlxcel.models.quantize import dequantize_model
 from mlxcel.sampling import Sampler
 from tests.helpers import load_reference, make_tiny_checkpoint, requires_smollm2
 
@@ -178,7 +178,7 @@ def test_quantize_at_load_reports_its_error(checkpoint, bits):
     assert report["source"] == "model.quantize" and report["bits"] == bits
     assert loaded.model.model.layers[0].mlp.down_proj.bits == bits
     # the figure is the real difference, on the probe: re-measure it here
-    from mlxcel.models.quantize import PROBE_IDS
+    from mlxcel.checkpoints.quantize import PROBE_IDS
 
     probe = mx.array([PROBE_IDS])
     diff = np.abs(

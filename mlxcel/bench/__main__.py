@@ -27,8 +27,8 @@ from mlxcel import blas
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import bench_model, format_agreement, format_table, log
 from mlxcel.blas import describe_blas
+from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
-from mlxcel.models.loader import pick_dtype
 
 # (models, prompt lengths, batch sizes, gen tokens, reps). The CPU set takes ~4.5 minutes on a 2-core
 # x86_64 VM with OpenBLAS (0.5B shape: ~60 tok/s prefill, ~3.4 tok/s decode at batch 1); 512-token

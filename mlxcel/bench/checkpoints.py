@@ -19,8 +19,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxcel.models import gguf
-from mlxcel.models.loader import resolve_model_path
+from mlxcel.checkpoints import gguf
+from mlxcel.checkpoints.loader import resolve_model_path
 
 WEIGHTS_FILE = "model.safetensors"  # mlx-lm globs model*.safetensors
 INIT_STD = 0.02  # the usual init scale: logits spread enough that greedy ties are rare

@@ -54,9 +54,9 @@ from mlxcel.bench.__main__ import (
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import compare_token_ids, format_value, log
 from mlxcel.bench.peers import ENGINES, count_weight_bytes, load_peer, synchronize_streams
+from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
-from mlxcel.models.loader import pick_dtype
 from mlxcel.pipeline import Pipeline, PreparedSample
 from mlxcel.runner import run_job
 from mlxcel.template import PromptTokens

@@ -17,8 +17,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import load_model
 from mlxcel.models.quantized_cache import quantize_caches
 from mlxcel.sampling import Sampler
 from mlxcel.tokenizer.loader import load_tokenizer

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, supports_scheduling
-from mlxcel.models.loader import load_model
 from mlxcel.sampling import Sampler
 
 ENGINES = ("mlxcel", "mlx-lm")

@@ -26,8 +26,8 @@ import mlx.core as mx
 from mlxcel.bench.__main__ import describe_environment, parse_ints, reexec_with_openblas
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, prepare_checkpoint
 from mlxcel.bench.harness import log, make_prompts
+from mlxcel.checkpoints.loader import DTYPES, load_model, pick_dtype
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import DTYPES, load_model, pick_dtype
 from mlxcel.sampling import Sampler
 
 ON_GPU = mx.default_device() == mx.gpu

@@ -27,9 +27,9 @@ import numpy as np
 from mlxcel.bench.__main__ import add_checkpoint_arguments, reexec_with_openblas
 from mlxcel.bench.checkpoints import dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import log
+from mlxcel.checkpoints.loader import load_model, pick_dtype
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, uses_kernels
-from mlxcel.models.loader import load_model, pick_dtype
 from mlxcel.models.paged_cache import ALIGNED_START, PageTable, count_blocks, make_paged_caches
 from mlxcel.sampling import Sampler
 

@@ -13,8 +13,8 @@ import statistics
 
 import mlx.core as mx
 
+from mlxcel.checkpoints.loader import is_optimized_blas_loaded, load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.models.loader import is_optimized_blas_loaded, load_model
 from mlxcel.sampling import Sampler
 
 

@@ -55,7 +55,7 @@ _IGNORES_MERGES = _ADDS_BOS_BY_DEFAULT
 def load_gguf_metadata(path: Path) -> dict[str, Any]:
     """The GGUF's metadata from its header alone: no weights are mapped, so files whose tensor
     types MLX cannot read (K-quants) still give their tokenizer, and a dry run stays fast."""
-    from mlxcel.models.gguf_reader import read_gguf_header
+    from mlxcel.checkpoints.gguf_reader import read_gguf_header
 
     try:
         metadata, _ = read_gguf_header(path)
@@ -74,7 +74,7 @@ def read_value(value: Any) -> Any:
 
 
 def load_gguf_tokenizer(path: Path, metadata: dict[str, Any] | None = None) -> FastTokenizer | SentencePieceTokenizer:
-    from mlxcel.models.gguf import mark_unknown_token
+    from mlxcel.checkpoints.gguf import mark_unknown_token
 
     meta = mark_unknown_token(metadata if metadata is not None else load_gguf_metadata(path))
 

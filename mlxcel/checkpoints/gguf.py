@@ -22,8 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcel.checkpoints import gguf_reader
 from mlxcel.errors import MlxcelError
-from mlxcel.models import gguf_reader
 
 GGUF_GROUP_SIZE = 32
 

@@ -87,7 +87,7 @@ def read_safetensors_header(path: Path) -> bytes:
 
 
 def read_gguf_header(path: Path) -> ModelHeader:
-    from mlxcel.models.gguf import make_config_from_gguf, read_gguf_index
+    from mlxcel.checkpoints.gguf import make_config_from_gguf, read_gguf_index
 
     metadata, index = read_gguf_index(path)  # no weights read (K-quant files are not dequantized here)
     _, config = make_config_from_gguf(metadata, path)

@@ -338,8 +338,8 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
 
 def choose_gguf_quantized(gguf_weights: str) -> bool:
     """auto: keep GGUF weights quantized, except on the CPU with an optimised BLAS loaded, where
-    dense fp32 prefill measured ~20x faster (SmolLM2-135M, 128-token prompt: 147 vs 6 tok/s;
-    decode about equal). MLX's bundled reference BLAS makes dense slower than quantized."""
+    dense fp32 prefill measured ~16x faster (docs/benchmarks.md). MLX's bundled reference BLAS
+    makes dense slower than quantized."""
     if gguf_weights != "auto":
         return gguf_weights == "quantized"
     return mx.default_device() == mx.gpu or not is_optimized_blas_loaded()

@@ -7,10 +7,9 @@ and writes the cache's whole preallocated buffer (attention masks the unused slo
 the position as an array. The graph is traced again only when the cache grows (every
 `GROW_STEP` tokens).
 
-Opt-in (decode.step=compiled; $MLXCEL_DECODE_STEP=compiled or the older MLXCEL_COMPILE=1): on the H200 (bf16,
-512-token prompts) it gained at batch 8 (Llama-1B shape 1335 -> 2187 tok/s) but lost at batch 1
-(~-5%) and at batch 32 on the 1B shape (6017 -> 4095 tok/s). Why, from MLX's CUDA source: the
-array mask this step needs disqualifies both fused attention kernels (sdpa_vector and cuDNN take
+Opt-in (decode.step=compiled; $MLXCEL_DECODE_STEP=compiled or the older MLXCEL_COMPILE=1): on the
+H200 it gained at batch 8 but lost at batch 1 and 32 (docs/benchmarks.md). Why, from MLX's CUDA
+source: the array mask this step needs disqualifies both fused attention kernels (sdpa_vector and cuDNN take
 no array mask), so attention falls back to separate matmul/softmax/matmul ops over the whole
 buffer. The segmented step (segmented.py, the GPU default) compiles everything but the attention
 instead, and keeps the fused kernel.

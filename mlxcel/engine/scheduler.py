@@ -40,11 +40,9 @@ from mlxcel.vision.stage import merge_embeddings
 
 KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
 # Prefill pieces per iteration, while rows decode and when none does. A forward call costs a few
-# ms however few its tokens (H200, 1B shape: [1, 128] 3.6 ms, [4, 512] 8.2, pipelined), so more
-# tokens a call admit rows sooner for little delay to the decoding rows: a 512-row ragged job ran
-# at 14.2-15.0k generated tok/s with 8 pieces of 512 an iteration and 12.7-13.0k with 4 (one
-# lease, alternating). Idle iterations keep 4 pieces of 2048: one call of 16k tokens is all
-# activations and no decode to hide behind.
+# ms however few its tokens, so more tokens a call admit rows sooner for little delay to the
+# decoding rows (8 beat 4 on the H200's ragged job: docs/benchmarks.md). Idle iterations keep 4
+# pieces of 2048: one call of 16k tokens is all activations and no decode to hide behind.
 PIECES_PER_STEP = 8
 IDLE_PIECES_PER_STEP = 4
 MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer distinct shapes below it cost little)

@@ -1,7 +1,8 @@
 """The decode step compiled in segments, one between each pair of attention calls.
 
 A one-token step is bound by the host, not the device: on the H200 a batch-1 step of a 1B model
-spends ~1 ms building the graph in Python and ~2 ms in MLX's encoding, while the GPU waits ~0.
+spends its time building the graph in Python and in MLX's encoding while the GPU waits
+(docs/benchmarks.md, "Where batch-1 decode time goes").
 Compiling the whole step needs shapes that never change, which the growing KV cache defeats
 (compiled.py works around it with an array mask, and the mask costs the fused attention kernel).
 So only the attention is left eager, where the cache grows and the fused kernel sees exactly the

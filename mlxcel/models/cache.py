@@ -101,8 +101,7 @@ def make_attention_mask(length: int, cache: KVCache | None) -> mx.array | str | 
     if left_pad is None:
         # "causal" is aligned to the last key when there are more keys than queries, so a
         # later prefill piece needs no array mask either; an array would send attention to the
-        # unfused path (on the H200, 1B shape: a second 2048-token piece took 34 ms, a whole
-        # 4096-token prompt in one piece 20 ms).
+        # unfused path (several times slower on the H200: docs/benchmarks.md).
         return None if length == 1 else "causal"
     total = offset + length
     key_pos = mx.arange(total)

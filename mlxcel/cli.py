@@ -365,8 +365,8 @@ def describe_hydra_error(ex: BaseException) -> str:
     if isinstance(ex, OverrideParseException):
         reason = first_line(ex.message)
         return (
-            f"cannot parse override {ex.override!r}: {reason}; quote values with special characters, e.g. \"key='a, b: "
-            "c'\""
+            f"cannot parse override {ex.override!r}: {reason}; quote values with special characters, "
+            "e.g. \"key='a, b: c'\""
         )
     if isinstance(ex, OmegaConfBaseException):
         key = getattr(ex, "full_key", None)

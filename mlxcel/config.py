@@ -135,9 +135,7 @@ class TemplateConfig(Group):
 
 
 # ---- sampler (docs/sampling.md): its schema lives with the sampler chain ----
-from mlxcel.sampling.config import (  # noqa: E402 (the schema's sampler half lives with the chain)
-    SamplerConfig,
-)  # noqa: E402,F401
+from mlxcel.sampling.config import SamplerConfig  # noqa: E402 (the schema's sampler half lives with the chain)
 
 
 # ---- the other stages ----

@@ -20,6 +20,17 @@ GENERATIONS_FILE = "generations.jsonl"
 STATS_FILE = "stats.json"
 PROMPTS_FILE = "prompts.jsonl"
 LOCK_FILE = ".lock"
+# stats.json's headline figures, first in the file and the sweep summary's columns
+HEADLINE_FIELDS = (
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill_time_ms",
+    "decode_time_ms",
+    "prefill_tok_per_sec",
+    "decode_tok_per_sec",
+    "ttft_ms",
+    "peak_memory_gb",
+)
 # Keys that may change between a run and its resumption: they do not change what a row contains.
 # runner.batch_size is runner.max_rows's old name, still in folders written before it was renamed;
 # model.families only checks the checkpoint, model.hub_ids only words an error (folders written before them have none);

@@ -58,30 +58,28 @@ def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer):
 _KEPT_WEIGHTS: dict[tuple, LoadedModel] = {}
 
 
-def describe_weights(cfg: RunConfig, path: Path) -> tuple:
-    """What makes two jobs' weights the same: the files (their paths and modification times), the
-    load settings, and the device."""
+def describe_weights(path: Path, settings: tuple) -> tuple:
+    """What makes two jobs' weights the same: the files (their paths and modification times,
+    sub-folders such as an adapter's included), the load settings, and the device."""
     import mlx.core as mx
 
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
-    stamps = tuple((f.name, f.stat().st_mtime_ns) for f in files if f.is_file())
-    quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
-    settings = (cfg.model.dtype, cfg.model.gguf_weights, json.dumps(quantize), cfg.model.resolved_fuse())
-    return (str(path.resolve()), stamps, settings, str(mx.default_device()))
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    stamps = tuple((str(f.relative_to(path.parent)), f.stat().st_mtime_ns) for f in files if f.is_file())
+    return (str(path.resolve()), stamps, json.dumps(settings), str(mx.default_device()))
 
 
 def load_weights_for(cfg: RunConfig, path: Path, log: TextIO | None, keep: bool) -> LoadedModel:
-    key = describe_weights(cfg, path) if keep else None
+    model = cfg.model
+    quantize = model.quantize.model_dump() if model.quantize else None
+    fuse = model.resolved_fuse()
+    key = describe_weights(path, (model.dtype, model.gguf_weights, quantize, fuse)) if keep else None
     if key is not None and key in _KEPT_WEIGHTS:
-        say(log, f"model {cfg.model.path}: the previous job's weights, still loaded")
+        say(log, f"model {model.path}: the previous job's weights, still loaded")
         kept = _KEPT_WEIGHTS[key]
         return replace(kept, info={**kept.info, "load_ms": 0.0, "kept_from_previous_job": True})
     _KEPT_WEIGHTS.clear()  # the previous model goes before this one loads
-    say(log, f"loading model {cfg.model.path} ...")
-    quantize = cfg.model.quantize.model_dump() if cfg.model.quantize else None
-    loaded = load_model(
-        cfg.model.path, cfg.model.dtype, cfg.model.gguf_weights, quantize, fuse=cfg.model.resolved_fuse()
-    )
+    say(log, f"loading model {model.path} ...")
+    loaded = load_model(model.path, model.dtype, model.gguf_weights, quantize, fuse=fuse)
     info = loaded.info
     params, seconds = info["params"] / 1e6, info["load_ms"] / 1000
     say(log, f"loaded {info['arch']} ({params:.0f}M params, {info['dtype']}) in {seconds:.1f} s")

@@ -21,7 +21,14 @@ from mlxcel.config import RunConfig
 from mlxcel.engine import RowResult
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import expand_samples, hash_row, hash_samples, input_files, load_job_rows
-from mlxcel.outputs import RunOutputs, claim_run_folder, defer_interrupt, release_run_folder, write_failure_stats
+from mlxcel.outputs import (
+    HEADLINE_FIELDS,
+    RunOutputs,
+    claim_run_folder,
+    defer_interrupt,
+    release_run_folder,
+    write_failure_stats,
+)
 from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
 from mlxcel.stats import (
@@ -31,15 +38,6 @@ from mlxcel.stats import (
     make_generation_stats,
     measure_batch,
     read_environment,
-)
-
-SPEC_FIELDS = (
-    "prompt_tokens",
-    "generated_tokens",
-    "prefill_time_ms",
-    "decode_time_ms",
-    "prefill_tok_per_sec",
-    "decode_tok_per_sec",
 )
 
 
@@ -289,6 +287,6 @@ def make_error_row(prepared: PreparedSample) -> dict:
 
 
 def order_report(report: dict) -> dict:
-    """status and the six headline fields first (SPEC_FIELDS), so stats.json reads top-down."""
-    head = ["status", *SPEC_FIELDS, "ttft_ms", "peak_memory_gb"]
+    """status and the headline figures first (outputs.HEADLINE_FIELDS), so stats.json reads top-down."""
+    head = ["status", *HEADLINE_FIELDS]
     return {**{k: report[k] for k in head if k in report}, **{k: v for k, v in report.items() if k not in head}}

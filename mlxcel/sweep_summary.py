@@ -14,16 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-STATS_FIELDS = (
-    "prompt_tokens",
-    "generated_tokens",
-    "prefill_time_ms",
-    "decode_time_ms",
-    "prefill_tok_per_sec",
-    "decode_tok_per_sec",
-    "ttft_ms",
-    "peak_memory_gb",
-)
+from mlxcel.outputs import HEADLINE_FIELDS
+
 JSONL_FILE, CSV_FILE, PNG_FILE = "summary.jsonl", "summary.csv", "summary.png"
 
 
@@ -61,7 +53,7 @@ def make_summary_row(
         "error_type": error.get("type") if error else None,
         "error": error.get("message") if error else None,
     }
-    row.update({name: stats.get(name) for name in STATS_FIELDS})
+    row.update({name: stats.get(name) for name in HEADLINE_FIELDS})
     row["tokens_sha256"] = hash_tokens(job_dir)
     row["plan_sha256"] = hash_plan(stats)
     row["job_dir"] = str(job_dir)
@@ -150,7 +142,17 @@ def find_swept_keys(rows: list[dict]) -> list[str]:
 
 
 def write_summary_csv(rows: list[dict], swept: list[str], path: Path) -> None:
-    columns = ["job", *swept, "status", "tokens_as_first", *STATS_FIELDS, "error_type", "error", "overrides", "job_dir"]
+    columns = [
+        "job",
+        *swept,
+        "status",
+        "tokens_as_first",
+        *HEADLINE_FIELDS,
+        "error_type",
+        "error",
+        "overrides",
+        "job_dir",
+    ]
     first = next((r.get("tokens_sha256") for r in rows if r.get("tokens_sha256")), None)
     tmp = Path(path).with_suffix(".csv.tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
@@ -163,7 +165,7 @@ def write_summary_csv(rows: list[dict], swept: list[str], path: Path) -> None:
                 None if digest is None or first is None else ("same" if digest == first else "differ")
             )  # token ids vs the first job's
             values = [row.get("job"), *(format_cell(params.get(key)) for key in swept), row.get("status"), same]
-            values += [row.get(name) for name in STATS_FIELDS]
+            values += [row.get(name) for name in HEADLINE_FIELDS]
             error = "; ".join((row.get("error") or "").splitlines())  # a config error's lines, one cell line
             values += [row.get("error_type"), error, " ".join(row.get("overrides") or []), row.get("job_dir")]
             writer.writerow(["" if value is None else value for value in values])

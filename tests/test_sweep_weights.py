@@ -67,3 +67,20 @@ def test_a_single_run_keeps_nothing(tiny_llama, tmp_path, count_loads):
     run_job(tiny_llama, tmp_path / "a", keep=False)
     run_job(tiny_llama, tmp_path / "b", keep=False)
     assert len(count_loads) == 2 and not pipeline_module._KEPT_WEIGHTS
+
+
+def test_a_change_in_a_sub_folder_loads_again(tiny_llama, tmp_path, count_loads):
+    """An adapter beside the weights (Phi-4-multimodal's vision-lora/) is part of them."""
+    import shutil
+
+    folder = shutil.copytree(tiny_llama, tmp_path / "model")
+    adapter = folder / "vision-lora" / "adapter_config.json"
+    adapter.parent.mkdir()
+    adapter.write_text("{}")
+    run_job(folder, tmp_path / "a")
+    run_job(folder, tmp_path / "b")
+    assert len(count_loads) == 1
+    stamp = adapter.stat().st_mtime_ns + 10**9
+    os.utime(adapter, ns=(stamp, stamp))
+    run_job(folder, tmp_path / "c")
+    assert len(count_loads) == 2

@@ -72,7 +72,7 @@ def test_sweep_writes_a_summary_row_per_job_and_exits_1_when_a_job_fails(tiny_ll
     for row in rows[:4]:
         assert row["status"] == "completed" and row["error"] is None
         assert row["generated_tokens"] == 4 and row["prompt_tokens"] > 16
-        assert all(isinstance(row[f], (int, float)) for f in sweep_summary.STATS_FIELDS)
+        assert all(isinstance(row[f], (int, float)) for f in sweep_summary.HEADLINE_FIELDS)
         assert Path(row["job_dir"]) == sweep / str(row["job"])
     for row in rows[4:]:
         assert row["status"] == "failed" and row["error_type"] == "ConfigError"

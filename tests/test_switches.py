@@ -12,7 +12,6 @@ import pytest
 from mlxcel.api import load_config
 from mlxcel.config import resolve_decode_step
 from mlxcel.engine import GenerationRequest, RowRequest
-from mlxcel.engine.engine import choose_decode_step
 from mlxcel.errors import ConfigError
 from mlxcel.outputs import RunOutputs, check_resume
 from mlxcel.pipeline import Pipeline
@@ -52,8 +51,6 @@ def test_a_bad_decode_step_is_a_config_error(tiny_llama, monkeypatch):
 
 def test_the_engine_runs_the_configured_step(tiny_llama):
     pipeline = Pipeline.load(config(tiny_llama, decode={"step": "segmented", "max_tokens": 3}))
-    model = pipeline.loaded.model
-    assert choose_decode_step(model, "segmented") == "segmented"
     engine = pipeline.make_engine(GenerationRequest([RowRequest([1, 2, 3])], Sampler("greedy")))
     assert engine.segmented is True  # the scheduler's small-batch step (its default on the CPU: eager)
 

@@ -184,9 +184,8 @@ class BatchScheduler:
         self.kv_budget_bytes = kv_budget_bytes or default_kv_budget_bytes()
         self.pipeline = pipeline
         self.pinned_chunk = chunk_size  # None: 2048 idle, 512 while rows decode
-        self.segmented = (
-            choose_decode_step(model, decode_step) == "segmented"
-        )  # the batch engine's step for small decode batches
+        # the batch engine's step for small decode batches
+        self.segmented = choose_decode_step(model, decode_step) == "segmented"
         # pieces of several rows in one padded call (group_ragged); None: where the kernels run.
         # $MLXCEL_RAGGED_PREFILL=0 turns it off (each row's piece in a call of its own), to compare.
         self.ragged_prefill: bool | None = False if os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0" else None

@@ -3,7 +3,7 @@ LoRA loaded through PEFT, as the model card does (fp32, a tiny random checkpoint
 save_pretrained, longrope with partial rotary as the released model, a random adapter saved by PEFT
 in vision-lora/). transformers' Phi-4 image processor needs torchvision, whose PyPI wheel does not
 run on the CPU torch here: the processor is checked against a transcription of it
-(tests/test_phi4mm_processor.py) and transformers gets our pixel values, crop masks and HD sizes.
+(tests/test_vision_phi4_multimodal.py) and transformers gets our pixel values, crop masks and HD sizes.
 
 Covered: a two-image prompt (ids, logits, 24 greedy tokens with the adapter on in decode), a text
 prompt (the adapter off, as the base model), the LoRA layers (fused = unfused = W + s BA, quantized

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from mlxcel.errors import ConfigError, MlxcelError
-from mlxcel.vision.idefics3_connector import Idefics3Connector, count_tile_tokens, pixel_shuffle
+from mlxcel.vision.idefics3_projector import Idefics3Connector, count_tile_tokens, pixel_shuffle
 from mlxcel.vision.images import VisionInputError, load_image
 from mlxcel.vision.processors import idefics3
 from tests.vision_fixtures import assert_config_issues

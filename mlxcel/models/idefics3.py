@@ -1,7 +1,7 @@
 """Idefics3 (model_type idefics3) and SmolVLM (smolvlm): a SigLIP-style vision tower
 (transformers' Idefics3VisionTransformer / SmolVLMVisionTransformer: SigLIP's layers with
 `MaskedEmbeddings`, bucketized position ids over each frame's real patches), the connector (pixel
-shuffle + a linear projection, mlxcel/vision/idefics3_connector.py) and one of mlxcel's text families
+shuffle + a linear projection, mlxcel/vision/idefics3_projector.py) and one of mlxcel's text families
 as the language model (`text_config.model_type`, llama for every released checkpoint).
 
 As for LLaVA (mlxcel/models/llava.py), the Model is the text family's Model with the vision parts
@@ -35,7 +35,7 @@ from mlx import nn
 from mlxcel.errors import MlxcelError
 from mlxcel.models.text_backbone import OverTextModel, make_text_args, read_text_config
 from mlxcel.vision import siglip
-from mlxcel.vision.idefics3_connector import Idefics3Connector, count_tile_tokens
+from mlxcel.vision.idefics3_projector import Idefics3Connector, count_tile_tokens
 from mlxcel.vision.processors import idefics3 as processor
 from mlxcel.vision.stage import ImageInputs, check_placeholder_count
 

@@ -1,7 +1,8 @@
 """LLaVA-1.5 (model_type llava) and LLaVA-NeXT / v1.6 (llava_next): a CLIP vision tower
-(mlxcel/vision/clip_vit.py), a two-layer projector, and one of mlxcel's text families as the
-language model, picked by `text_config.model_type` (llama: LLaVA-1.5, NeXT-Vicuna, NeXT-34B;
-mistral: NeXT-Mistral, BakLLaVA, whose sliding_window may be null; qwen2: NeXT-72B/110B).
+(mlxcel/vision/clip_vit.py), a two-layer projector (mlxcel/vision/llava_projector.py), and one of
+mlxcel's text families as the language model, picked by `text_config.model_type` (llama: LLaVA-1.5,
+NeXT-Vicuna, NeXT-34B; mistral: NeXT-Mistral, BakLLaVA, whose sliding_window may be null; qwen2:
+NeXT-72B/110B).
 
 The Model is the text family's Model with the vision parts added (a subclass built per text
 family, so the engine and the segmented decoder see the same `model.layers`, `compute_logits`,
@@ -41,6 +42,7 @@ from mlx import nn
 from mlxcel.errors import MlxcelError
 from mlxcel.models.text_backbone import OverTextModel, make_text_args, read_text_config
 from mlxcel.vision import clip_vit
+from mlxcel.vision.llava_projector import MultiModalProjector
 from mlxcel.vision.processors import clip, llava_next
 from mlxcel.vision.stage import ImageInputs
 
@@ -102,17 +104,6 @@ class ModelArgs:
             multimodal_projector_bias=config.get("multimodal_projector_bias", True),
             image_grid_pinpoints=(config.get("image_grid_pinpoints") or DEFAULT_GRID_PINPOINTS) if is_next else None,
         )
-
-
-class MultiModalProjector(nn.Module):
-    def __init__(self, in_dims: int, dims: int, activation: str, bias: bool):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dims, dims, bias=bias)
-        self.act = clip_vit.make_activation(activation)
-        self.linear_2 = nn.Linear(dims, dims, bias=bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.linear_2(self.act(self.linear_1(x)))
 
 
 def feature_layers(layer: int | list[int]) -> list[int]:

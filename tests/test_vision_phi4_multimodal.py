@@ -1,4 +1,4 @@
-"""Phi-4-multimodal's image processor (mlxcel.vision.processors.phi4mm) against transformers 5.24's
+"""Phi-4-multimodal's image processor (mlxcel.vision.processors.phi4_multimodal) against transformers 5.24's
 `Phi4MultimodalImageProcessor`.
 
 The oracle: transformers' processor needs torchvision, whose PyPI wheel does not work with the CPU
@@ -40,8 +40,8 @@ from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
 from mlxcel.errors import ConfigError, MlxcelError
-from mlxcel.vision.processors import phi4mm
-from mlxcel.vision.processors.phi4mm import (
+from mlxcel.vision.processors import phi4_multimodal
+from mlxcel.vision.processors.phi4_multimodal import (
     Phi4ImageConfig,
     apply_bicubic_resize,
     apply_rescale_normalize,
@@ -338,7 +338,7 @@ def test_grid_choice_matches_transformers():
         for width in (10, 224, 448, 633, 700, 896, 1400, 2000, 5000):
             for height in (10, 224, 448, 633, 700, 896, 1400, 2000, 5000):
                 expected = find_closest_aspect_ratio(width / height, targets, width, height, 448)
-                assert phi4mm.find_closest_aspect_ratio(width, height, max_crops, 448) == expected, (
+                assert phi4_multimodal.find_closest_aspect_ratio(width, height, max_crops, 448) == expected, (
                     width,
                     height,
                     max_crops,

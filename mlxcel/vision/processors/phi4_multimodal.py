@@ -19,7 +19,7 @@ The HD resize: transformers calls torchvision's resize (bilinear, antialias) on 
 CPU with AVX2 that is torch's native uint8 antialiased bilinear kernel; elsewhere (Apple silicon, CUDA)
 torchvision casts to float32, interpolates, rounds and casts back, so transformers' own output depends
 on the machine. Here it is Pillow's BILINEAR resize (antialiased, the filter torch's kernels were
-written to match), so the results are NOT identical. Measured (tests/test_phi4mm_processor.py): Pillow
+written to match), so the results are NOT identical. Measured (tests/test_vision_phi4_multimodal.py): Pillow
 vs torch's native uint8 kernel differ by at most 2 uint8 levels (2 only on some upscales of a photo,
 e.g. 512x600 to 896x1045); how many values are off by one depends on the scale, from none to 22.5%
 (150x1900 into 106x1344); Pillow vs the float path by at most 1 level (on 13-20% of values), the same spread as

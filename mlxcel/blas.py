@@ -1,5 +1,5 @@
 """Linux CPUs: run MLX on an optimized BLAS instead of the reference BLAS the mlx-cpu wheel
-bundles (fp32 matmul ~30x slower; SmolLM2 prefill ~8 vs ~140 tok/s on a 2-core VM).
+bundles, whose fp32 matmuls are an order of magnitude slower (docs/benchmarks.md).
 
 libmlx resolves `cblas_*`/`sgemm_` through the dynamic linker, so preloading OpenBLAS makes MLX
 use it; the results are unchanged (tests compare logits and greedy tokens). LD_PRELOAD only acts

@@ -30,9 +30,8 @@ from mlxcel.blas import describe_blas
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
 
-# (models, prompt lengths, batch sizes, gen tokens, reps). The CPU set takes ~4.5 minutes on a 2-core
-# x86_64 VM with OpenBLAS (0.5B shape: ~60 tok/s prefill, ~3.4 tok/s decode at batch 1); 512-token
-# prompts at batch 8 would add ~10 minutes there, so ask for them with --prompt-lengths 128,512.
+# (models, prompt lengths, batch sizes, gen tokens, reps). The CPU set stays small enough for a
+# 2-core machine (run times: docs/benchmarks.md); ask for longer prompts with --prompt-lengths 128,512.
 GPU_DEFAULTS = (["smollm2", "qwen2.5-0.5b", "llama-3.2-1b"], [128, 512], [1, 8, 32], 128, 5)
 CPU_DEFAULTS = (["smollm2", "qwen2.5-0.5b"], [128], [1, 8], 16, 3)
 QUICK = (["smollm2"], [64], [1], 8, 1)

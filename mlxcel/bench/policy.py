@@ -31,8 +31,8 @@ from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
 from mlxcel.sampling import Sampler
 
 ON_GPU = mx.default_device() == mx.gpu
-# (model, dtypes, dtype prompt, chunks, chunk prompt, gen, reps). The CPU set takes ~3 minutes on
-# a 2-core VM (float16 matmuls run at ~9 tok/s there, so its prompt stays short).
+# (model, dtypes, dtype prompt, chunks, chunk prompt, gen, reps). The CPU set's prompt stays short
+# because float16 matmuls are slow on CPUs (run times: docs/benchmarks.md).
 GPU_DEFAULTS = ("llama-3.2-1b", [mx.float32, mx.bfloat16, mx.float16], 512, [256, 512, 1024, 2048, 4096], 4096, 64, 3)
 CPU_DEFAULTS = ("smollm2", [mx.float32, mx.bfloat16, mx.float16], 64, [128, 256, 512, 1024], 1024, 8, 2)
 

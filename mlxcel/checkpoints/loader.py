@@ -338,7 +338,7 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
 
 def choose_gguf_quantized(gguf_weights: str) -> bool:
     """auto: keep GGUF weights quantized, except on the CPU with an optimised BLAS loaded, where
-    dense fp32 prefill measured ~16x faster (docs/benchmarks.md). MLX's bundled reference BLAS
+    dense fp32 prefill is much faster (docs/benchmarks.md). MLX's bundled reference BLAS
     makes dense slower than quantized."""
     if gguf_weights != "auto":
         return gguf_weights == "quantized"

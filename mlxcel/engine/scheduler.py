@@ -509,7 +509,7 @@ class BatchScheduler:
         if not rows or (len(rows) == 1 and spans[0][1] - spans[0][0] == width):
             return None  # nothing to pad: the piece runs as it is (prefill_piece)
         # A lone row's piece is padded too: cuDNN builds a graph for every new query length
-        # (~70 ms on the H200), and a ragged job's last pieces come in every length.
+        # (docs/benchmarks.md), and a ragged job's last pieces come in every length.
         return rows, spans, width
 
     def prefill_ragged(

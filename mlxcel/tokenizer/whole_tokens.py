@@ -9,8 +9,8 @@ They differ only where a shorter token starts before an overlapping longer one: 
 "bcd" cut "abcd" into "ab" + "cd" leftmost-longest, "a" + "bcd" longest-first.
 
 Both scan with one regex shaped as a trie of the tokens, so at each position `re` tries one branch
-per distinct next character, not every token: for Gemma 3's 6.4k control and user-defined pieces
-that is 3 ms instead of 870 ms (a flat alternation) on 190k characters.
+per distinct next character, not every token (a flat alternation of Gemma 3's 6.4k control and
+user-defined pieces is hundreds of times slower; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -420,6 +420,10 @@ class RunnerConfig(Group):
     max_rows: PositiveInt = 8  # rows decoding at once
     # KV cache cap; None: 40% of device memory (RAM on the CPU)
     kv_budget_gb: Annotated[float, Field(gt=0)] | None = None
+    # the prompt cache: rows that start with a cached prefix prefill only the rest (docs/jobs.md)
+    prompt_cache: Bool = True
+    prompt_cache_gb: Annotated[float, Field(gt=0)] | None = None  # None: 10% of device memory (RAM on the CPU)
+    prompt_cache_dir: str | None = None  # save entries here and load them in later jobs (one folder per machine)
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
     progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise

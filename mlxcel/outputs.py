@@ -45,6 +45,10 @@ RESUMABLE_KEYS = (
     "model.hub_ids",
     "decode.step",
     "decode.resolved_step",
+    # the prompt cache changes no row's tokens (tests/test_prompt_cache.py)
+    "runner.prompt_cache",
+    "runner.prompt_cache_gb",
+    "runner.prompt_cache_dir",
 )
 
 

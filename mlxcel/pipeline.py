@@ -15,7 +15,8 @@ from mlxcel.checkpoints.loader import LoadedModel, load_model, resolve_model_pat
 from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.engine import OnRowDone, OnToken
-from mlxcel.engine.scheduler import BatchScheduler, ScheduleState, supports_scheduling
+from mlxcel.engine.prompt_cache import PROMPT_CACHE_SHARE, PromptCache
+from mlxcel.engine.scheduler import BatchScheduler, ScheduleState, device_memory_bytes, supports_scheduling
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
@@ -144,6 +145,8 @@ class Pipeline:
         )
         self.stop_ids = self._merge_stop_ids() if loaded else set()
         self.sampler = self.make_sampler() if loaded else None
+        self.prompt_cache = make_prompt_cache(cfg) if loaded and cfg.runner.prompt_cache else None
+        self.keep_answers = False  # snapshot answers into the prompt cache too (a chat's next turn starts with them)
 
     @classmethod
     def load(
@@ -292,6 +295,8 @@ class Pipeline:
                 pipelined,
                 self.cfg.prefill.chunk_size,
                 decode_step=self.cfg.decode.step,
+                prompt_cache=self.prompt_cache,
+                keep_answers=self.keep_answers,
             )
         return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined, decode_step=self.cfg.decode.step)
 
@@ -321,6 +326,11 @@ class Pipeline:
             kv_bits=cfg.decode.kv_bits,
             kv_group_size=cfg.decode.kv_group_size,
         )
+
+
+def make_prompt_cache(cfg: RunConfig) -> PromptCache:
+    gb = cfg.runner.prompt_cache_gb
+    return PromptCache(int(gb * 1e9) if gb else int(device_memory_bytes() * PROMPT_CACHE_SHARE))
 
 
 def say(log: TextIO | None, message: str) -> None:

@@ -265,6 +265,7 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         "history_tokens": prompt.history_tokens,
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,  # of prompt_tokens, adopted from the prompt cache
         "generated_tokens": len(result.token_ids),
         **({"logprobs": result.logprobs} if result.logprobs is not None else {}),  # decode.logprobs > 0
         **({"error": result.error} if result.error else {}),  # a row the engine could not run

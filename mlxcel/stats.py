@@ -44,6 +44,9 @@ class BatchStats:
     host_ms: float = 0.0  # host work over them (not waiting on the device)
     row_ttft_ms: list[float] = field(default_factory=list)  # the scheduler's rows, from its start
     row_latency_ms: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens adopted from the prompt cache
+    rows_adopted: int = 0  # rows that adopted a prefix
+    prompt_cache: dict | None = None  # the cache after this batch (PrefixReuse.summary); None: off
 
 
 @dataclass
@@ -68,6 +71,9 @@ class GenerationStats:
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
     # the scheduler's host work per iteration: below the device's step time, the device bounds the job
     host_ms_per_step: float = 0.0
+    # rows that adopted a prefix, tokens adopted and computed, the prefill time that saved (estimated
+    # at the job's prefill rate), and the cache's entries; empty with runner.prompt_cache=false
+    prompt_cache: dict = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -98,6 +104,9 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         host_ms=1000 * getattr(state, "host_seconds", 0.0),
         row_ttft_ms=[r.timing["ttft_ms"] for r in results if r.timing],
         row_latency_ms=[r.timing["latency_ms"] for r in results if r.timing],
+        cached_tokens=sum(r.cached_tokens for r in results),
+        rows_adopted=sum(1 for r in results if r.cached_tokens),
+        prompt_cache=getattr(state, "prompt_cache", None),
     )
 
 
@@ -128,6 +137,7 @@ def make_generation_stats(
         kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
         host_ms_per_step=round(sum(b.host_ms for b in batches) / max(1, sum(b.iterations for b in batches)), 3),
+        prompt_cache=summarize_prompt_cache(batches, prefill_ms),
         batches=[
             {
                 "rows": b.rows,
@@ -140,6 +150,27 @@ def make_generation_stats(
             for b in batches
         ],
     )
+
+
+def summarize_prompt_cache(batches: list[BatchStats], prefill_ms: float) -> dict:
+    caches = [b.prompt_cache for b in batches if b.prompt_cache is not None]
+    if not caches:
+        return {}
+    adopted = sum(b.cached_tokens for b in batches)
+    computed = sum(b.prompt_tokens for b in batches) - adopted
+    last = caches[-1]
+    return {
+        "rows_adopted": sum(b.rows_adopted for b in batches),
+        "adopted_tokens": adopted,
+        "computed_prompt_tokens": computed,
+        # an estimate: the adopted tokens at the job's prefill rate (prompt_tokens / prefill_time_ms)
+        "prefill_saved_ms": round(adopted * prefill_ms / (adopted + computed), 3) if adopted + computed else 0.0,
+        "entries": last["entries"],
+        "cached_tokens": last["cached_tokens"],
+        "cache_gb": round(last["bytes"] / 1e9, 4),
+        "budget_gb": round(last["budget_bytes"] / 1e9, 4),
+        "evicted_tokens": last["evicted_tokens"],
+    }
 
 
 SESSION_FIELDS = ("status", "rows", "prompt_tokens", "generated_tokens", "prefill_time_ms", "decode_time_ms")
@@ -196,6 +227,13 @@ def format_stats_table(stats: GenerationStats) -> str:
         lines.append(
             f"images: {stats.visual_tokens} of the prompt tokens | preprocess {stats.image_preprocess_ms:.0f} ms"
             f" | encode {stats.vision_encode_ms:.0f} ms (in prefill)"
+        )
+    cache = stats.prompt_cache
+    if cache.get("rows_adopted"):
+        share = cache["adopted_tokens"] / max(1, stats.prompt_tokens)
+        lines.append(
+            f"prompt cache: {cache['rows_adopted']} rows adopted {cache['adopted_tokens']} prompt tokens ({share:.0%}),"
+            f" ~{cache['prefill_saved_ms']:.0f} ms of prefill saved"
         )
     occupancy = f" | occupancy {stats.occupancy:.1f}" if stats.occupancy else ""
     lines.append(

@@ -42,6 +42,7 @@ class RowResult:
     prompt_tokens: int = 0
     logprobs: list[dict] | None = None  # per token {token, logprob, top: [[id, logprob], ...]}
     error: str | None = None  # why a row with finish_reason "error" could not run
+    cached_tokens: int = 0  # prompt tokens adopted from the prompt cache (not prefilled again)
     timing: dict | None = None  # the scheduler's per-row figures: queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
 
 

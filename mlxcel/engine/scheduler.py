@@ -28,6 +28,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.engine.engine import OnRowDone, OnToken, apply_token, check_prompt, choose_decode_step, get_decoder
+from mlxcel.engine.prefix_reuse import PrefixReuse
+from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
@@ -92,6 +94,7 @@ class ScheduleState:
     decode_steps: int = 0
     rows_decoding_sum: int = 0  # summed over decode steps: occupancy = this / decode_steps
     iterations: int = 0
+    prompt_cache: dict | None = None  # PrefixReuse.summary(): rows that adopted a prefix, tokens adopted, entries
     wait_seconds: float = 0.0  # the host blocked on the device (reading draws, queueing work); the rest is host work
 
     @property
@@ -157,14 +160,18 @@ def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int 
     return 2 * attention.n_kv_heads * per_head
 
 
-def default_kv_budget_bytes() -> int:
-    """KV_BUDGET_SHARE of the GPU's memory, or of the machine's RAM on the CPU."""
+def device_memory_bytes() -> int:
+    """The GPU's memory, or the machine's RAM on the CPU."""
     if mx.default_device() == mx.gpu:
         info = mx.device_info()
         total = info.get("memory_size") or info.get("total_memory") or 0
         if total:
-            return int(total * KV_BUDGET_SHARE)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * KV_BUDGET_SHARE)
+            return int(total)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def default_kv_budget_bytes() -> int:
+    return int(device_memory_bytes() * KV_BUDGET_SHARE)
 
 
 class BatchScheduler:
@@ -177,8 +184,13 @@ class BatchScheduler:
         pipeline: bool = True,
         chunk_size: int | None = None,
         decode_step: str = "auto",
+        prompt_cache: PromptCache | None = None,
+        keep_answers: bool = False,
     ):
         self.model = model
+        self.prompt_cache = prompt_cache
+        self.keep_answers = keep_answers  # snapshot finished rows' answers too (a chat's next turn starts with them)
+        self.reuse: PrefixReuse | None = None
         self.max_context = max_context
         self.max_rows = max_rows
         self.kv_budget_bytes = kv_budget_bytes or default_kv_budget_bytes()
@@ -233,10 +245,16 @@ class BatchScheduler:
         caches = make_paged_caches(
             len(self.model.model.layers), table, layer_windows(self.model), request.kv_bits, request.kv_group_size
         )
+        self.reuse = None
+        if self.prompt_cache is not None:
+            # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
+            align = (self.pinned_chunk or request.chunk_size) if request.kv_bits else 1
+            self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, align)
         for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
             state.kv_peak_bytes = state.kv_peak_blocks * per_block
             yield state
         state.kv_peak_bytes = state.kv_peak_blocks * per_block
+        state.prompt_cache = self.reuse.summary() if self.reuse is not None else None
         timings.end = timings.end or time.perf_counter()
         yield state
 
@@ -274,16 +292,22 @@ class BatchScheduler:
         leaving: list[Row] = []  # done drawing; their slot goes back once their tokens are read
         draws_queued = draws_read = 0
         while waiting or prefilling or len(batch) or inflight:
-            # 1. admissions: a free slot and the blocks for everything the row may write
-            while (
-                waiting
-                and free_slots
-                and count_blocks(self.reserved_positions(waiting[0], request)) <= table.free_blocks
-            ):
-                row = waiting.popleft()
+            # 1. admissions, in arrival order: a free slot and the blocks for everything the row
+            # may write; a row whose prefix another row is prefilling waits to adopt it
+            reuse = self.reuse
+            for row in list(waiting):
+                if not free_slots:
+                    break
+                if reuse is not None and reuse.should_wait(row):
+                    continue
+                if count_blocks(self.reserved_positions(row, request)) > table.free_blocks:
+                    break
+                waiting.remove(row)
                 row.slot = free_slots.pop(0)
                 table.reserve(row.slot, self.reserved_positions(row, request))
                 row.admitted_at = time.perf_counter()
+                if reuse is not None:
+                    row.prefilled = row.result.cached_tokens = reuse.adopt(row)
                 prefilling.append(row)
             state.kv_peak_blocks = max(state.kv_peak_blocks, table.num_blocks - table.free_blocks)
             # 2. the decode step, then prefill pieces within the iteration's token budget
@@ -319,6 +343,8 @@ class BatchScheduler:
                     joined += done
                     for row in done:
                         prefilling.remove(row)
+                        if self.reuse is not None:
+                            self.reuse.finish_prefill(row)
             # 3. one draw for the decoding rows and the rows whose prefill ended
             if logits_parts:
                 for row in joined:
@@ -343,6 +369,10 @@ class BatchScheduler:
             # slots and blocks of rows whose every queued step has been read go back
             for row in [row for row in leaving if row.last_draw <= draws_read]:
                 leaving.remove(row)
+                if self.keep_answers and self.reuse is not None:
+                    # every fed position: the prompt and each token drawn but the last
+                    fed = len(row.prompt) + len(row.result.token_ids) - 1
+                    self.reuse.record(row, min(int(table.lengths[row.slot]), fed))
                 table.release(row.slot)
                 free_slots.append(row.slot)
                 row.slot = -1
@@ -602,6 +632,8 @@ class BatchScheduler:
         ms = round((time.perf_counter() - began) * 1000, 3)
         for r, (start, end), pad in zip(rows, spans, pads):
             r.prefilled = end
+            if self.reuse is not None:
+                self.reuse.record(r, end)
             state.timings.prefill_pieces.append(
                 {
                     "row": r.index,

@@ -411,3 +411,26 @@ def write_and_gather(
         output_dtypes=[pool.keys.dtype, pool.keys.dtype, mx.int32],
     )
     return k_out, v_out
+
+
+def read_positions(pool: PoolLayer, flat: mx.array) -> tuple[mx.array, mx.array]:
+    """The pool's keys and values at flat positions `flat` [n], as [n, KVH, D] each: the
+    write-and-gather kernel with one padding token (nothing stored), so the read is ordered after
+    the kernels that wrote those positions and before the ones that write them next."""
+    _, kv_heads, dim = pool.keys.shape
+    n = flat.shape[0]
+    empty = mx.zeros((1, kv_heads, 1, dim), pool.keys.dtype)
+    keys, values = write_and_gather(
+        pool, empty, empty, mx.zeros((1,), mx.int32), flat[None], mx.array([n], mx.int32), mx.array([1], mx.int32)
+    )
+    return keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)
+
+
+def write_positions(pool: PoolLayer, keys: mx.array, values: mx.array, flat: mx.array) -> None:
+    """Store [n, KVH, D] keys and values at flat pool positions `flat` [n] (the gathered copy the
+    kernel also returns is not used)."""
+    n = flat.shape[0]
+    new_keys, new_values = (a.transpose(1, 0, 2)[None] for a in (keys, values))
+    write_and_gather(
+        pool, new_keys, new_values, flat, mx.zeros((1, n), mx.int32), mx.array([0], mx.int32), mx.array([0], mx.int32)
+    )

@@ -1,0 +1,148 @@
+"""How the scheduler uses the prompt cache in one job: rows adopt cached prefixes when admitted,
+their pieces are snapshotted as they are prefilled, and a row waits while another row in flight
+is prefilling the prefix it would adopt (so 256 rows sharing a system prompt prefill it once, not
+256 times in the first iterations).
+
+A row's cacheable prefix stops at its first image (placeholders look alike for different
+images, and M-RoPE positions shift after them), and is empty for rows whose KV differs from a
+text row's over the same tokens: Phi-4-multimodal's image rows (the vision LoRA applies to the
+whole row) and rows past longrope's switch (the long factors apply to every position).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlxcel.engine.prompt_cache import Match, PromptCache
+from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, flat_positions
+
+
+class PrefixReuse:
+    def __init__(self, cache: PromptCache, table: PageTable, caches: list, model, align: int = 1):
+        self.cache, self.table, self.caches, self.model = cache, table, caches, model
+        self.align = align  # adopted prefixes are a multiple of this (a kv_bits row's own piece size)
+        self.pinned: dict[int, Match] = {}  # row index -> the path it relies on while it prefills
+        self.inflight: dict[int, int] = {}  # block hash -> prefilling rows whose prefixes have that block
+        self.row_blocks: dict[int, list[int]] = {}
+        self.rows_adopted = 0
+        self.adopted_tokens = 0
+
+    # ---- which positions a row may share ----
+    def limit(self, row) -> int:
+        """Positions of the row's prompt whose KV depends on its tokens alone."""
+        images = row.request.images
+        if images is not None and hasattr(self.model, "lora_control"):
+            return 0
+        longrope = getattr(self.model, "longrope_limit", None)
+        if longrope is not None and len(row.prompt) > longrope:
+            return 0
+        if images is not None:
+            return row.prompt.index(self.model.image_token_id) if self.model.image_token_id in row.prompt else 0
+        return len(row.prompt)
+
+    def blocks(self, row) -> list[int]:
+        """Hashes of the row's whole BLOCK_SIZE-token blocks, each over every token before it."""
+        if row.index not in self.row_blocks:
+            prompt, hashes, previous = row.prompt[: self.limit(row)], [], 0
+            for start in range(0, len(prompt) - BLOCK_SIZE + 1, BLOCK_SIZE):
+                previous = hash((previous, tuple(prompt[start : start + BLOCK_SIZE])))
+                hashes.append(previous)
+            self.row_blocks[row.index] = hashes
+        return self.row_blocks[row.index]
+
+    # ---- admission ----
+    def should_wait(self, row) -> bool:
+        """Whether a prefilling row is computing more of this row's prefix than the cache holds."""
+        if not self.inflight:
+            return False
+        shared = 0
+        for block in self.blocks(row):
+            if block not in self.inflight:
+                break
+            shared += BLOCK_SIZE
+        return shared > 0 and shared > self.cache.match(row.prompt, self.limit(row)).length
+
+    def adopt(self, row) -> int:
+        """Write the longest cached prefix of the admitted row's prompt (all but its last token,
+        whose logits the row needs) into its blocks; returns the positions adopted."""
+        for block in self.blocks(row):
+            self.inflight[block] = self.inflight.get(block, 0) + 1
+        limit = min(self.limit(row), len(row.prompt) - 1)
+        found = self.cache.match(row.prompt, limit)
+        length = found.length // self.align * self.align
+        if length == 0:
+            return 0
+        found = self.cache.match(row.prompt, length)
+        stored = found.stored()
+        flat = self.flat(row.slot, 0, length)
+        for cache, arrays in zip(self.caches, stored):
+            cache.write_positions(flat, arrays)
+        self.table.lengths[row.slot] = length
+        self.cache.touch(found)
+        self.hold(row, found)
+        self.cache.counters.hits += 1
+        self.cache.counters.adopted_tokens += length
+        self.rows_adopted += 1
+        self.adopted_tokens += length
+        return length
+
+    # ---- snapshots ----
+    def record(self, row, end: int) -> None:
+        """Snapshot the row's positions up to `end` (a piece's end, or a finished row's last
+        fed token) into the cache; the pool holds all of them, so a prefix evicted meanwhile is
+        stored again."""
+        tokens = self.row_tokens(row, end)
+        if not tokens:
+            return
+        have = self.cache.match(tokens).length
+        if have < len(tokens):
+            flat = self.flat(row.slot, have, len(tokens))
+            stored = [cache.read_positions(flat) for cache in self.caches]
+            found = self.cache.insert(tokens, have, stored)
+        else:
+            found = self.cache.match(tokens)
+            self.cache.touch(found)
+        if row.index in self.pinned:
+            self.hold(row, found)
+
+    def row_tokens(self, row, end: int) -> list[int]:
+        """The tokens fed at positions [0, end), within what the row may share."""
+        limit = self.limit(row)
+        if end <= len(row.prompt):
+            return row.prompt[: min(end, limit)]
+        if limit < len(row.prompt):
+            return row.prompt[:limit]
+        return row.prompt + row.result.token_ids[: end - len(row.prompt)]
+
+    def finish_prefill(self, row) -> None:
+        """The row's prompt is in the cache (or was refused by its budget): rows waiting for its
+        prefix may go, and its path may be evicted again."""
+        for block in self.blocks(row):
+            left = self.inflight.get(block, 0) - 1
+            if left > 0:
+                self.inflight[block] = left
+            else:
+                self.inflight.pop(block, None)
+        if row.index in self.pinned:
+            self.cache.pin(self.pinned.pop(row.index), -1)
+
+    def hold(self, row, found: Match) -> None:
+        if row.index in self.pinned:
+            self.cache.pin(self.pinned[row.index], -1)
+        self.cache.pin(found)
+        self.pinned[row.index] = found
+
+    def flat(self, slot: int, start: int, end: int) -> np.ndarray:
+        return flat_positions(self.table.table[slot : slot + 1], np.arange(start, end)[None])[0]
+
+    def summary(self) -> dict:
+        cache = self.cache
+        return {
+            "rows_adopted": self.rows_adopted,
+            "adopted_tokens": self.adopted_tokens,
+            "entries": cache.entries,
+            "cached_tokens": cache.cached_tokens,
+            "bytes": cache.nbytes,
+            "budget_bytes": cache.budget_bytes,
+            "evicted_tokens": cache.counters.evicted_tokens,
+        }

@@ -5,6 +5,7 @@ PrefillPlan → engine. `Pipeline.load(cfg)` builds it; `prepare` renders and to
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +17,7 @@ from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.engine import OnRowDone, OnToken
 from mlxcel.engine.prompt_cache import PROMPT_CACHE_SHARE, PromptCache
+from mlxcel.engine.prompt_cache_files import describe_model_key, load_entries, save_entries
 from mlxcel.engine.scheduler import BatchScheduler, ScheduleState, device_memory_bytes, supports_scheduling
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
@@ -146,6 +148,7 @@ class Pipeline:
         self.stop_ids = self._merge_stop_ids() if loaded else set()
         self.sampler = self.make_sampler() if loaded else None
         self.prompt_cache = make_prompt_cache(cfg) if loaded and cfg.runner.prompt_cache else None
+        self.prompt_cache_key = ""  # names this model's folder under runner.prompt_cache_dir (load_prompt_cache)
         self.keep_answers = False  # snapshot answers into the prompt cache too (a chat's next turn starts with them)
 
     @classmethod
@@ -158,7 +161,34 @@ class Pipeline:
         loaded = None
         if load_weights:
             loaded = load_weights_for(cfg, path, log, keep_weights)
-        return cls(cfg, header, tokenizer, loaded)
+        pipeline = cls(cfg, header, tokenizer, loaded)
+        pipeline.load_prompt_cache(path, log)
+        return pipeline
+
+    def load_prompt_cache(self, path: Path, log: TextIO | None) -> None:
+        """With runner.prompt_cache_dir: what earlier jobs of this model saved there."""
+        folder = self.cfg.runner.prompt_cache_dir
+        if self.prompt_cache is None or folder is None:
+            return
+        cfg = self.cfg
+        settings = {
+            "dtype": self.loaded.info["dtype"],
+            "gguf_weights": cfg.model.gguf_weights,
+            "quantize": cfg.model.quantize.model_dump() if cfg.model.quantize else None,
+            "fuse": cfg.model.resolved_fuse(),
+            "kv_bits": cfg.decode.kv_bits,
+            "kv_group_size": cfg.decode.kv_group_size if cfg.decode.kv_bits else None,
+        }
+        self.prompt_cache_key = describe_model_key(path, self.header.fingerprint, settings)
+        layers = len(self.loaded.model.model.layers)
+        used = load_entries(self.prompt_cache, Path(folder), self.prompt_cache_key, layers, log or sys.stderr)
+        if used:
+            say(log, f"prompt cache: {used} entries ({self.prompt_cache.cached_tokens} tokens) from {folder}")
+
+    def save_prompt_cache(self) -> None:
+        folder = self.cfg.runner.prompt_cache_dir
+        if self.prompt_cache is not None and folder is not None and self.prompt_cache_key:
+            save_entries(self.prompt_cache, Path(folder), self.prompt_cache_key)
 
     def _merge_stop_ids(self) -> set[int]:
         """EOS from the model, generation_config.json and the tokenizer, plus decode.stop_token_ids;
@@ -256,14 +286,17 @@ class Pipeline:
     ) -> BatchState | ScheduleState:
         """Run these rows to the end (see group_rows for how many at once)."""
         request = self.make_request(batch)
-        return self.make_engine(request).generate(request, on_token or (lambda row, token: True), on_row_done)
+        state = self.make_engine(request).generate(request, on_token or (lambda row, token: True), on_row_done)
+        self.save_prompt_cache()
+        return state
 
     def steps(
         self, batch: list[PreparedSample], on_token: OnToken, on_row_done: OnRowDone | None = None
     ) -> Iterator[BatchState | ScheduleState]:
         """Run these rows, yielding after every decode step (for streaming APIs)."""
         request = self.make_request(batch)
-        return self.make_engine(request).steps(request, on_token, on_row_done)
+        yield from self.make_engine(request).steps(request, on_token, on_row_done)
+        self.save_prompt_cache()
 
     def group_rows(self, rows: list) -> list[list]:
         """How a job's rows go to generate(): all at once to the scheduler (runner.max_rows of them

@@ -71,8 +71,9 @@ class GenerationStats:
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
     # the scheduler's host work per iteration: below the device's step time, the device bounds the job
     host_ms_per_step: float = 0.0
-    # rows that adopted a prefix, tokens adopted and computed, the prefill time that saved (estimated
-    # at the job's prefill rate), and the cache's entries; empty with runner.prompt_cache=false
+    # rows that adopted a prefix, prompt tokens adopted and computed, and the cache's entries; empty
+    # with runner.prompt_cache=false. (Time saved is measured by bench.jobs --shared-prefix, cache off
+    # vs on: in continuous batching no row's prefill time can be subtracted from the job's.)
     prompt_cache: dict = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)
 
@@ -137,7 +138,7 @@ def make_generation_stats(
         kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
         host_ms_per_step=round(sum(b.host_ms for b in batches) / max(1, sum(b.iterations for b in batches)), 3),
-        prompt_cache=summarize_prompt_cache(batches, prefill_ms),
+        prompt_cache=summarize_prompt_cache(batches),
         batches=[
             {
                 "rows": b.rows,
@@ -152,7 +153,7 @@ def make_generation_stats(
     )
 
 
-def summarize_prompt_cache(batches: list[BatchStats], prefill_ms: float) -> dict:
+def summarize_prompt_cache(batches: list[BatchStats]) -> dict:
     caches = [b.prompt_cache for b in batches if b.prompt_cache is not None]
     if not caches:
         return {}
@@ -163,8 +164,7 @@ def summarize_prompt_cache(batches: list[BatchStats], prefill_ms: float) -> dict
         "rows_adopted": sum(b.rows_adopted for b in batches),
         "adopted_tokens": adopted,
         "computed_prompt_tokens": computed,
-        # an estimate: the adopted tokens at the job's prefill rate (prompt_tokens / prefill_time_ms)
-        "prefill_saved_ms": round(adopted * prefill_ms / (adopted + computed), 3) if adopted + computed else 0.0,
+        "adopted_share": round(adopted / (adopted + computed), 4) if adopted + computed else 0.0,
         "entries": last["entries"],
         "cached_tokens": last["cached_tokens"],
         "cache_gb": round(last["bytes"] / 1e9, 4),
@@ -230,10 +230,9 @@ def format_stats_table(stats: GenerationStats) -> str:
         )
     cache = stats.prompt_cache
     if cache.get("rows_adopted"):
-        share = cache["adopted_tokens"] / max(1, stats.prompt_tokens)
         lines.append(
-            f"prompt cache: {cache['rows_adopted']} rows adopted {cache['adopted_tokens']} prompt tokens ({share:.0%}),"
-            f" ~{cache['prefill_saved_ms']:.0f} ms of prefill saved"
+            f"prompt cache: {cache['rows_adopted']} rows adopted {cache['adopted_tokens']} of the prompt tokens"
+            f" ({cache['adopted_share']:.0%}), not prefilled again"
         )
     occupancy = f" | occupancy {stats.occupancy:.1f}" if stats.occupancy else ""
     lines.append(

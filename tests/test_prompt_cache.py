@@ -15,6 +15,7 @@ import pytest
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.prompt_cache import PromptCache
+from mlxcel.engine.prompt_cache_files import load_entries, save_entries
 from mlxcel.engine.scheduler import BatchScheduler, kv_bytes_per_position
 from mlxcel.sampling import Sampler
 from tests.helpers import make_tiny_checkpoint
@@ -188,3 +189,66 @@ def test_eviction_is_least_recently_used_and_spares_pinned_nodes():
     # an entry larger than the whole budget is not stored
     assert cache.insert(list(range(20)), 0, stored_for(list(range(20)))).length == 0
     assert cache.nbytes <= cache.budget_bytes
+
+
+# ---- on disk ----
+def test_entries_saved_by_one_job_are_adopted_by_the_next(model, tmp_path):
+    prompts = shared_prefix_prompts(7, 4)
+    off = run(model, prompts)
+    first = big_cache()
+    run(model, prompts[:1], cache=first)
+    assert save_entries(first, tmp_path, "key") == first.entries > 0
+    assert save_entries(first, tmp_path, "key") == 0  # nothing new
+    second = big_cache()
+    layers = len(model.model.layers)
+    assert load_entries(second, tmp_path, "key", layers) == first.entries
+    again = run(model, prompts, cache=second)
+    assert token_ids(again) == token_ids(off)
+    assert again.results[0].cached_tokens == len(prompts[0]) - 1
+    assert all(r.cached_tokens >= 150 for r in again.results)
+
+
+def test_corrupt_foreign_and_old_files_are_ignored_with_a_warning(model, tmp_path):
+    import io
+    import json as jsonlib
+
+    first = big_cache()
+    run(model, [shared_prefix_prompts(8, 1)[0]], cache=first)
+    save_entries(first, tmp_path, "key")
+    files = sorted((tmp_path / "key").glob("*.safetensors"))
+    good, *rest = files
+    # a truncated file
+    bad = tmp_path / "key" / good.name.replace("-", "-9", 1)
+    bad.write_bytes(good.read_bytes()[:100])
+    # another model's file, copied into this model's folder
+    arrays, metadata = mx.load(str(good), return_metadata=True)
+    foreign = tmp_path / "key" / ("f" * 32 + "-0.safetensors")
+    mx.save_safetensors(str(foreign), arrays, metadata={**metadata, "model_key": "other"})
+    # an older format
+    old = tmp_path / "key" / ("0" * 32 + "-0.safetensors")
+    mx.save_safetensors(str(old), arrays, metadata={**metadata, "format": "0"})
+    # token ids edited after writing (the name no longer matches them)
+    edited = tmp_path / "key" / ("e" * 32 + "-0.safetensors")
+    tokens = jsonlib.loads(metadata["token_ids"])
+    mx.save_safetensors(str(edited), arrays, metadata={**metadata, "token_ids": jsonlib.dumps(tokens[::-1])})
+    log = io.StringIO()
+    second = big_cache()
+    used = load_entries(second, tmp_path, "key", len(model.model.layers), log)
+    lines = log.getvalue().splitlines()
+    assert used == len(files)
+    assert len(lines) == 4 and all(line.startswith("mlxcel: prompt cache: ignoring ") for line in lines), lines
+    assert "not a readable safetensors file" in log.getvalue()
+    assert "written for another model" in log.getvalue()
+    assert "format version '0'" in log.getvalue()
+    assert "do not match its name" in log.getvalue()
+
+
+def test_a_file_with_the_wrong_layer_count_is_ignored(model, tmp_path):
+    import io
+
+    first = big_cache()
+    run(model, [shared_prefix_prompts(9, 1)[0]], cache=first)
+    save_entries(first, tmp_path, "key")
+    log = io.StringIO()
+    assert load_entries(big_cache(), tmp_path, "key", len(model.model.layers) + 1, log) == 0
+    assert "do not match its token ids or this model's layers" in log.getvalue()

@@ -87,14 +87,16 @@ class PrefixReuse:
         return length
 
     # ---- snapshots ----
-    def record(self, row, end: int) -> None:
+    def record(self, row, end: int) -> list:
         """Snapshot the row's positions up to `end` (a piece's end, or a finished row's last
         fed token) into the cache; the pool holds all of them, so a prefix evicted meanwhile is
-        stored again."""
+        stored again. Returns the new arrays: the caller queues them with the call's work (an
+        unevaluated read would keep the whole pool's old version alive on the plain path)."""
         tokens = self.row_tokens(row, end)
         if not tokens:
-            return
+            return []
         have = self.cache.match(tokens).length
+        stored = []
         if have < len(tokens):
             flat = self.flat(row.slot, have, len(tokens))
             stored = [cache.read_positions(flat) for cache in self.caches]
@@ -104,6 +106,7 @@ class PrefixReuse:
             self.cache.touch(found)
         if row.index in self.pinned:
             self.hold(row, found)
+        return [a for layer in stored for a in layer]
 
     def row_tokens(self, row, end: int) -> list[int]:
         """The tokens fed at positions [0, end), within what the row may share."""

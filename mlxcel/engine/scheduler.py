@@ -372,7 +372,7 @@ class BatchScheduler:
                 if self.keep_answers and self.reuse is not None:
                     # every fed position: the prompt and each token drawn but the last
                     fed = len(row.prompt) + len(row.result.token_ids) - 1
-                    self.reuse.record(row, min(int(table.lengths[row.slot]), fed))
+                    submit(self.reuse.record(row, min(int(table.lengths[row.slot]), fed)), state)
                 table.release(row.slot)
                 free_slots.append(row.slot)
                 row.slot = -1
@@ -628,12 +628,11 @@ class BatchScheduler:
         """Queue a prefill call's work, and record each row's piece. Each call is submitted on its
         own: one submission an iteration (pieces with the draw) was a quarter slower on CUDA, as
         larger, ever-different graphs (docs/benchmarks.md)."""
-        submit([a for c in caches for a in c.state], state)
+        snapshots = [a for r, (_, end) in zip(rows, spans) for a in self.reuse.record(r, end)] if self.reuse else []
+        submit([a for c in caches for a in c.state] + snapshots, state)
         ms = round((time.perf_counter() - began) * 1000, 3)
         for r, (start, end), pad in zip(rows, spans, pads):
             r.prefilled = end
-            if self.reuse is not None:
-                self.reuse.record(r, end)
             state.timings.prefill_pieces.append(
                 {
                     "row": r.index,

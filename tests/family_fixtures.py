@@ -138,24 +138,49 @@ def mlxcel_generate(model, prompts: list[list[int]], n: int, **request) -> list[
 
 
 def measure_parity(folder: Path, prompt: list[int] = PROMPT, n: int = GREEDY_TOKENS) -> dict:
-    """fp32 logits over the prompt and n greedy tokens, mlxcel against transformers."""
+    """Build both sides of a parity check and compare nothing: fp32 logits over the prompt and n
+    greedy tokens, from mlxcel and from transformers (check_parity compares them). A module-scoped
+    fixture builds this once, so a mismatch fails the test that checks it, not the fixture."""
     reference = load_reference(folder)
     expected = reference_logits(reference, prompt)
     got, loaded = mlxcel_logits(folder, prompt)
-    assert got.shape == expected.shape
     return {
-        "max_abs_diff": float(np.abs(got - expected).max()),
+        "folder": folder,
+        "logits": got,
+        "reference_logits": expected,
         "greedy": mlxcel_generate(loaded.model, [prompt], n)[0],
         "reference_greedy": reference_greedy(reference, prompt, n),
         "model": loaded.model,
+        "reference": reference,
     }
 
 
-def assert_parity(folder: Path, prompt: list[int] = PROMPT) -> dict:
-    result = measure_parity(folder, prompt)
-    assert result["max_abs_diff"] <= LOGIT_TOLERANCE, result["max_abs_diff"]
+def check_parity(result: dict) -> dict:
+    """measure_parity's two sides agree: logits within LOGIT_TOLERANCE, greedy tokens identical."""
+    got, expected = result["logits"], result["reference_logits"]
+    assert got.shape == expected.shape
+    max_abs_diff = float(np.abs(got - expected).max())
+    assert max_abs_diff <= LOGIT_TOLERANCE, max_abs_diff
     assert result["greedy"] == result["reference_greedy"]
     return result
+
+
+def assert_parity(folder: Path, prompt: list[int] = PROMPT) -> dict:
+    """Build and check at once: for a test's own checkpoint (never inside a fixture)."""
+    return check_parity(measure_parity(folder, prompt))
+
+
+def longrope(pairs: int, original: int) -> dict:
+    """Phi-3's longrope config keys: short factors below `original` positions, long ones past it."""
+    return {
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+            "long_factor": [2.0 + 1.5 * i for i in range(pairs)],
+        },
+        "original_max_position_embeddings": original,
+        "max_position_embeddings": 256,
+    }
 
 
 def prefill_last_logits(model, prompts: list[list[int]], pad_id: int = 0) -> np.ndarray:

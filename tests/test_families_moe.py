@@ -1,9 +1,8 @@
-"""Mixture-of-experts families (Mixtral, Qwen3-MoE) against transformers, and the stacked-expert
-layers (gather_mm / gather_qmm) against a per-expert loop."""
+"""Mixture-of-experts layers: the stacked experts (gather_mm / gather_qmm) against a per-expert loop,
+routing, quantized experts, mlx-lm's converted folders and the presets. Mixtral and Qwen3-MoE against
+transformers are in tests/test_text_families.py."""
 
 from __future__ import annotations
-
-import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -16,143 +15,9 @@ from mlxcel.models.switch import (
     SwitchLinear,
     route_top_k,
 )
-from tests.family_fixtures import (
-    LOGIT_TOLERANCE,
-    PROMPT,
-    assert_batch_rows_match_alone,
-    assert_parity,
-    assert_pieces_match_one_shot,
-    make_family_checkpoint,
-    mlxcel_generate,
-    mlxcel_logits,
-    reference_logits,
-)
+from tests.family_fixtures import PROMPT, make_family_checkpoint, mlxcel_logits
 
 pytest.importorskip("torch")
-
-BATCH = [PROMPT, PROMPT[5:28], PROMPT[:9], PROMPT[3:34]]
-
-
-@pytest.fixture(scope="module")
-def tiny_mixtral(tmp_path_factory):
-    return make_family_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=11)
-
-
-@pytest.fixture(scope="module")
-def mixtral_parity(tiny_mixtral):
-    return assert_parity(tiny_mixtral)
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe_parity(tmp_path_factory):
-    return assert_parity(make_family_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=11))
-
-
-def flip_routing_normalisation(model) -> None:
-    for layer in model.model.layers:
-        moe = layer.block_sparse_moe if "block_sparse_moe" in layer else layer.mlp
-        if hasattr(moe, "normalize"):
-            moe.normalize = not moe.normalize
-
-
-def assert_normalisation_matters(folder, model) -> None:
-    """The fixture's router weights are far enough from one-hot that renormalising or not shows
-    in the logits: the parity above would catch the wrong choice."""
-    from tests.helpers import load_reference
-
-    expected = reference_logits(load_reference(folder), PROMPT)
-    flip_routing_normalisation(model)
-    try:
-        flipped = np.array(model(mx.array([PROMPT]), model.make_cache())[0])
-    finally:
-        flip_routing_normalisation(model)
-    assert np.abs(flipped - expected).max() > 100 * LOGIT_TOLERANCE
-
-
-def test_mixtral_matches_transformers(mixtral_parity, tiny_mixtral):
-    model = mixtral_parity["model"]
-    moe = model.model.layers[0].block_sparse_moe
-    assert moe.normalize and moe.top_k == 2
-    assert moe.switch_mlp.gate_up_proj.weight.shape == (4, 256, 64)  # 4 experts stacked, gate and up fused
-    assert moe.switch_mlp.down_proj.weight.shape == (4, 64, 128)
-    assert model.layer_windows == [16, 16] and model.eos_token_ids() == [2]
-    assert_normalisation_matters(tiny_mixtral, model)
-
-
-def test_mixtral_batch_rows_match_alone(mixtral_parity):
-    assert_batch_rows_match_alone(mixtral_parity["model"], BATCH)
-
-
-@pytest.mark.parametrize("piece,tile", [(7, None), (12, 8)])
-def test_mixtral_pieces_match_one_shot(mixtral_parity, piece, tile):
-    model = mixtral_parity["model"]
-    assert model.supports_multi_piece_prefill and model.supports_padded_prefill
-    assert_pieces_match_one_shot(model, PROMPT, piece, tile)
-
-
-def test_mixtral_loads_transformers_stacked_experts(tiny_mixtral, tmp_path):
-    """save_original_format=False keeps transformers 5's in-memory names: mlp.experts.gate_up_proj
-    [E, 2I, H] and mlp.experts.down_proj, no per-expert tensors."""
-    from safetensors import safe_open
-
-    from tests.helpers import load_reference
-
-    folder = tmp_path / "stacked"
-    load_reference(tiny_mixtral).save_pretrained(folder, save_original_format=False)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tiny_mixtral / name, folder / name)
-    with safe_open(str(folder / "model.safetensors"), "np") as f:
-        names = list(f.keys())
-    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
-    stacked, _ = mlxcel_logits(folder, PROMPT)
-    per_expert, _ = mlxcel_logits(tiny_mixtral, PROMPT)
-    np.testing.assert_allclose(stacked, per_expert, atol=1e-5)
-
-
-def test_qwen3_moe_matches_transformers(qwen3_moe_parity):
-    model = qwen3_moe_parity["model"]
-    assert model.args.sparse_layers == [True, True] and model.args.norm_topk_prob
-    attn = model.model.layers[0].self_attn
-    assert attn.q_norm.weight.shape == (32,)
-    assert model.model.layers[1].mlp.switch_mlp.down_proj.weight.shape == (4, 64, 48)
-
-
-def test_qwen3_moe_batch_rows_match_alone(qwen3_moe_parity):
-    assert_batch_rows_match_alone(qwen3_moe_parity["model"], BATCH)
-
-
-@pytest.mark.parametrize("piece,tile", [(16, None), (12, 8)])
-def test_qwen3_moe_pieces_match_one_shot(qwen3_moe_parity, piece, tile):
-    assert_pieces_match_one_shot(qwen3_moe_parity["model"], PROMPT, piece, tile)
-
-
-def test_qwen3_moe_dense_layers_and_unnormalised_routing_match_transformers(tmp_path):
-    """decoder_sparse_step=2 makes layers 1 and 3 sparse, mlp_only_layers=[3] turns 3 dense
-    again; norm_topk_prob=False (Qwen3-30B-A3B's own setting is True) keeps the raw top-k probabilities."""
-    folder = make_family_checkpoint(
-        tmp_path / "q",
-        "qwen3_moe",
-        seed=12,
-        num_hidden_layers=4,
-        decoder_sparse_step=2,
-        mlp_only_layers=[3],
-        norm_topk_prob=False,
-    )
-    model = assert_parity(folder)["model"]
-    assert model.args.sparse_layers == [False, True, False, False]
-    assert isinstance(model.model.layers[0].mlp.gate_up_proj, nn.Linear)  # dense: intermediate_size
-    assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (256, 64)
-    assert model.model.layers[1].mlp.normalize is False
-    assert_normalisation_matters(folder, model)
-
-
-def test_qwen3_moe_sliding_window_covers_every_layer(tmp_path):
-    """Unlike dense Qwen3, transformers' Qwen3-MoE slides every layer when use_sliding_window
-    (max_window_layers is ignored: reading it as Qwen3 does gives |dlogit| ~7 here)."""
-    folder = make_family_checkpoint(
-        tmp_path / "q", "qwen3_moe", seed=13, use_sliding_window=True, sliding_window=12, max_window_layers=1
-    )
-    assert assert_parity(folder)["model"].layer_windows == [12, 12]
 
 
 def loop_over_experts(glu: SwitchGLU, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
@@ -232,39 +97,6 @@ def test_quantized_experts_fuse_gate_and_up():
     np.testing.assert_allclose(np.array(glu(x, indices)), separate, atol=1e-5)
 
 
-def test_model_quantize_at_load_reaches_the_experts(tiny_mixtral, mixtral_parity):
-    """model.quantize: the stacked experts quantize through to_quantized (the fused gate/up stays
-    fused); 8 bits keeps most argmaxes of this random model (its router is quantized too)."""
-    from mlxcel.checkpoints.loader import load_model
-
-    loaded = load_model(str(tiny_mixtral), dtype="float32", quantize={"bits": 8, "group_size": 32})
-    switch = loaded.model.model.layers[0].block_sparse_moe.switch_mlp
-    assert isinstance(switch.gate_up_proj, QuantizedSwitchLinear) and switch.gate_up_proj.bits == 8
-    assert isinstance(switch.down_proj, QuantizedSwitchLinear)
-    assert loaded.info["quantization"]["mean_abs_logit_diff"] > 0
-    fp32 = np.array(mixtral_parity["model"](mx.array([PROMPT]), mixtral_parity["model"].make_cache())[0])
-    q8 = np.array(loaded.model(mx.array([PROMPT]), loaded.model.make_cache())[0])
-    assert (q8.argmax(-1) == fp32.argmax(-1)).mean() >= 0.9
-
-
-def test_quantized_moe_matches_its_dequantized_form(tiny_mixtral):
-    """The quantized experts turn back into dense SwitchLinears with the same weights: logits
-    equal and greedy tokens identical (the reference a quantized checkpoint is compared with)."""
-    from mlxcel.checkpoints.loader import load_model
-    from mlxcel.checkpoints.quantize import dequantize_model
-    from mlxcel.models.switch import SwitchLinear
-
-    quantized = load_model(str(tiny_mixtral), dtype="float32", quantize={"bits": 4, "group_size": 32})
-    dense = load_model(str(tiny_mixtral), dtype="float32", quantize={"bits": 4, "group_size": 32})
-    dequantize_model(dense.model)
-    switch = dense.model.model.layers[0].block_sparse_moe.switch_mlp
-    assert type(switch.gate_up_proj) is SwitchLinear and type(switch.down_proj) is SwitchLinear
-    q = np.array(quantized.model(mx.array([PROMPT]), quantized.model.make_cache())[0])
-    d = np.array(dense.model(mx.array([PROMPT]), dense.model.make_cache())[0])
-    assert np.abs(q - d).max() <= 1e-3
-    assert mlxcel_generate(quantized.model, [PROMPT], 16) == mlxcel_generate(dense.model, [PROMPT], 16)
-
-
 @pytest.mark.parametrize("family,overrides", [("mixtral", {"sliding_window": None}), ("qwen3_moe", {})])
 def test_mlx_lm_convert_moe_folder_loads_and_matches_mlx_lm(family, overrides, tmp_path):
     """mlx_lm.convert -q writes switch_mlp.{gate,up,down}_proj stacked and packed (dev-only
@@ -302,15 +134,3 @@ def test_moe_presets_require_a_path_and_name_their_family(tmp_path):
         model = validate_config(compose_run([f"model={preset}", f"model.path={tmp_path}"])).model
         assert model.path == str(tmp_path) and preset in model.families
         assert preset in list_supported_families()
-
-
-def test_qwen3_moe_compiled_decode_matches_eager(qwen3_moe_parity, monkeypatch):
-    """Routing, top-k and the expert gather trace into the compiled step (no sliding window here)."""
-    from mlxcel.engine.compiled import CompiledDecoder
-    from tests.family_fixtures import mlxcel_generate
-
-    model = qwen3_moe_parity["model"]
-    assert CompiledDecoder.can_drive(model.make_cache(1))
-    eager = mlxcel_generate(model, BATCH, 12)
-    monkeypatch.setenv("MLXCEL_COMPILE", "1")
-    assert mlxcel_generate(model, BATCH, 12) == eager

@@ -1,4 +1,6 @@
-"""fp32 logits and greedy tokens against HF transformers on tiny random checkpoints."""
+"""The dense llama/qwen2 code paths on tiny random checkpoints: config reading, fused and separate
+projections, memory. Their logits and greedy tokens against transformers are in
+tests/test_text_families.py."""
 
 from __future__ import annotations
 
@@ -9,61 +11,10 @@ import numpy as np
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
-from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.sampling import Sampler
-from tests.helpers import load_reference, make_tiny_checkpoint
+from tests.family_fixtures import PROMPT, mlxcel_logits
+from tests.helpers import make_tiny_checkpoint
 
-torch = pytest.importorskip("torch")
-
-PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]
-
-
-def mlxcel_logits(folder, ids):
-    loaded = load_model(str(folder), dtype="float32")
-    cache = loaded.model.make_cache()
-    return np.array(loaded.model(mx.array([ids]), cache)[0]), loaded
-
-
-def reference_greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, len(ids) :].tolist()
-
-
-def mlxcel_greedy(loaded, ids, n):
-    engine = DirectEngine(loaded.model, max_context=512)
-    state = engine.generate(GenerationRequest([RowRequest(ids)], Sampler("greedy"), max_tokens=n))
-    return state.results[0].token_ids
-
-
-def check_parity(folder):
-    reference = load_reference(folder)
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
-    got, loaded = mlxcel_logits(folder, PROMPT)
-    assert got.shape == expected.shape
-    assert np.abs(got - expected).max() <= 1e-3
-    assert mlxcel_greedy(loaded, PROMPT, 32) == reference_greedy(reference, PROMPT, 32)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_logits_and_greedy_match_transformers(family, tiny_llama, tiny_qwen2):
-    check_parity(tiny_llama if family == "llama" else tiny_qwen2)
-
-
-def test_llama3_rope_scaling_matches_transformers(tmp_path):
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-        "rope_theta": 500000.0,
-    }
-    folder = make_tiny_checkpoint(tmp_path / "llama3", "llama", seed=2, rope_scaling=scaling, tie_word_embeddings=True)
-    check_parity(folder)
+pytest.importorskip("torch")
 
 
 def test_rope_theta_read_from_rope_parameters_only(tmp_path, tiny_llama):

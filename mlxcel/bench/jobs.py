@@ -335,7 +335,12 @@ def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
     scheduler = (
         None
         if stats is None
-        else {"occupancy": stats.occupancy, "host_ms_per_step": stats.host_ms_per_step, "kv_peak_gb": stats.kv_peak_gb}
+        else {
+            "occupancy": stats.occupancy,
+            "host_ms_per_step": stats.host_ms_per_step,
+            "kv_peak_gb": stats.kv_peak_gb,
+            "prompt_cache": stats.prompt_cache,
+        }
     )
     return JobRun(
         wall,

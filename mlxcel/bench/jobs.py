@@ -205,6 +205,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "peak memory against it"
         ),
     )
+    parser.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="mlxcel with runner.prompt_cache=false (the job's rows share no prefix: what the cache costs)",
+    )
     add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
     models, rows, prompt_tokens, output_tokens, max_rows = (
@@ -299,7 +304,9 @@ class DiscardedOutputs:
         pass
 
 
-def load_mlxcel(folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int) -> TokenIdPipeline:
+def load_mlxcel(
+    folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True
+) -> TokenIdPipeline:
     """Composed as mlxcel-run composes a config (conf/ defaults: greedy sampler), plus the job's settings."""
     cfg = load_config(
         {
@@ -308,7 +315,7 @@ def load_mlxcel(folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: in
             "template": {"kind": "none"},
             "decode": {"ignore_eos": True},  # each row's max_tokens is its output length
             "prompt": {"text": "unused: the rows are token ids"},
-            "runner": {"max_rows": max_rows, "progress": "log"},
+            "runner": {"max_rows": max_rows, "progress": "log", "prompt_cache": prompt_cache},
         }
     )
     return TokenIdPipeline.load(cfg)
@@ -374,11 +381,11 @@ def run_mlx_lm(model, job: Job, max_rows: int) -> JobRun:
 
 
 def load_engine(
-    name: str, folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int
+    name: str, folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True
 ) -> tuple[Callable[[Job], JobRun], int]:
     """The engine's job runner and its weight bytes."""
     if name == "mlxcel":
-        pipeline = load_mlxcel(folder, tokenizer_dir, dtype, max_rows)
+        pipeline = load_mlxcel(folder, tokenizer_dir, dtype, max_rows, prompt_cache)
         return partial(run_mlxcel, pipeline), count_weight_bytes(pipeline.loaded.model)
     peer = load_peer(name, folder, dtype)
     return partial(run_mlx_lm, peer.model, max_rows=max_rows), peer.weight_bytes
@@ -400,7 +407,10 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
     config = json.loads((folder / "config.json").read_text())
     vocab_size, special_ids = config["vocab_size"], read_special_ids(config)
     tokenizer_dir = prepare_tokenizer(vocab_size, work_dir)
-    engines = {name: load_engine(name, folder, tokenizer_dir, dtype, args.max_rows) for name in args.engines}
+    engines = {
+        name: load_engine(name, folder, tokenizer_dir, dtype, args.max_rows, not args.no_prompt_cache)
+        for name in args.engines
+    }
     # JIT, allocator and first-call costs; a full decode batch, so a GPU traces that batch size here
     warm_up = draw_job(
         args.max_rows, (args.prompt_tokens[0],) * 2, (WARM_UP_OUTPUT,) * 2, vocab_size, special_ids, args.seed + 1

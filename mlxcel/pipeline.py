@@ -330,6 +330,7 @@ class Pipeline:
                 decode_step=self.cfg.decode.step,
                 prompt_cache=self.prompt_cache,
                 keep_answers=self.keep_answers,
+                snapshot_all=self.cfg.runner.prompt_cache_dir is not None,
             )
         return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined, decode_step=self.cfg.decode.step)
 

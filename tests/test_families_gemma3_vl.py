@@ -357,7 +357,7 @@ def test_the_prompt_cache_never_hands_one_images_state_to_another(checkpoint, im
     assert rows[0].prompt_ids == rows[1].prompt_ids  # the placeholders look alike
 
     def run(row, cache):
-        scheduler = BatchScheduler(model, 512, 2, prompt_cache=cache)
+        scheduler = BatchScheduler(model, 512, 2, prompt_cache=cache, snapshot_all=True)  # as a chat keeps all
         return scheduler.generate(GenerationRequest([row], Sampler("greedy"), max_tokens=12)).results[0]
 
     cache = PromptCache(1 << 30)

@@ -37,11 +37,27 @@ def model(tiny_llama, on_the_cpu):
     return load_model(str(tiny_llama), dtype="float32").model
 
 
-def run(model, prompts, sampler=GREEDY, cache=None, max_rows=4, chunk_size=None, keep_answers=False, **kwargs):
+def run(
+    model,
+    prompts,
+    sampler=GREEDY,
+    cache=None,
+    max_rows=4,
+    chunk_size=None,
+    keep_answers=False,
+    snapshot_all=False,
+    **kwargs,
+):
     rows = [RowRequest(p, row_id=i, max_tokens=12) for i, p in enumerate(prompts)]
     request = GenerationRequest(rows, sampler, max_tokens=12, **kwargs)
     scheduler = BatchScheduler(
-        model, 512, max_rows, chunk_size=chunk_size, prompt_cache=cache, keep_answers=keep_answers
+        model,
+        512,
+        max_rows,
+        chunk_size=chunk_size,
+        prompt_cache=cache,
+        keep_answers=keep_answers,
+        snapshot_all=snapshot_all,
     )
     return scheduler.generate(request)
 
@@ -81,12 +97,27 @@ def test_a_second_job_adopts_what_the_first_left(model):
     prompts = shared_prefix_prompts(1, 6)
     off = run(model, prompts)
     cache = big_cache()
-    run(model, prompts[:2], cache=cache)
+    run(model, prompts[:2], cache=cache, snapshot_all=True)  # every prompt kept, as with a cache folder
     again = run(model, prompts, cache=cache)
     assert token_ids(again) == token_ids(off)
     # the first two rows adopt all but their last token; the rest the shared prefix at least
     assert [r.cached_tokens for r in again.results][:2] == [len(p) - 1 for p in prompts[:2]]
     assert all(r.cached_tokens >= 150 for r in again.results)
+
+
+def test_a_job_whose_rows_share_nothing_stores_nothing(model):
+    """Only what this job's rows share is snapshotted (unless every prompt is wanted later):
+    a ragged job of unrelated rows pays no copies."""
+    rng = random.Random(12)
+    unrelated = [[rng.randrange(3, 300) for _ in range(rng.randint(40, 90))] for _ in range(6)]
+    cache = big_cache()
+    run(model, unrelated, cache=cache)
+    assert cache.entries == 0
+    shared = shared_prefix_prompts(13, 4, 100)
+    run(model, shared, cache=cache)
+    assert 100 <= cache.cached_tokens < sum(map(len, shared))  # the shared part, not the rows' own ends
+    run(model, unrelated, cache=cache, snapshot_all=True)
+    assert cache.cached_tokens >= 100 + sum(map(len, unrelated))
 
 
 def test_rows_adopt_mid_batch_with_random_arrival_and_max_rows(model):
@@ -196,7 +227,7 @@ def test_entries_saved_by_one_job_are_adopted_by_the_next(model, tmp_path):
     prompts = shared_prefix_prompts(7, 4)
     off = run(model, prompts)
     first = big_cache()
-    run(model, prompts[:1], cache=first)
+    run(model, prompts[:1], cache=first, snapshot_all=True)
     assert save_entries(first, tmp_path, "key") == first.entries > 0
     assert save_entries(first, tmp_path, "key") == 0  # nothing new
     second = big_cache()
@@ -213,7 +244,7 @@ def test_corrupt_foreign_and_old_files_are_ignored_with_a_warning(model, tmp_pat
     import json as jsonlib
 
     first = big_cache()
-    run(model, [shared_prefix_prompts(8, 1)[0]], cache=first)
+    run(model, [shared_prefix_prompts(8, 1)[0]], cache=first, snapshot_all=True)
     save_entries(first, tmp_path, "key")
     files = sorted((tmp_path / "key").glob("*.safetensors"))
     good, *rest = files
@@ -247,7 +278,7 @@ def test_a_file_with_the_wrong_layer_count_is_ignored(model, tmp_path):
     import io
 
     first = big_cache()
-    run(model, [shared_prefix_prompts(9, 1)[0]], cache=first)
+    run(model, [shared_prefix_prompts(9, 1)[0]], cache=first, snapshot_all=True)
     save_entries(first, tmp_path, "key")
     log = io.StringIO()
     assert load_entries(big_cache(), tmp_path, "key", len(model.model.layers) + 1, log) == 0

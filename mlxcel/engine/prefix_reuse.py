@@ -13,14 +13,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlxcel.engine.prompt_cache import Match, PromptCache
+from mlxcel.engine.prompt_cache import Match, PromptCache, count_common
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, flat_positions
 
 
 class PrefixReuse:
-    def __init__(self, cache: PromptCache, table: PageTable, caches: list, model, align: int = 1):
+    """`snapshot_all`: every row's prompt goes into the cache (a chat, a server, a cache folder:
+    later jobs may want it); otherwise only the part a row shares with another row of this job,
+    so a job whose rows share nothing pays nothing (a snapshot is a copy and a few kernels)."""
+
+    def __init__(
+        self,
+        cache: PromptCache,
+        table: PageTable,
+        caches: list,
+        model,
+        rows: list,
+        align: int = 1,
+        snapshot_all: bool = False,
+    ):
         self.cache, self.table, self.caches, self.model = cache, table, caches, model
         self.align = align  # adopted prefixes are a multiple of this (a kv_bits row's own piece size)
+        self.snapshot_all = snapshot_all
+        self.shared = {} if snapshot_all else count_shared_prefixes(rows, self.limit)
         self.pinned: dict[int, Match] = {}  # row index -> the path it relies on while it prefills
         self.inflight: dict[int, int] = {}  # block hash -> prefilling rows whose prefixes have that block
         self.row_blocks: dict[int, list[int]] = {}
@@ -40,10 +55,15 @@ class PrefixReuse:
             return row.prompt.index(self.model.image_token_id) if self.model.image_token_id in row.prompt else 0
         return len(row.prompt)
 
+    def snapshot_limit(self, row) -> int:
+        """Positions of the row worth a snapshot."""
+        return self.limit(row) if self.snapshot_all else self.shared.get(row.index, 0)
+
     def blocks(self, row) -> list[int]:
-        """Hashes of the row's whole BLOCK_SIZE-token blocks, each over every token before it."""
+        """Hashes of the row's whole BLOCK_SIZE-token blocks that another row may want, each over
+        every token before it."""
         if row.index not in self.row_blocks:
-            prompt, hashes, previous = row.prompt[: self.limit(row)], [], 0
+            prompt, hashes, previous = row.prompt[: self.snapshot_limit(row)], [], 0
             for start in range(0, len(prompt) - BLOCK_SIZE + 1, BLOCK_SIZE):
                 previous = hash((previous, tuple(prompt[start : start + BLOCK_SIZE])))
                 hashes.append(previous)
@@ -109,8 +129,8 @@ class PrefixReuse:
         return [a for layer in stored for a in layer]
 
     def row_tokens(self, row, end: int) -> list[int]:
-        """The tokens fed at positions [0, end), within what the row may share."""
-        limit = self.limit(row)
+        """The tokens fed at positions [0, end), within what is worth a snapshot."""
+        limit = self.snapshot_limit(row)
         if end <= len(row.prompt):
             return row.prompt[: min(end, limit)]
         if limit < len(row.prompt):
@@ -155,3 +175,15 @@ class PrefixReuse:
             "budget_bytes": cache.budget_bytes,
             "evicted_tokens": cache.counters.evicted_tokens,
         }
+
+
+def count_shared_prefixes(rows: list, limit) -> dict[int, int]:
+    """Row index -> the longest prefix (within `limit(row)`) it shares with another row: sorted,
+    each row's longest common prefix with any other is with a neighbour."""
+    prompts = {row.index: np.asarray(row.prompt[: limit(row)], dtype=np.int32) for row in rows}
+    order = sorted(prompts, key=lambda index: prompts[index].tolist())
+    shared = dict.fromkeys(prompts, 0)
+    for a, b in zip(order, order[1:]):
+        common = count_common(prompts[a], prompts[b])
+        shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
+    return shared

@@ -33,7 +33,7 @@ from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
-from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
+from mlxcel.models.paged_cache import ALIGNED_START, BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
@@ -186,10 +186,13 @@ class BatchScheduler:
         decode_step: str = "auto",
         prompt_cache: PromptCache | None = None,
         keep_answers: bool = False,
+        snapshot_all: bool = False,
     ):
         self.model = model
         self.prompt_cache = prompt_cache
         self.keep_answers = keep_answers  # snapshot finished rows' answers too (a chat's next turn starts with them)
+        # every prompt into the cache, not only what this job's rows share (a chat, a cache folder)
+        self.snapshot_all = snapshot_all or keep_answers
         self.reuse: PrefixReuse | None = None
         self.max_context = max_context
         self.max_rows = max_rows
@@ -247,9 +250,12 @@ class BatchScheduler:
         )
         self.reuse = None
         if self.prompt_cache is not None:
-            # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
+            # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one;
+            # where the kernels run, a piece that starts on a multiple of ALIGNED_START attends in
+            # cuDNN's causal mode, its fastest
             align = (self.pinned_chunk or request.chunk_size) if request.kv_bits else 1
-            self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, align)
+            align = ALIGNED_START if table.decode_kernel else align
+            self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, runnable, align, self.snapshot_all)
         try:
             for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
                 state.kv_peak_bytes = state.kv_peak_blocks * per_block

@@ -33,7 +33,7 @@ from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
-from mlxcel.models.paged_cache import ALIGNED_START, BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
+from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
@@ -250,11 +250,10 @@ class BatchScheduler:
         )
         self.reuse = None
         if self.prompt_cache is not None:
-            # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one;
-            # where the kernels run, a piece that starts on a multiple of ALIGNED_START attends in
-            # cuDNN's causal mode, its fastest
+            # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
+            # (rounding to cuDNN's aligned starts where the kernels run was slower on the H200: more
+            # tokens to compute for a mask-free piece; docs/benchmarks.md)
             align = (self.pinned_chunk or request.chunk_size) if request.kv_bits else 1
-            align = ALIGNED_START if table.decode_kernel else align
             self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, runnable, align, self.snapshot_all)
         try:
             for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):

@@ -11,6 +11,7 @@ whole row) and rows past longrope's switch (the long factors apply to every posi
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from mlxcel.engine.prompt_cache import Match, PromptCache, count_common
@@ -39,6 +40,7 @@ class PrefixReuse:
         self.pinned: dict[int, Match] = {}  # row index -> the path it relies on while it prefills
         self.inflight: dict[int, int] = {}  # block hash -> prefilling rows whose prefixes have that block
         self.row_blocks: dict[int, list[int]] = {}
+        self.arrays: dict[int, np.ndarray] = {}  # row index -> its prompt as int32 (matched often)
         self.rows_adopted = 0
         self.adopted_tokens = 0
 
@@ -80,7 +82,7 @@ class PrefixReuse:
             if block not in self.inflight:
                 break
             shared += BLOCK_SIZE
-        return shared > 0 and shared > self.cache.match(row.prompt, self.limit(row)).length
+        return shared > 0 and shared > self.cache.match(self.prompt_array(row), self.limit(row)).length
 
     def adopt(self, row) -> int:
         """Write the longest cached prefix of the admitted row's prompt (all but its last token,
@@ -88,15 +90,17 @@ class PrefixReuse:
         for block in self.blocks(row):
             self.inflight[block] = self.inflight.get(block, 0) + 1
         limit = min(self.limit(row), len(row.prompt) - 1)
-        found = self.cache.match(row.prompt, limit)
+        prompt = self.prompt_array(row)
+        found = self.cache.match(prompt, limit)
         length = found.length // self.align * self.align
         if length == 0:
             return 0
-        found = self.cache.match(row.prompt, length)
+        if length < found.length:
+            found = self.cache.match(prompt, length)
         stored = found.stored()
-        flat = self.flat(row.slot, 0, length)
+        index = self.index(row.slot, 0, length)
         for cache, arrays in zip(self.caches, stored):
-            cache.write_positions(flat, arrays)
+            cache.write_positions(index, arrays)
         self.table.lengths[row.slot] = length
         self.cache.touch(found)
         self.hold(row, found)
@@ -113,13 +117,13 @@ class PrefixReuse:
         stored again. Returns the new arrays: the caller queues them with the call's work (an
         unevaluated read would keep the whole pool's old version alive on the plain path)."""
         tokens = self.row_tokens(row, end)
-        if not tokens:
+        if not len(tokens):
             return []
         have = self.cache.match(tokens).length
         stored = []
         if have < len(tokens):
-            flat = self.flat(row.slot, have, len(tokens))
-            stored = [cache.read_positions(flat) for cache in self.caches]
+            index = self.index(row.slot, have, len(tokens))
+            stored = [cache.read_positions(index) for cache in self.caches]
             found = self.cache.insert(tokens, have, stored)
         else:
             found = self.cache.match(tokens)
@@ -128,14 +132,15 @@ class PrefixReuse:
             self.hold(row, found)
         return [a for layer in stored for a in layer]
 
-    def row_tokens(self, row, end: int) -> list[int]:
+    def row_tokens(self, row, end: int) -> np.ndarray:
         """The tokens fed at positions [0, end), within what is worth a snapshot."""
-        limit = self.snapshot_limit(row)
-        if end <= len(row.prompt):
-            return row.prompt[: min(end, limit)]
-        if limit < len(row.prompt):
-            return row.prompt[:limit]
-        return row.prompt + row.result.token_ids[: end - len(row.prompt)]
+        limit, prompt = self.snapshot_limit(row), self.prompt_array(row)
+        if end <= len(prompt):
+            return prompt[: min(end, limit)]
+        if limit < len(prompt):
+            return prompt[:limit]
+        answer = np.asarray(row.result.token_ids[: end - len(prompt)], dtype=np.int32)
+        return np.concatenate([prompt, answer])
 
     def finish_prefill(self, row) -> None:
         """The row's prompt is in the cache (or was refused by its budget): rows waiting for its
@@ -161,8 +166,14 @@ class PrefixReuse:
         self.cache.pin(found)
         self.pinned[row.index] = found
 
-    def flat(self, slot: int, start: int, end: int) -> np.ndarray:
-        return flat_positions(self.table.table[slot : slot + 1], np.arange(start, end)[None])[0]
+    def index(self, slot: int, start: int, end: int) -> mx.array:
+        """The slot's positions [start, end) as flat pool positions, one device array for every layer."""
+        return mx.array(flat_positions(self.table.table[slot : slot + 1], np.arange(start, end)[None])[0])
+
+    def prompt_array(self, row) -> np.ndarray:
+        if row.index not in self.arrays:
+            self.arrays[row.index] = np.asarray(row.prompt, dtype=np.int32)
+        return self.arrays[row.index]
 
     def summary(self) -> dict:
         cache = self.cache

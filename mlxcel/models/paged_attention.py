@@ -421,7 +421,13 @@ def read_positions(pool: PoolLayer, flat: mx.array) -> tuple[mx.array, mx.array]
     n = flat.shape[0]
     empty = mx.zeros((1, kv_heads, 1, dim), pool.keys.dtype)
     keys, values = write_and_gather(
-        pool, empty, empty, mx.zeros((1,), mx.int32), flat[None], mx.array([n], mx.int32), mx.array([1], mx.int32)
+        pool,
+        empty,
+        empty,
+        constant_array((0,), mx.int32),
+        flat[None],
+        mx.array([n], mx.int32),
+        constant_array((1,), mx.int32),
     )
     return keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2)
 
@@ -429,8 +435,14 @@ def read_positions(pool: PoolLayer, flat: mx.array) -> tuple[mx.array, mx.array]
 def write_positions(pool: PoolLayer, keys: mx.array, values: mx.array, flat: mx.array) -> None:
     """Store [n, KVH, D] keys and values at flat pool positions `flat` [n] (the gathered copy the
     kernel also returns is not used)."""
-    n = flat.shape[0]
     new_keys, new_values = (a.transpose(1, 0, 2)[None] for a in (keys, values))
-    write_and_gather(
-        pool, new_keys, new_values, flat, mx.zeros((1, n), mx.int32), mx.array([0], mx.int32), mx.array([0], mx.int32)
-    )
+    zero = constant_array((0,), mx.int32)
+    write_and_gather(pool, new_keys, new_values, flat, zero_index(flat.shape[0]), zero, zero)
+
+
+@lru_cache(maxsize=16)
+def zero_index(n: int) -> mx.array:
+    """[1, n] zeros: write_positions' unused gather (one array per length, shared by every layer)."""
+    index = mx.zeros((1, n), mx.int32)
+    mx.eval(index)
+    return index

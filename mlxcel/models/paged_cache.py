@@ -317,19 +317,18 @@ class PagedKVCache:
             self.pool, keys, values, step.write, step.gather, step.device_starts, step.device_leads
         )
 
-    def read_positions(self, flat: np.ndarray) -> list[mx.array]:
-        """What the pool holds at flat positions `flat` [n]: keys and values, [n, kv_heads, D]
-        each (the prompt cache's snapshots). On the in-place path a kernel reads them, ordered
-        after the kernels that wrote them."""
+    def read_positions(self, index: mx.array) -> list[mx.array]:
+        """What the pool holds at flat positions `index` [n] (int32, one array for every layer):
+        keys and values, [n, kv_heads, D] each (the prompt cache's snapshots). On the in-place
+        path a kernel reads them, ordered after the kernels that wrote them."""
         if self.pool is not None:
             from mlxcel.models import paged_attention
 
-            return list(paged_attention.read_positions(self.pool, mx.array(flat.astype(np.int32))))
-        index = mx.array(flat.astype(np.int32))
+            return list(paged_attention.read_positions(self.pool, index))
         return [self.keys[index], self.values[index]]
 
-    def write_positions(self, flat: np.ndarray, stored: list[mx.array]) -> None:
-        """Store what read_positions returned at flat positions `flat` (a row adopting a cached prefix)."""
+    def write_positions(self, index: mx.array, stored: list[mx.array]) -> None:
+        """Store what read_positions returned at flat positions `index` (a row adopting a cached prefix)."""
         keys, values = stored
         if self.table.in_place:
             from mlxcel.models import paged_attention
@@ -338,13 +337,12 @@ class PagedKVCache:
                 self.pool = paged_attention.PoolLayer(
                     self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[2], keys.dtype
                 )
-            paged_attention.write_positions(self.pool, keys, values, mx.array(flat.astype(np.int32)))
+            paged_attention.write_positions(self.pool, keys, values, index)
             return
         if self.keys is None:
             size = self.table.num_blocks * BLOCK_SIZE
             self.keys = mx.zeros((size, *keys.shape[1:]), keys.dtype)
             self.values = mx.zeros((size, *values.shape[1:]), values.dtype)
-        index = mx.array(flat.astype(np.int32))
         self.keys[index] = keys
         self.values[index] = values
 
@@ -405,18 +403,16 @@ class QuantizedPagedKVCache(PagedKVCache):
         packed, scales, biases = (gather_blocks(p, step, contiguous=False) for p in parts)
         return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits).astype(self.dtype)
 
-    def read_positions(self, flat: np.ndarray) -> list[mx.array]:
+    def read_positions(self, index: mx.array) -> list[mx.array]:
         """The packed keys' and values' parts (packed, scales, biases each) at flat positions."""
-        index = mx.array(flat.astype(np.int32))
         return [p[index] for parts in self.parts for p in parts]
 
-    def write_positions(self, flat: np.ndarray, stored: list[mx.array]) -> None:
+    def write_positions(self, index: mx.array, stored: list[mx.array]) -> None:
         if self.parts is None:
             size = self.table.num_blocks * BLOCK_SIZE
             grouped = (stored[:3], stored[3:])
             self.parts = tuple(tuple(mx.zeros((size, *a.shape[1:]), a.dtype) for a in parts) for parts in grouped)
             self.dtype = stored[1].dtype  # the scales are in the model's dtype
-        index = mx.array(flat.astype(np.int32))
         for part, value in zip([p for parts in self.parts for p in parts], stored):
             part[index] = value
 

@@ -1,5 +1,5 @@
 """The prompt cache: KV states of token prefixes, kept between rows, jobs and chat turns, so a row
-that starts with a cached prefix adopts it and prefills only the rest (SPEC.md rule 1).
+that starts with a cached prefix adopts it and prefills only the rest (PrefillPlan rule 1, docs/design.md).
 
 Index: a radix tree over token ids. Each node holds a segment of tokens and the KV the pool
 stored for exactly those positions (every layer's arrays, as the layer's cache stores them:

@@ -231,7 +231,8 @@ def format_stats_table(stats: GenerationStats) -> str:
     cache = stats.prompt_cache
     if cache.get("rows_adopted"):
         lines.append(
-            f"prompt cache: {cache['rows_adopted']} rows adopted {cache['adopted_tokens']} of the prompt tokens"
+            f"prompt cache: {cache['rows_adopted']} row{'s' if cache['rows_adopted'] != 1 else ''} adopted "
+            f"{cache['adopted_tokens']} of the prompt tokens"
             f" ({cache['adopted_share']:.0%}), not prefilled again"
         )
     occupancy = f" | occupancy {stats.occupancy:.1f}" if stats.occupancy else ""

@@ -359,6 +359,7 @@ def test_longrope_rows_run_through_the_scheduler_across_the_switch(family):
     row that passes the switch (mid-decode, or in a prefill piece) runs its sequence again in one
     piece, as the batch engine does, so every row equals its run alone, beside rows that stay short."""
     from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+    from mlxcel.engine.prompt_cache import PromptCache
     from mlxcel.engine.scheduler import BatchScheduler, supports_scheduling
     from mlxcel.sampling import Sampler
 
@@ -376,6 +377,24 @@ def test_longrope_rows_run_through_the_scheduler_across_the_switch(family):
         for max_rows, chunk in [(2, 16), (5, None), (3, 7)]:
             scheduled = BatchScheduler(model, 256, max_rows, chunk_size=chunk).generate(GenerationRequest(rows, greedy))
             assert [r.token_ids for r in scheduled.results] == alone, (max_rows, chunk)
+        # the prompt cache keeps no KV computed with the long factors for rows that stay short:
+        # follow-ups of every row (answers kept, as in a chat) equal their cache-off runs
+        cache = PromptCache(1 << 30)
+        BatchScheduler(model, 256, 5, prompt_cache=cache, keep_answers=True).generate(GenerationRequest(rows, greedy))
+        follow_ups = [
+            RowRequest(p + ids + [5, 6, 7], row_id=i, max_tokens=4)
+            for i, ((p, _), ids) in enumerate(zip(shapes, alone))
+        ]
+        # (a follow-up that stays below the switch, with the start of an answer that crossed it)
+        follow_ups += [
+            RowRequest(p + ids[:6] + [5, 6], row_id=9 + i, max_tokens=4)
+            for i, ((p, _), ids) in enumerate(zip(shapes, alone))
+        ]
+        follow_ups = [r for r in follow_ups if len(r.prompt_ids) < 200]
+        on = BatchScheduler(model, 256, 5, prompt_cache=cache).generate(GenerationRequest(follow_ups, greedy))
+        off = BatchScheduler(model, 256, 5).generate(GenerationRequest(follow_ups, greedy))
+        assert [r.token_ids for r in on.results] == [r.token_ids for r in off.results]
+        assert any(r.cached_tokens for r in on.results)
     assert [len(ids) for ids in alone] == [m for _, m in shapes]
 
 

@@ -135,6 +135,9 @@ class PrefixReuse:
     def row_tokens(self, row, end: int) -> np.ndarray:
         """The tokens fed at positions [0, end), within what is worth a snapshot."""
         limit, prompt = self.snapshot_limit(row), self.prompt_array(row)
+        longrope = getattr(self.model, "longrope_limit", None)
+        if longrope is not None and end > longrope:
+            return prompt[:0]  # past the switch its whole sequence ran again with the long factors
         if end <= len(prompt):
             return prompt[: min(end, limit)]
         if limit < len(prompt):

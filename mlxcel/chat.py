@@ -113,7 +113,7 @@ class ChatSession:
 
     def run_turn(self, text: str) -> None:
         from mlxcel.jobs import JobRow, Sample
-        from mlxcel.runner import make_generation_row
+        from mlxcel.runner import make_generation_row, order_report
         from mlxcel.stats import make_generation_stats, measure_batch
 
         self.messages.append({"role": "user", "content": text})
@@ -153,7 +153,7 @@ class ChatSession:
         self.batches.append(measure_batch(state))
         self.report.update(make_generation_stats(self.batches, self.started, self.finish_reasons).to_dict())
         self.report["turns"] = self.turns
-        self.outputs.write_stats(self.report)
+        self.outputs.write_stats(order_report(self.report))
         if row["finish_reason"] == "cancelled":
             self.say("(stopped)")
 
@@ -164,14 +164,16 @@ class ChatSession:
         print(message, file=self.log, flush=True)
 
 
-def make_run_dir(name: str, args: list[str]) -> tuple[Path, list[str]]:
-    """hydra.run.dir=PATH names the folder (as for mlxcel-run); else outputs/<runner.name>/chats/<time>_<pid>."""
+def split_run_dir(args: list[str]) -> tuple[Path | None, list[str]]:
+    """hydra.run.dir=PATH (as for mlxcel-run) out of the overrides, which the composer does not take."""
     given = [a for a in args if a.startswith("hydra.run.dir=")]
     rest = [a for a in args if not a.startswith("hydra.run.dir=")]
-    if given:
-        return Path(given[-1].partition("=")[2]).expanduser().absolute(), rest
+    return (Path(given[-1].partition("=")[2]).expanduser().absolute() if given else None), rest
+
+
+def default_run_dir(name: str) -> Path:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return Path("outputs", name, "chats", f"{stamp}_{os.getpid()}").absolute(), rest
+    return Path("outputs", name, "chats", f"{stamp}_{os.getpid()}").absolute()
 
 
 def read_line(prompt: str) -> str | None:
@@ -190,12 +192,12 @@ def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) ->
     from mlxcel.config import validate_config
     from mlxcel.outputs import RunOutputs, claim_run_folder, release_run_folder
     from mlxcel.pipeline import Pipeline
-    from mlxcel.runner import describe_model, select_device
+    from mlxcel.runner import describe_model, order_report, select_device
     from mlxcel.stats import format_stats_table, make_generation_stats, read_environment
 
-    names = [a.partition("=")[2] for a in args if a.startswith("runner.name=")]
-    run_dir, overrides = make_run_dir(names[-1] if names else "default", args)
+    run_dir, overrides = split_run_dir(args)
     cfg = validate_config(compose_config(overrides))
+    run_dir = run_dir or default_run_dir(cfg.runner.name)
     claim_run_folder(run_dir, cfg.resolved_dict(), False, [], {})
     outputs = RunOutputs(run_dir)
     report: dict = {"status": "running", "overrides": overrides, "mode": "chat"}
@@ -225,7 +227,7 @@ def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) ->
             report.update(stats.to_dict())
             session.say(format_stats_table(stats))
         report["turns"] = session.turns
-        outputs.write_stats(report)
+        outputs.write_stats(order_report(report))
         session.say(f"run folder: {run_dir}")
         return 0
     except BaseException as exc:

@@ -71,11 +71,22 @@ def describe_weights(path: Path, settings: tuple) -> tuple:
     return (str(path.resolve()), stamps, json.dumps(settings), str(mx.default_device()))
 
 
+def describe_load_settings(cfg: RunConfig) -> dict:
+    """The config's settings that change the loaded weights (the weights cache and the prompt cache's key)."""
+    model = cfg.model
+    return {
+        "dtype": model.dtype,
+        "gguf_weights": model.gguf_weights,
+        "quantize": model.quantize.model_dump() if model.quantize else None,
+        "fuse": model.resolved_fuse(),
+    }
+
+
 def load_weights_for(cfg: RunConfig, path: Path, log: TextIO | None, keep: bool) -> LoadedModel:
     model = cfg.model
-    quantize = model.quantize.model_dump() if model.quantize else None
-    fuse = model.resolved_fuse()
-    key = describe_weights(path, (model.dtype, model.gguf_weights, quantize, fuse)) if keep else None
+    settings = describe_load_settings(cfg)
+    quantize, fuse = settings["quantize"], settings["fuse"]
+    key = describe_weights(path, tuple(settings.values())) if keep else None
     if key is not None and key in _KEPT_WEIGHTS:
         say(log, f"model {model.path}: the previous job's weights, still loaded")
         kept = _KEPT_WEIGHTS[key]
@@ -172,10 +183,8 @@ class Pipeline:
             return
         cfg = self.cfg
         settings = {
-            "dtype": self.loaded.info["dtype"],
-            "gguf_weights": cfg.model.gguf_weights,
-            "quantize": cfg.model.quantize.model_dump() if cfg.model.quantize else None,
-            "fuse": cfg.model.resolved_fuse(),
+            **describe_load_settings(cfg),
+            "dtype": self.loaded.info["dtype"],  # resolved: "auto" differs by device
             "kv_bits": cfg.decode.kv_bits,
             "kv_group_size": cfg.decode.kv_group_size if cfg.decode.kv_bits else None,
         }

@@ -72,7 +72,7 @@ class GenerationStats:
     # the scheduler's host work per iteration: below the device's step time, the device bounds the job
     host_ms_per_step: float = 0.0
     # rows that adopted a prefix, prompt tokens adopted and computed, and the cache's entries; empty
-    # with runner.prompt_cache=false. (Time saved is measured by bench.jobs --shared-prefix, cache off
+    # with runner.prompt_cache=false. (Time saved is measured by python -m mlxcel.bench.prefix, cache off
     # vs on: in continuous batching no row's prefill time can be subtracted from the job's.)
     prompt_cache: dict = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)

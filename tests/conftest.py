@@ -7,6 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 # pytest rewrites the asserts of test modules only: these helpers' asserts should show values on
@@ -92,3 +93,13 @@ def odd_images(tmp_path_factory, photo_path) -> dict[str, Path]:
     exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
     photo.resize((160, 90)).save(paths.setdefault("exif_rotated", folder / "exif_rotated.jpg"), exif=exif, quality=95)
     return paths
+
+
+@pytest.fixture(scope="module")
+def on_the_cpu():
+    """The module's tests run on the CPU: exactness is promised in fp32 there; on a GPU kernels
+    differ with the batch (test_paged_attention checks the CUDA path)."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)

@@ -24,12 +24,7 @@ GREEDY = Sampler("greedy")
 CATEGORICAL = Sampler("categorical", temperature=1.0, seed=99)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def on_the_cpu():
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
+pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +82,6 @@ def test_rows_sharing_a_prefix_adopt_it_and_keep_their_tokens(model, sampler, ch
     adopted = [r.cached_tokens for r in on.results]
     # the first row prefills the system prompt; every other row waits for it, then adopts it
     assert adopted[0] == 0 and all(n >= 150 for n in adopted[1:]), adopted
-    assert on.prompt_cache["rows_adopted"] == 9
-    assert on.prompt_cache["adopted_tokens"] == sum(adopted)
     computed = sum(p["end"] - p["start"] for p in on.timings.prefill_pieces)
     assert computed == sum(len(p) for p in prompts) - sum(adopted)
 
@@ -132,7 +125,7 @@ def test_rows_adopt_mid_batch_with_random_arrival_and_max_rows(model):
         off = run(model, prompts, sampler, max_rows=3, chunk_size=32)
         on = run(model, prompts, sampler, cache=big_cache(), max_rows=3, chunk_size=32)
         assert token_ids(on) == token_ids(off)
-        assert on.prompt_cache["rows_adopted"] >= 10
+        assert sum(1 for r in on.results if r.cached_tokens) >= 10
 
 
 def test_rows_whose_prefix_was_evicted_recompute_it(model):
@@ -145,9 +138,9 @@ def test_rows_whose_prefix_was_evicted_recompute_it(model):
     off = run(model, prompts, max_rows=2)
     on = run(model, prompts, cache=cache, max_rows=2)
     assert token_ids(on) == token_ids(off)
-    assert cache.counters.evicted_tokens > 0
+    assert cache.evicted_tokens > 0 and on.prompt_cache["evicted_tokens"] == cache.evicted_tokens
     assert cache.nbytes <= cache.budget_bytes
-    assert on.prompt_cache["rows_adopted"] >= 1
+    assert any(r.cached_tokens for r in on.results)
 
 
 def test_a_follow_up_turn_adopts_the_previous_answer(model):

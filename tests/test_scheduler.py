@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
@@ -21,14 +20,7 @@ GREEDY = Sampler("greedy")
 CATEGORICAL = Sampler("categorical", temperature=1.0, seed=1234)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def on_the_cpu():
-    """Exactness is promised in fp32 on the CPU; on a GPU kernels differ with the batch (the
-    reproducibility issue's batch-invariant mode). test_paged_attention checks the CUDA path."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
+pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 
 
 @pytest.fixture(scope="module")

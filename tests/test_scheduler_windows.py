@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
@@ -20,12 +19,7 @@ GREEDY = Sampler("greedy")
 CATEGORICAL = Sampler("categorical", temperature=1.0, seed=99)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def on_the_cpu():
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
+pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 
 
 @pytest.fixture(scope="module", params=["mistral", "gemma3_text", "gemma2"])

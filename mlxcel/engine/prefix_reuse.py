@@ -41,8 +41,6 @@ class PrefixReuse:
         self.inflight: dict[int, int] = {}  # block hash -> prefilling rows whose prefixes have that block
         self.row_blocks: dict[int, list[int]] = {}
         self.arrays: dict[int, np.ndarray] = {}  # row index -> its prompt as int32 (matched often)
-        self.rows_adopted = 0
-        self.adopted_tokens = 0
 
     # ---- which positions a row may share ----
     def limit(self, row) -> int:
@@ -104,10 +102,6 @@ class PrefixReuse:
         self.table.lengths[row.slot] = length
         self.cache.touch(found)
         self.hold(row, found)
-        self.cache.counters.hits += 1
-        self.cache.counters.adopted_tokens += length
-        self.rows_adopted += 1
-        self.adopted_tokens += length
         return length
 
     # ---- snapshots ----
@@ -181,13 +175,11 @@ class PrefixReuse:
     def summary(self) -> dict:
         cache = self.cache
         return {
-            "rows_adopted": self.rows_adopted,
-            "adopted_tokens": self.adopted_tokens,
             "entries": cache.entries,
             "cached_tokens": cache.cached_tokens,
             "bytes": cache.nbytes,
             "budget_bytes": cache.budget_bytes,
-            "evicted_tokens": cache.counters.evicted_tokens,
+            "evicted_tokens": cache.evicted_tokens,
         }
 
 

@@ -62,21 +62,13 @@ class Match:
         return joined
 
 
-@dataclass
-class CacheCounters:
-    hits: int = 0  # rows that adopted a prefix
-    adopted_tokens: int = 0
-    inserted_tokens: int = 0
-    evicted_tokens: int = 0
-
-
 class PromptCache:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.root = Node(np.zeros(0, dtype=np.int32), [])
         self.nbytes = 0
         self.clock = 0
-        self.counters = CacheCounters()
+        self.evicted_tokens = 0  # over the cache's life (stats.json's prompt_cache.evicted_tokens)
 
     # ---- lookup ----
     def match(self, tokens: list[int] | np.ndarray, limit: int | None = None) -> Match:
@@ -129,7 +121,6 @@ class PromptCache:
                 return found if found.length else Match()
             parent.children[int(node.tokens[0])] = node
             self.nbytes += needed
-            self.counters.inserted_tokens += len(node.tokens)
             found = self.match(tokens)
         self.touch(found)
         return found
@@ -172,7 +163,7 @@ class PromptCache:
     def remove(self, node: Node) -> None:
         del node.parent.children[int(node.tokens[0])]
         self.nbytes -= node.nbytes
-        self.counters.evicted_tokens += len(node.tokens)
+        self.evicted_tokens += len(node.tokens)
 
     def iter_nodes(self):
         stack = list(self.root.children.values())

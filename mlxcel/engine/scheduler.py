@@ -94,7 +94,7 @@ class ScheduleState:
     decode_steps: int = 0
     rows_decoding_sum: int = 0  # summed over decode steps: occupancy = this / decode_steps
     iterations: int = 0
-    prompt_cache: dict | None = None  # PrefixReuse.summary(): rows that adopted a prefix, tokens adopted, entries
+    prompt_cache: dict | None = None  # PrefixReuse.summary(): the cache's entries, size and evictions
     wait_seconds: float = 0.0  # the host blocked on the device (reading draws, queueing work); the rest is host work
 
     @property
@@ -304,7 +304,7 @@ class BatchScheduler:
             # 1. admissions, in arrival order: a free slot and the blocks for everything the row
             # may write; a row whose prefix another row is prefilling waits to adopt it
             reuse = self.reuse
-            for row in list(waiting):
+            for row in list(waiting) if free_slots else ():  # (no copy of the queue while every slot is busy)
                 if not free_slots:
                     break
                 if reuse is not None and reuse.should_wait(row):

@@ -121,7 +121,9 @@ class PromptCache:
                 return found if found.length else Match()
             parent.children[int(node.tokens[0])] = node
             self.nbytes += needed
-            found = self.match(tokens)
+            found.nodes.append(node)  # (split_at left `found` ending exactly at `parent`)
+            found.used.append(len(node.tokens))
+            found.length = end
         self.touch(found)
         return found
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from mlxcel.config import read_env_flag
 from mlxcel.engine.engine import BatchState, Engine, OnRowDone, OnToken
 from mlxcel.engine.request import GenerationRequest
+from mlxcel.errors import MlxcelError
 
 
 class DirectEngine:
@@ -35,6 +36,11 @@ class DirectEngine:
 
         Pipelined: step t+1's forward pass is queued before step t's token is read, so the
         host's bookkeeping and the callback overlap the device's work."""
+        if any(r.sampler is not None or r.logprobs for r in request.rows):
+            raise MlxcelError(
+                "rows with sampler settings of their own (a server request's, a batch file line's) run on the "
+                "scheduler only, and this model or request runs on the batch engine (scheduler.supports_scheduling)"
+            )
         engine = self.engine
         state = engine.start(request)
         while True:

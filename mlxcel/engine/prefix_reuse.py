@@ -151,6 +151,11 @@ class PrefixReuse:
         if row.index in self.pinned:
             self.cache.pin(self.pinned.pop(row.index), -1)
 
+    def forget(self, row) -> None:
+        """A row that left: drop what was kept for it (a server's loop sees rows without end)."""
+        self.row_blocks.pop(row.index, None)
+        self.arrays.pop(row.index, None)
+
     def release_all(self) -> None:
         for found in self.pinned.values():
             self.cache.pin(found, -1)

@@ -19,6 +19,8 @@ class RowRequest:
     max_tokens: int | None = None  # None: the request's max_tokens
     seed: int | None = None  # None: the sampler's seed
     images: Any = None  # mlxcel.vision.stage.ImageInputs: the prompt's images (prompt_ids expanded)
+    sampler: SamplerChain | None = None  # this row's own chain (a server request's); None: the request's
+    logprobs: int = 0  # > 0: this row's tokens' logprobs and top-N alternatives, beside the request's setting
 
 
 @dataclass

@@ -14,6 +14,9 @@ ever preempted, and admission never exceeds the budget). Each iteration:
    and blocks serve the next admissions.
 Every decision depends on the rows, their tokens and the config, never on timing, so a rerun
 forms the same batches.
+
+A server runs the same loop open-ended: `steps(..., feed=)` polls a RowFeed every iteration for
+new rows and cancellations (a client that went away), and waits on it when nothing runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +41,7 @@ from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
-from mlxcel.sampling.rows import RowsSampler
+from mlxcel.sampling.rows import GroupedRowsSampler
 from mlxcel.vision.stage import merge_embeddings
 
 KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
@@ -70,6 +74,21 @@ class Row:
     @property
     def prompt(self) -> list[int]:
         return self.request.prompt_ids
+
+
+@dataclass
+class FeedUpdate:
+    """What a RowFeed hands the running loop."""
+
+    rows: list[tuple[int, RowRequest]] = field(default_factory=list)  # new rows: (index, request)
+    cancelled: list[int] = field(default_factory=list)  # indices of rows to stop now
+    closed: bool = False  # no more rows: the loop ends once the running ones have
+
+
+class RowFeed(Protocol):
+    def poll(self, idle: bool) -> FeedUpdate:
+        """New rows and cancellations since the last poll; `idle` (nothing runs): block until
+        there are some, or the feed closes."""
 
 
 @dataclass
@@ -221,27 +240,26 @@ class BatchScheduler:
         return state
 
     def steps(
-        self, request: GenerationRequest, on_token: OnToken, on_row_done: OnRowDone | None = None
+        self,
+        request: GenerationRequest,
+        on_token: OnToken,
+        on_row_done: OnRowDone | None = None,
+        feed: RowFeed | None = None,
     ) -> Iterator[ScheduleState]:
-        """generate() as a generator: yields after every iteration (stopping early abandons the rest)."""
+        """generate() as a generator: yields after every iteration (stopping early abandons the rest).
+        With a `feed` it runs until the feed closes, taking rows as they come; their results are
+        reported through the callbacks only (the state keeps none, so a server's memory stays flat)."""
         timings = GenerationTimings(start=time.perf_counter())
         rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
-        per_block = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size) * BLOCK_SIZE
-        for row in rows:
-            needed = count_blocks(self.reserved_positions(row, request)) * per_block
-            if row.error is None and needed > self.kv_budget_bytes:
-                row.error = (
-                    f"needs {needed / 1e9:.3f} GB of KV cache (prompt {len(row.prompt)} + up to {row.limit} tokens); "
-                    f"runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or lower max_tokens"
-                )
-            if row.error is not None:
-                row.result.finish_reason, row.result.error = "error", row.error
-                if on_row_done is not None:
-                    on_row_done(row.index, row.result)
-        runnable = [r for r in rows if r.error is None]
-        # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
-        sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
+        self.per_block = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size) * BLOCK_SIZE
+        runnable = self.check_rows(rows, request, on_row_done)
+        if feed is None:
+            # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
+            sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
+        else:  # rows to come: room for max_rows rows of the whole context, within the budget
+            sizes = [count_blocks(self.max_context + (request.tile_size or 0))] * self.max_rows
+        per_block = self.per_block
         num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
         kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
         table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, *kernels)
@@ -256,7 +274,7 @@ class BatchScheduler:
             align = (self.pinned_chunk or request.chunk_size) if request.kv_bits else 1
             self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, runnable, align, self.snapshot_all)
         try:
-            for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done):
+            for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done, feed):
                 state.kv_peak_bytes = state.kv_peak_blocks * per_block
                 yield state
         finally:  # an interrupted job leaves no pinned cache entries behind
@@ -269,11 +287,27 @@ class BatchScheduler:
 
     # ---- rows ----
     def make_row(self, index: int, request: RowRequest, job: GenerationRequest) -> Row:
-        result = RowResult(prompt_tokens=len(request.prompt_ids), logprobs=[] if job.logprobs else None)
+        wants_logprobs = job.logprobs or request.logprobs
+        result = RowResult(prompt_tokens=len(request.prompt_ids), logprobs=[] if wants_logprobs else None)
         limit = min(request.max_tokens or job.max_tokens, self.max_context - len(request.prompt_ids) + 1)
         return Row(
             index, request, result, max(limit, 1), error=check_prompt(index, request.prompt_ids, self.max_context)
         )
+
+    def check_rows(self, rows: list[Row], request: GenerationRequest, on_row_done) -> list[Row]:
+        """The rows that can run; the others end now with finish_reason "error" (reported)."""
+        for row in rows:
+            needed = count_blocks(self.reserved_positions(row, request)) * self.per_block
+            if row.error is None and needed > self.kv_budget_bytes:
+                row.error = (
+                    f"needs {needed / 1e9:.3f} GB of KV cache (prompt {len(row.prompt)} + up to {row.limit} tokens); "
+                    f"runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or lower max_tokens"
+                )
+            if row.error is not None:
+                row.result.finish_reason, row.result.error = "error", row.error
+                if on_row_done is not None:
+                    on_row_done(row.index, row.result)
+        return [r for r in rows if r.error is None]
 
     def reserved_positions(self, row: Row, request: GenerationRequest) -> int:
         """Positions a row can ever write: its prompt (plus a tile of padding) and every drawn
@@ -290,9 +324,10 @@ class BatchScheduler:
         request: GenerationRequest,
         on_token: OnToken,
         on_row_done,
+        feed: RowFeed | None = None,
     ) -> Iterator[ScheduleState]:
         """The loop of the module docstring; yields after every iteration."""
-        sampler = RowsSampler(request.sampler, request.logprobs)
+        sampler = GroupedRowsSampler(request.sampler, request.logprobs)
         batch = DecodeBatch()
         ragged = table.decode_kernel if self.ragged_prefill is None else self.ragged_prefill
         prefilling: deque[Row] = deque()
@@ -300,7 +335,22 @@ class BatchScheduler:
         inflight: deque[PendingDraw] = deque()
         leaving: list[Row] = []  # done drawing; their slot goes back once their tokens are read
         draws_queued = draws_read = 0
-        while waiting or prefilling or len(batch) or inflight:
+        self.live: dict[int, Row] = {}  # a feed's rows by index, until they end
+        self.cancelling: set[int] = set()  # decoding rows that end at their next token
+        open_feed = feed is not None
+        while waiting or prefilling or len(batch) or inflight or open_feed:
+            if open_feed:
+                update = feed.poll(idle=not (waiting or prefilling or len(batch) or inflight))
+                open_feed = not update.closed
+                new = [self.make_row(index, r, request) for index, r in update.rows]
+                for row in self.check_rows(new, request, on_row_done):
+                    self.live[row.index] = row
+                    waiting.append(row)
+                self.cancel_rows(update.cancelled, waiting, prefilling, table, free_slots, on_row_done)
+                if not (waiting or prefilling or len(batch) or inflight):
+                    state.iterations += 1
+                    yield state
+                    continue
             # 1. admissions, in arrival order: a free slot and the blocks for everything the row
             # may write; a row whose prefix another row is prefilling waits to adopt it
             reuse = self.reuse
@@ -357,7 +407,8 @@ class BatchScheduler:
             # 3. one draw for the decoding rows and the rows whose prefill ended
             if logits_parts:
                 for row in joined:
-                    sampler.add(RowKey(row.request.row_id, row.request.sample_index, row.request.seed), row.prompt)
+                    key = RowKey(row.request.row_id, row.request.sample_index, row.request.seed)
+                    sampler.add(key, row.prompt, row.request.sampler, row.request.logprobs)
                 batch.join(joined)
                 draw = sampler.sample(logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts))
                 submit(draw.arrays() + sampler.state_arrays(), state)
@@ -385,11 +436,40 @@ class BatchScheduler:
                 table.release(row.slot)
                 free_slots.append(row.slot)
                 row.slot = -1
+                if self.reuse is not None:
+                    self.reuse.forget(row)
             free_slots.sort()
             state.iterations += 1
             yield state
 
-    def keep(self, batch: DecodeBatch, mask: np.ndarray, sampler: RowsSampler, last_draw: int) -> list[Row]:
+    def cancel_rows(
+        self, indices: list[int], waiting: deque, prefilling: deque, table: PageTable, free_slots: list, on_row_done
+    ) -> None:
+        """A feed's rows that must stop: waiting or prefilling ones end now (their slot and blocks
+        go back); decoding ones at their next token (read_draw), so none is read half-applied."""
+        for index in indices:
+            row = self.live.get(index)
+            if row is None or row.result.finish_reason is not None:
+                continue
+            if row in waiting:
+                waiting.remove(row)
+            elif row in prefilling:
+                prefilling.remove(row)
+                if self.reuse is not None:
+                    self.reuse.finish_prefill(row)
+                    self.reuse.forget(row)
+                table.release(row.slot)
+                free_slots.append(row.slot)
+                row.slot = -1
+            else:
+                self.cancelling.add(index)
+                continue
+            del self.live[index]
+            row.result.finish_reason = "cancelled"
+            if on_row_done is not None:
+                on_row_done(row.index, row.result)
+
+    def keep(self, batch: DecodeBatch, mask: np.ndarray, sampler: GroupedRowsSampler, last_draw: int) -> list[Row]:
         """Only the rows where `mask` holds go on decoding; returns the others, which took part
         in draws up to `last_draw` (their slot is free once that one is read)."""
         if mask.all():
@@ -685,10 +765,14 @@ class BatchScheduler:
             token = tokens[i]
             if row.first_token_at is None:
                 row.first_token_at = now
-            apply_token(
-                result, row.index, token, logprobs[i] if logprobs is not None else None, stop_ids, row.limit, on_token
-            )
+            if row.index in self.cancelling:
+                self.cancelling.discard(row.index)
+                result.finish_reason = "cancelled"
+            else:
+                token_logprobs = logprobs[i] if logprobs is not None else None
+                apply_token(result, row.index, token, token_logprobs, stop_ids, row.limit, on_token)
             if result.finish_reason is not None:
+                self.live.pop(row.index, None)
                 row.finished_at = now
                 result.timing = measure_row(row, state.timings.start)
                 ended.append(row)

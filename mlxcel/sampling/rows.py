@@ -102,3 +102,74 @@ def join_rows(name: str, rows: mx.array, new: mx.array) -> mx.array:
         width = max(rows.shape[1], new.shape[1])
         rows, new = (mx.pad(a, [(0, 0), (width - a.shape[1], 0)], constant_values=fill) for a in (rows, new))
     return mx.concatenate([rows, new.astype(rows.dtype)])
+
+
+class GroupedRowsSampler:
+    """Rows with chains of their own in one batch (a server's requests, a batch file's lines,
+    each with its own temperature or penalties): the rows of each distinct (chain, logprobs)
+    sample together, and the tokens come back in batch order. Rows without a chain of their own
+    take the job's; with one group it is exactly RowsSampler, so a job pays nothing for this."""
+
+    def __init__(self, chain: SamplerChain, logprobs: int = 0):
+        self.chain, self.top_n = chain, logprobs
+        self.groups: dict[tuple[int, int], RowsSampler] = {}
+        self.members: list[tuple[int, int]] = []  # batch position -> its group's key
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, row: RowKey, prompt_ids: list[int], chain: SamplerChain | None = None, logprobs: int = 0) -> None:
+        chain = chain or self.chain
+        key = (id(chain), max(logprobs, self.top_n))  # (a group holds its chain: the id stays its own)
+        if key not in self.groups:
+            self.groups[key] = RowsSampler(chain, key[1])
+        self.groups[key].add(row, prompt_ids)
+        self.members.append(key)
+
+    def keep(self, rows: list[int]) -> None:
+        counts: dict[tuple[int, int], int] = {}
+        within = []  # each batch position's place in its group
+        for key in self.members:
+            within.append(counts.get(key, 0))
+            counts[key] = within[-1] + 1
+        for key, group in list(self.groups.items()):
+            kept = [within[i] for i in rows if self.members[i] == key]
+            if kept:
+                group.keep(kept)
+            else:
+                del self.groups[key]
+        self.members = [self.members[i] for i in rows]
+
+    def sample(self, logits: mx.array) -> Draw | GroupedDraw:
+        if len(self.groups) == 1:
+            return next(iter(self.groups.values())).sample(logits)
+        positions = {key: [] for key in self.groups}
+        for i, key in enumerate(self.members):
+            positions[key].append(i)
+        draws = [group.sample(logits[mx.array(positions[key])]) for key, group in self.groups.items()]
+        return GroupedDraw(draws, list(positions.values()))
+
+    def state_arrays(self) -> list[mx.array]:
+        return [a for group in self.groups.values() for a in group.state_arrays()]
+
+
+class GroupedDraw:
+    """The groups' draws as one: tokens in batch order on the device, rows in batch order on the host."""
+
+    def __init__(self, draws: list[Draw], positions: list[list[int]]):
+        self.draws, self.positions = draws, positions
+        order = np.argsort(np.concatenate(positions)).astype(np.int32)
+        self.tokens = mx.concatenate([d.tokens for d in draws])[mx.array(order)]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.tokens] + [a for d in self.draws for a in d.arrays()]
+
+    def to_host(self) -> tuple[list[int], list[dict | None] | None]:
+        size = sum(len(p) for p in self.positions)
+        tokens, logprobs = [0] * size, [None] * size
+        for draw, positions in zip(self.draws, self.positions):
+            group_tokens, group_logprobs = draw.to_host()
+            for j, i in enumerate(positions):
+                tokens[i] = group_tokens[j]
+                logprobs[i] = group_logprobs[j] if group_logprobs is not None else None
+        return tokens, (logprobs if any(lp is not None for lp in logprobs) else None)

@@ -82,7 +82,7 @@ def run_feed(model, feed, max_rows=3, chunk_size=None, prompt_cache=None):
         results[row] = result
 
     state = None
-    for state in scheduler.steps(request, on_token, lambda row, result: on_row_done(row, result), feed=feed):
+    for state in scheduler.steps(request, on_token, on_row_done, feed=feed):  # noqa: B007 (the last state)
         pass
     assert state.rows == [] and state.results == []  # a feed's rows are kept nowhere
     assert scheduler.reuse is None or not scheduler.reuse.arrays

@@ -436,6 +436,27 @@ class RunnerConfig(Group):
         return name
 
 
+class ServeConfig(Group):
+    """`mlxcel-serve`'s own settings (conf/serve/default.yaml; docs/serve.md). Rows at once come
+    from runner.max_rows."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Strict(), Ge(0), Le(65535)] = 8000  # 0: any free port (printed at start)
+    max_queue: NonNegativeInt = 256  # rows waiting beyond runner.max_rows; past it a request gets 429
+    api_keys_file: str | None = None  # one key a line; or $MLXCEL_API_KEYS (comma-separated); none: no keys
+    log_text: Bool = False  # prompts and answers in generations.jsonl (off: figures only)
+    image_dirs: list[str] = Field(default_factory=list)  # local image paths allowed in image_url (default none)
+    max_body_mb: Annotated[float, Field(gt=0)] = 32.0  # larger request bodies get 413
+    model_name: str | None = None  # the id /v1/models lists; default: model.path's last part
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_keys_file(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).expanduser().is_file():
+            raise reject("must be a file of API keys, one a line", None, path)
+        return path
+
+
 class RunConfig(Group):
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -445,6 +466,7 @@ class RunConfig(Group):
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
     prompt: PromptConfig = Field(default_factory=PromptConfig)
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
+    serve: ServeConfig | None = None  # mlxcel-serve only (it composes conf/serve/default.yaml in)
 
     @model_validator(mode="before")
     @classmethod
@@ -452,7 +474,7 @@ class RunConfig(Group):
         # Validate a missing group as {} so its errors keep their paths (model.path: required),
         # instead of raising from a default factory.
         if isinstance(data, dict):
-            return {**{name: {} for name in cls.model_fields}, **data}
+            return {**{name: {} for name in cls.model_fields if name != "serve"}, **data}
         return data
 
     def resolved_dict(self) -> dict:
@@ -463,6 +485,8 @@ class RunConfig(Group):
         data["decode"]["resolved_step"] = self.decode.resolved_step()
         data["model"]["resolved_fuse"] = self.model.resolved_fuse()
         data["sampler"]["chain"] = self.sampler.effective_chain()
+        if data["serve"] is None:
+            del data["serve"]
         return data
 
 

@@ -23,6 +23,7 @@ from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
+from mlxcel.sampling.config import SamplerConfig
 from mlxcel.sampling.history import make_piece_encoder
 from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
@@ -215,8 +216,9 @@ class Pipeline:
             stop.update(self.tokenizer.eos_token_ids)
         return stop
 
-    def make_sampler(self) -> SamplerChain:
-        """The sampler chain bound to this model: its vocabulary, EOS ids, DRY breakers tokenized."""
+    def make_sampler(self, config: SamplerConfig | None = None) -> SamplerChain:
+        """The sampler chain (the config's, or `config`: a server request's) bound to this model:
+        its vocabulary, EOS ids, DRY breakers tokenized."""
         loaded, tokenizer = self.loaded, self.tokenizer
         eos = loaded.generation_config.get("eos_token_id")
         eos_ids = (
@@ -226,7 +228,7 @@ class Pipeline:
         )
         encode = make_piece_encoder(tokenizer)  # DRY's breaker strings
         return make_sampler_chain(
-            self.cfg.sampler, loaded.model.args.vocab_size, encode=encode, eos_token_ids=sorted(eos_ids)
+            config or self.cfg.sampler, loaded.model.args.vocab_size, encode=encode, eos_token_ids=sorted(eos_ids)
         )
 
     def prepare(self, samples: list[Sample]) -> list[PreparedSample]:

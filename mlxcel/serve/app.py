@@ -1,0 +1,459 @@
+"""The HTTP side of `mlxcel-serve` (Starlette): routes, API keys, body limits, streaming.
+
+Every answer is either the endpoint's response or an OpenAI-style error object; a streaming
+answer that fails after it started ends with an error event. A client that goes away cancels its
+rows (the engine ends them at the next step)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hmac
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxcel.serve.engine import Job, ServeEngine
+from mlxcel.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    make_chat_logprobs,
+    make_completion_logprobs,
+    make_id,
+    make_sampler_config,
+    make_usage,
+    now,
+    parse_request,
+)
+from mlxcel.serve.records import ServeRecords
+
+IMAGE_SUFFIXES = {
+    "image/png": ".png",
+    "image/jpeg": ".jpg",
+    "image/jpg": ".jpg",
+    "image/webp": ".webp",
+    "image/gif": ".gif",
+}
+
+
+class ServeApp:
+    """What the routes share: the engine, the settings, the run folder's records."""
+
+    def __init__(
+        self,
+        engine: ServeEngine,
+        settings,
+        model_id: str,
+        model_aliases: set[str],
+        records: ServeRecords,
+        keys: set[str],
+    ):
+        self.engine, self.settings, self.records = engine, settings, records
+        self.model_id, self.model_aliases = model_id, model_aliases | {model_id}
+        self.keys = keys
+        self.max_body = int(settings.max_body_mb * 1024 * 1024)
+        self.image_dirs = [Path(d).expanduser().resolve() for d in settings.image_dirs]
+        self.created = now()
+
+    # ---- plumbing ----
+    def check_key(self, request: Request) -> None:
+        if not self.keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in self.keys):
+            missing = not header
+            raise ApiError(
+                401,
+                "no API key given (Authorization: Bearer KEY)" if missing else "the API key is not valid",
+                code="invalid_api_key",
+                kind="authentication_error",
+            )
+
+    async def read_json(self, request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise ApiError(413, f"the request body is over serve.max_body_mb ({self.settings.max_body_mb} MB)")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body:
+                raise ApiError(413, f"the request body is over serve.max_body_mb ({self.settings.max_body_mb} MB)")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_aliases:
+            raise ApiError(
+                404,
+                f"model '{name}' is not served here; this server serves '{self.model_id}'",
+                "model",
+                "model_not_found",
+            )
+
+    # ---- routes ----
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok" if self.engine.failure is None else "failed"})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.check_key(request)
+        except ApiError as error:
+            return self.error_response(error, request, "models")
+        model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlxcel"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self.complete(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, "completion")
+
+    async def complete(self, request: Request, endpoint: str) -> Response:
+        started = time.perf_counter()
+        images = None
+        try:
+            self.check_key(request)
+            body = await self.read_json(request)
+            parsed = parse_request(ChatRequest if endpoint == "chat" else CompletionRequest, body)
+            self.check_model(parsed.model)
+            if endpoint == "chat":
+                images = tempfile.mkdtemp(prefix="mlxcel-serve-")
+                prompts = [self.convert_messages(parsed.messages, Path(images))]
+            else:
+                prompts = parsed.prompts()
+            vocab = self.engine.pipeline.loaded.model.args.vocab_size
+            job = Job(
+                id=make_id("chatcmpl" if endpoint == "chat" else "cmpl"),
+                endpoint=endpoint,
+                prompts=prompts,
+                n=parsed.n,
+                max_tokens=parsed.token_limit(),
+                seed=parsed.seed,
+                sampler=make_sampler_config(self.engine.pipeline.cfg.sampler, parsed, vocab),
+                logprobs=parsed.logprobs_wanted(),
+                stop=parsed.stop_strings(),
+                streaming=parsed.stream,
+                loop=asyncio.get_running_loop(),
+            )
+            self.engine.submit(job)
+        except ApiError as error:
+            if images:
+                shutil.rmtree(images, ignore_errors=True)
+            return self.error_response(error, request, endpoint, started)
+        except ClientDisconnect:
+            if images:
+                shutil.rmtree(images, ignore_errors=True)
+            return Response(status_code=499)
+        if parsed.stream:
+            return StreamingResponse(
+                self.stream_answer(job, parsed, request, started, images),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            return await self.whole_answer(job, parsed, request, started)
+        finally:
+            if images:
+                shutil.rmtree(images, ignore_errors=True)
+
+    def error_response(
+        self, error: ApiError, request: Request, endpoint: str, started: float | None = None
+    ) -> Response:
+        self.records.add_refusal(endpoint, error, started)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    # ---- messages and images ----
+    def convert_messages(self, messages: list, folder: Path) -> list[dict]:
+        """OpenAI's chat messages as our Message dicts: 'developer' is a system message, image_url
+        parts become image files (data: URLs written to `folder`, local paths under serve.image_dirs)."""
+        from pydantic import ValidationError
+
+        from mlxcel.config import Message
+
+        if not messages:
+            raise ApiError(400, "messages must not be empty", "messages")
+        converted = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise ApiError(400, f"messages[{i}] must be an object", f"messages.{i}")
+            message = {k: v for k, v in message.items() if k != "name" or message.get("role") == "tool"}
+            if message.get("role") == "developer":
+                message["role"] = "system"
+            content = message.get("content")
+            if isinstance(content, list):
+                message["content"] = [
+                    self.convert_part(part, folder, f"messages.{i}.content.{j}") for j, part in enumerate(content)
+                ]
+            try:
+                converted.append(Message.model_validate(message).to_dict())
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "tagged-")))
+                detail = first.get("ctx", {}).get("mlxcel")
+                text = detail[1] if detail else first["msg"]
+                raise ApiError(400, f"messages[{i}].{where}: {text}", f"messages.{i}.{where}") from None
+        return converted
+
+    def convert_part(self, part: Any, folder: Path, where: str) -> dict:
+        if not isinstance(part, dict):
+            raise ApiError(400, f"{where} must be an object", where)
+        kind = part.get("type")
+        if kind == "text":
+            return {"type": "text", "text": part.get("text")}
+        if kind != "image_url":
+            raise ApiError(
+                400, f"{where}: content part type '{kind}' is not supported (text, image_url)", f"{where}.type"
+            )
+        url = part.get("image_url", {})
+        url = url.get("url") if isinstance(url, dict) else None
+        if not isinstance(url, str):
+            raise ApiError(400, f"{where}: image_url.url must be a string", f"{where}.image_url.url")
+        return {"type": "image", "path": str(self.find_image(url, folder, where))}
+
+    def find_image(self, url: str, folder: Path, where: str) -> Path:
+        param = f"{where}.image_url.url"
+        if url.startswith(("http://", "https://")):
+            raise ApiError(400, "image URLs are not fetched: send the image as a data: URL", param)
+        if url.startswith("data:"):
+            header, _, data = url.partition(",")
+            media = header[5:].split(";")[0].lower()
+            if ";base64" not in header or media not in IMAGE_SUFFIXES:
+                raise ApiError(400, f"a data: URL of a base64 image ({', '.join(IMAGE_SUFFIXES)}) is expected", param)
+            try:
+                raw = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise ApiError(400, "the data: URL's base64 does not decode", param) from None
+            path = folder / f"image-{len(list(folder.iterdir()))}{IMAGE_SUFFIXES[media]}"
+            path.write_bytes(raw)
+            return path
+        path = Path(url.removeprefix("file://")).expanduser()
+        if not self.image_dirs:
+            raise ApiError(400, "local image paths are off (serve.image_dirs is empty): send a data: URL", param)
+        resolved = path.resolve()
+        if not any(resolved.is_relative_to(d) for d in self.image_dirs) or not resolved.is_file():
+            raise ApiError(400, f"{url} is not a file under serve.image_dirs", param)
+        return resolved
+
+    # ---- answers ----
+    async def wait_events(self, job: Job, request: Request):
+        """The job's events as they come; raises ClientDisconnect when the client goes away."""
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            while True:
+                getter = asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                raise ClientDisconnect()
+        finally:
+            gone.cancel()
+
+    async def whole_answer(self, job: Job, parsed, request: Request, started: float) -> Response:
+        done: dict[int, dict] = {}
+        logprobs: dict[int, list] = {}
+        first = None
+        try:
+            async for event in self.wait_events(job, request):
+                kind = event[0]
+                if kind == "error":
+                    return self.error_response(event[1], request, job.endpoint, started)
+                if kind == "first" and first is None:
+                    first = time.perf_counter()
+                elif kind == "logprobs":
+                    logprobs.setdefault(event[1], []).append(event[2])
+                elif kind == "done":
+                    done[event[1]] = event[2]
+                    if len(done) == job.row_count:
+                        break
+        except ClientDisconnect:
+            self.engine.cancel(job)
+            self.records.add_answer(job, done, started, first, "disconnected")
+            return Response(status_code=499)
+        failed = next((d for d in done.values() if d["finish_reason"] == "error"), None)
+        if failed is not None:
+            return self.error_response(
+                ApiError(400, failed["error"] or "the row could not run"), request, job.endpoint, started
+            )
+        self.records.add_answer(job, done, started, first, "ok")
+        usage = make_usage(
+            sum(d["prompt_tokens"] for i, d in done.items() if i % job.n == 0),
+            sum(d["completion_tokens"] for d in done.values()),
+            sum(d["cached_tokens"] for i, d in done.items() if i % job.n == 0),
+        )
+        choices = []
+        for index in sorted(done):
+            d = done[index]
+            if job.endpoint == "chat":
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": d["text"], "refusal": None},
+                    "logprobs": make_chat_logprobs(logprobs.get(index, []), parsed.top_logprobs or 0)
+                    if job.logprobs
+                    else None,
+                    "finish_reason": d["finish_reason"],
+                }
+            else:
+                prefix = job.prompts[index // job.n] if parsed.echo and isinstance(job.prompts[0], str) else ""
+                choice = {
+                    "index": index,
+                    "text": prefix + d["text"],
+                    "logprobs": make_completion_logprobs(logprobs.get(index, []), parsed.logprobs, 0)
+                    if job.logprobs
+                    else None,
+                    "finish_reason": d["finish_reason"],
+                }
+            choices.append(choice)
+        body = {
+            "id": job.id,
+            "object": "chat.completion" if job.endpoint == "chat" else "text_completion",
+            "created": now(),
+            "model": self.model_id,
+            "choices": choices,
+            "usage": usage,
+            "system_fingerprint": self.records.fingerprint,
+        }
+        return JSONResponse(body)
+
+    async def stream_answer(self, job: Job, parsed, request: Request, started: float, images: str | None):
+        """Server-Sent Events as OpenAI's clients parse them: one chunk per piece of text, the
+        finish reason in a last chunk per choice, usage (stream_options.include_usage) in a
+        chunk of its own, then [DONE]."""
+        chat = job.endpoint == "chat"
+        base = {
+            "id": job.id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": now(),
+            "model": self.model_id,
+            "system_fingerprint": self.records.fingerprint,
+        }
+        include_usage = parsed.include_usage()
+        offsets: dict[int, int] = {}
+        done: dict[int, dict] = {}
+        first = None
+        finished = False
+
+        def chunk(index: int, text: str | None = None, finish: str | None = None, entries=None, role=False) -> str:
+            if chat:
+                delta = (
+                    {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+                )
+                lp = make_chat_logprobs(entries, parsed.top_logprobs or 0) if entries else None
+                choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                lp = make_completion_logprobs(entries, parsed.logprobs, offsets.get(index, 0)) if entries else None
+                choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            data = {**base, "choices": [choice]}
+            if include_usage:
+                data["usage"] = None
+            return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+        try:
+            if chat:
+                for index in range(job.row_count):
+                    yield chunk(index, role=True)
+            elif parsed.echo:
+                for index in range(job.row_count):
+                    prompt = job.prompts[index // job.n]
+                    if isinstance(prompt, str):
+                        offsets[index] = len(prompt)
+                        yield chunk(index, prompt)
+            pending_logprobs: dict[int, list] = {}
+            async for event in self.wait_events(job, request):
+                kind = event[0]
+                if kind == "error":
+                    yield f"data: {json.dumps(event[1].body())}\n\n"
+                    self.records.add_refusal(job.endpoint, event[1], started)
+                    finished = True
+                    return
+                if kind == "first" and first is None:
+                    first = time.perf_counter()
+                elif kind == "logprobs":
+                    pending_logprobs.setdefault(event[1], []).append(event[2])
+                elif kind == "text":
+                    index, text = event[1], event[2]
+                    entries = pending_logprobs.pop(index, None)
+                    yield chunk(index, text, entries=entries)
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                elif kind == "done":
+                    index, d = event[1], event[2]
+                    done[index] = d
+                    if d["finish_reason"] == "error":
+                        error = ApiError(400, d["error"] or "the row could not run")
+                        yield f"data: {json.dumps(error.body())}\n\n"
+                        self.engine.cancel(job)
+                        self.records.add_refusal(job.endpoint, error, started)
+                        finished = True
+                        return
+                    yield chunk(
+                        index,
+                        None if chat else "",
+                        finish=d["finish_reason"],
+                        entries=pending_logprobs.pop(index, None),
+                    )
+                    if len(done) == job.row_count:
+                        break
+            if include_usage:
+                usage = make_usage(
+                    sum(d["prompt_tokens"] for i, d in done.items() if i % job.n == 0),
+                    sum(d["completion_tokens"] for d in done.values()),
+                    sum(d["cached_tokens"] for i, d in done.items() if i % job.n == 0),
+                )
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+            finished = True
+            self.records.add_answer(job, done, started, first, "ok")
+        finally:
+            if not finished:  # the client went away (the response task was cancelled) or a write failed
+                self.engine.cancel(job)
+                self.records.add_answer(job, done, started, first, "disconnected")
+            if images:
+                shutil.rmtree(images, ignore_errors=True)
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def make_app(serve: ServeApp) -> Starlette:
+    async def not_found(request: Request, exc) -> Response:
+        error = ApiError(
+            404,
+            f"no route {request.method} {request.url.path} "
+            "(/v1/chat/completions, /v1/completions, /v1/models, /health)",
+        )
+        return JSONResponse(error.body(), status_code=404)
+
+    async def method_not_allowed(request: Request, exc) -> Response:
+        error = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
+        return JSONResponse(error.body(), status_code=405)
+
+    async def server_error(request: Request, exc) -> Response:
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    routes = [
+        Route("/health", serve.health, methods=["GET"]),
+        Route("/v1/models", serve.models, methods=["GET"]),
+        Route("/v1/chat/completions", serve.chat, methods=["POST"]),
+        Route("/v1/completions", serve.completions, methods=["POST"]),
+    ]
+    handlers = {404: not_found, 405: method_not_allowed, 500: server_error, Exception: server_error}
+    return Starlette(routes=routes, exception_handlers=handlers)

@@ -1,0 +1,320 @@
+"""The server's engine thread: one BatchScheduler loop that runs for the server's life, fed with
+the HTTP requests' rows as they come (a RowFeed), so requests share decode steps as a job's rows
+do. Everything MLX (templates with images, the model, the sampler chains) runs on this thread;
+the event loop only parses requests and writes answers. Tokens go back once per iteration (one
+wake-up of the event loop per step, not one per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel.engine.request import RowRequest
+from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
+from mlxcel.errors import MlxcelError
+from mlxcel.jobs import JobRow, Sample
+from mlxcel.sampling.config import SamplerConfig
+from mlxcel.serve.protocol import ApiError
+from mlxcel.template import PromptTokens, build_prompt
+from mlxcel.tokenizer import TextStream
+
+MAX_CHAINS = 64  # distinct sampler settings kept built (a chain holds compiled functions and a bias vector)
+
+
+@dataclass
+class Choice:
+    """One row of a request: a choice of its answer."""
+
+    index: int
+    stream: TextStream
+    logprobs: int = 0  # alternatives to report (0: none); > 0 also reports the token's own
+    prompt_tokens: int = 0
+    generated: int = 0  # tokens so far
+
+
+@dataclass
+class Job:
+    """One HTTP request as the engine sees it. `prompts`: what to prefill: chat messages (one
+    entry) or completion prompts (text or token ids); each gets `n` choices."""
+
+    id: str
+    endpoint: str  # "chat" | "completion"
+    prompts: list[Any]
+    n: int
+    max_tokens: int | None
+    seed: int | None
+    sampler: SamplerConfig | None
+    logprobs: int
+    stop: list[str] | None
+    streaming: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # the client went away (set by the event loop, read here)
+    rows: list[int] = field(default_factory=list)  # scheduler row indices, while they run
+    received: float = field(default_factory=time.perf_counter)
+
+    @property
+    def row_count(self) -> int:
+        return len(self.prompts) * self.n
+
+
+class ServeEngine:
+    def __init__(self, pipeline, max_queue: int):
+        self.pipeline = pipeline
+        self.tokenizer = pipeline.tokenizer
+        self.max_rows = pipeline.cfg.runner.max_rows
+        self.max_queue = max_queue
+        self.inbox: queue.Queue = queue.Queue()
+        self.rows: dict[int, tuple[Job, Choice]] = {}
+        self.next_row = 0
+        self.outbox: list[tuple[Job, tuple]] = []
+        self.chains: OrderedDict[str, Any] = OrderedDict()
+        self.lock = threading.Lock()
+        self.accepted_rows = 0  # rows of accepted requests that have not ended (the queue's fill)
+        self.scheduler: BatchScheduler | None = None
+        self.totals = {"decode_steps": 0, "rows_decoding_sum": 0, "iterations": 0}
+        self.closed = False
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self.run, name="mlxcel-engine", daemon=True)
+
+    # ---- the event loop's side ----
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a request, or refuse it (429) when its rows would pass runner.max_rows running
+        plus serve.max_queue waiting."""
+        if self.failure is not None or self.closed:
+            raise ApiError(503, "the engine has stopped; see the server's log", kind="server_error")
+        with self.lock:
+            if self.accepted_rows + job.row_count > self.max_rows + self.max_queue:
+                raise ApiError(
+                    429,
+                    f"the server's queue is full ({self.max_rows} rows running, serve.max_queue={self.max_queue} "
+                    "waiting); retry shortly",
+                    code="rate_limit_exceeded",
+                    kind="rate_limit_error",
+                    headers={"Retry-After": "1"},
+                )
+            self.accepted_rows += job.row_count
+        self.inbox.put(("add", job))
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        self.inbox.put(("cancel", job))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (rows still running are cancelled) and let the model go now:
+        arrays left to the interpreter's exit are freed after MLX's own threads (a C++ abort)."""
+        import gc
+
+        self.closed = True
+        self.inbox.put(("close", None))
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.scheduler = self.pipeline = None
+            self.chains.clear()
+            gc.collect()
+
+    # ---- the engine thread ----
+    def run(self) -> None:
+        try:
+            request = self.pipeline.make_request([])
+            scheduler = self.pipeline.make_engine(request)
+            if not isinstance(scheduler, BatchScheduler):
+                raise MlxcelError("mlxcel-serve needs the scheduler, and this model runs on the batch engine only")
+            self.scheduler = scheduler
+            for state in scheduler.steps(request, self.on_token, self.on_row_done, feed=self):
+                state.timings.prefill_pieces.clear()  # (a server's loop would keep one per piece, forever)
+                self.totals = {
+                    "decode_steps": state.decode_steps,
+                    "rows_decoding_sum": state.rows_decoding_sum,
+                    "iterations": state.iterations,
+                }
+                self.flush()
+        except BaseException as exc:  # every waiting request gets an answer, then the server reports it
+            self.failure = exc
+            for job, _ in list(self.rows.values()):
+                self.post(job, ("error", ApiError(500, f"the engine failed: {exc}", kind="server_error")))
+            self.rows.clear()
+            self.drain_inbox_after_failure(exc)
+        finally:
+            self.flush()
+
+    def drain_inbox_after_failure(self, exc: BaseException) -> None:
+        while True:
+            try:
+                kind, job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.post(job, ("error", ApiError(500, f"the engine failed: {exc}", kind="server_error")))
+
+    def poll(self, idle: bool) -> FeedUpdate:
+        """RowFeed: the requests and cancellations that came in; blocks while nothing runs."""
+        self.flush()
+        update = FeedUpdate()
+        items = []
+        if idle:
+            items.append(self.inbox.get())
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for kind, job in items:
+            if kind == "close":
+                update.closed = True
+                for job_rows in {id(j): j for j, _ in self.rows.values()}.values():
+                    update.cancelled += job_rows.rows
+            elif kind == "cancel":
+                update.cancelled += job.rows
+            elif job.cancelled:
+                self.release(job.row_count)
+            else:
+                update.rows += self.start_job(job)
+        self.flush()
+        return update
+
+    def start_job(self, job: Job) -> list[tuple[int, RowRequest]]:
+        """The request's rows, or an error answer (400) when its prompt cannot run."""
+        try:
+            prompts = [self.prepare(job, prompt) for prompt in job.prompts]
+            chain = self.make_chain(job.sampler)
+        except (MlxcelError, ApiError) as exc:
+            error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), code="invalid_prompt")
+            self.release(job.row_count)
+            self.post(job, ("error", error))
+            return []
+        rows = []
+        for p, (prompt, images) in enumerate(prompts):
+            for i in range(job.n):
+                index = self.next_row
+                self.next_row += 1
+                # seeded: the same seed and prompt give the same answer; else each request its own stream
+                row_id = 0 if job.seed is not None else job.id
+                request = RowRequest(
+                    prompt.token_ids,
+                    row_id=row_id,
+                    sample_index=i,
+                    history_tokens=prompt.history_tokens,
+                    max_tokens=job.max_tokens,
+                    seed=job.seed,
+                    images=images,
+                    sampler=chain,
+                    logprobs=job.logprobs,
+                )
+                stop = self.pipeline.cfg.decode.stop_strings if job.stop is None else job.stop
+                choice = Choice(p * job.n + i, TextStream(self.tokenizer, stop), job.logprobs, len(prompt.token_ids))
+                self.rows[index] = (job, choice)
+                job.rows.append(index)
+                rows.append((index, request))
+        return rows
+
+    def prepare(self, job: Job, prompt: Any) -> tuple[PromptTokens, Any]:
+        pipeline = self.pipeline
+        if job.endpoint == "chat":
+            prepared = pipeline.prepare_one(Sample(JobRow(id=job.id, messages=prompt)))
+            return prepared.prompt, prepared.images
+        if isinstance(prompt, str):
+            tokens = build_prompt(self.tokenizer, [{"role": "user", "content": prompt}], None, enabled=False)
+        else:
+            vocab = pipeline.loaded.model.args.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[0]}", "prompt")
+            tokens = PromptTokens(self.tokenizer.decode(prompt), list(prompt), 0)
+        pipeline.check_length(tokens)
+        return tokens, None
+
+    def make_chain(self, config: SamplerConfig | None):
+        """The request's chain (None: the server's); built once per distinct settings."""
+        if config is None:
+            return None
+        key = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+        if key in self.chains:
+            self.chains.move_to_end(key)
+            return self.chains[key]
+        chain = self.chains[key] = self.pipeline.make_sampler(config)
+        if len(self.chains) > MAX_CHAINS:
+            self.chains.popitem(last=False)
+        return chain
+
+    def on_token(self, row: int, token: int) -> bool:
+        job, choice = self.rows[row]
+        piece = choice.stream.add_token(token)
+        choice.generated += 1
+        if choice.generated == 1:
+            self.post(job, ("first", choice.index))
+        if choice.logprobs:
+            entry = self.scheduler.live[row].result.logprobs[-1]
+            self.post(job, ("logprobs", choice.index, self.describe_logprobs(entry, choice.logprobs)))
+        if piece and job.streaming:
+            self.post(job, ("text", choice.index, piece))
+        return not (job.cancelled or choice.stream.stopped)
+
+    def describe_logprobs(self, entry: dict, top: int) -> dict:
+        decode = self.tokenizer.decode
+        return {
+            "text": decode([entry["token"]]),
+            "logprob": entry["logprob"],
+            "top": [(decode([t]), lp) for t, lp in entry["top"][:top]],
+        }
+
+    def on_row_done(self, row: int, result) -> None:
+        if row not in self.rows:
+            return
+        job, choice = self.rows.pop(row)
+        job.rows.remove(row)
+        tail = choice.stream.finalize()
+        reason = result.finish_reason
+        if choice.stream.stopped:
+            reason = "stop"
+        if tail and job.streaming:
+            self.post(job, ("text", choice.index, tail))
+        self.post(
+            job,
+            (
+                "done",
+                choice.index,
+                {
+                    "finish_reason": reason,
+                    "text": choice.stream.text,
+                    "completion_tokens": len(result.token_ids),
+                    "prompt_tokens": choice.prompt_tokens,
+                    "cached_tokens": result.cached_tokens,
+                    "error": result.error,
+                },
+            ),
+        )
+        self.release(1)
+
+    def release(self, rows: int) -> None:
+        with self.lock:
+            self.accepted_rows -= rows
+
+    def post(self, job: Job, event: tuple) -> None:
+        self.outbox.append((job, event))
+
+    def flush(self) -> None:
+        """Hand this iteration's events to the event loop in one wake-up."""
+        if not self.outbox:
+            return
+        batch, self.outbox = self.outbox, []
+        loop = batch[0][0].loop
+        try:
+            loop.call_soon_threadsafe(deliver, batch)
+        except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
+            pass
+
+
+def deliver(batch: list[tuple[Job, tuple]]) -> None:
+    for job, event in batch:
+        job.events.put_nowait(event)

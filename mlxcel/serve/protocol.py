@@ -1,0 +1,299 @@
+"""OpenAI's request and response shapes for /v1/chat/completions and /v1/completions.
+
+Requests are checked here, before anything reaches the engine: a field we do not know or do not
+support is a 400 that names it (never silently ignored); the fields that change nothing for a
+local server are accepted (IGNORED_FIELDS, docs/serve.md). `make_sampler_config` maps the request's
+sampling fields onto our sampler chain, over the server's configured chain.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+from mlxcel.sampling.config import SamplerConfig
+
+MAX_CHOICES = 16  # n: rows of one request (each holds a KV reservation)
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
+MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions API
+MAX_STOP_STRINGS = 4  # as OpenAI
+# Accepted and ignored: they change nothing a local server does (docs/serve.md lists them).
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "parallel_tool_calls",
+    }
+)
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class SamplingFields(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None
+    mlxcel: dict[str, Any] | None = None  # our own settings: {"sampler": {...}} (docs/serve.md)
+
+    def stop_strings(self) -> list[str] | None:
+        if self.stop is None:
+            return None
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise ApiError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", "stop")
+        return stops
+
+    def include_usage(self) -> bool:
+        options = self.stream_options or {}
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+        unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+        if unknown:
+            raise ApiError(400, f"unknown field stream_options.{unknown[0]}", f"stream_options.{unknown[0]}")
+        return bool(options.get("include_usage", False))
+
+
+class ChatRequest(SamplingFields):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_wanted(self) -> int:
+        """Alternatives the draw must keep (>= 1 whenever logprobs are asked for)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return max(1, self.top_logprobs or 0) if self.logprobs else 0
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
+    suffix: str | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_wanted(self) -> int:
+        return max(1, self.logprobs) if self.logprobs is not None else 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (a list of strings or of token-id lists is a batch: one choice set each)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+def parse_request(kind: type[SamplingFields], data: Any) -> SamplingFields:
+    """The request body checked: unknown or unsupported fields and bad values are 400s naming them."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    data = {key: value for key, value in data.items() if key not in IGNORED_FIELDS}
+    known = set(kind.model_fields)
+    for key in data:
+        if key not in known:
+            raise ApiError(400, f"unknown or unsupported field '{key}' (docs/serve.md lists the fields)", key)
+    try:
+        request = kind.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        value = first.get("input")
+        shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+        raise ApiError(400, f"{param}: {first['msg']}{shown}", param) from None
+    check_unsupported(request)
+    return request
+
+
+def check_unsupported(request: SamplingFields) -> None:
+    if isinstance(request, ChatRequest):
+        kind = (request.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ApiError(
+                400, f"response_format type '{kind}' is not supported yet (only 'text')", "response_format.type"
+            )
+    if isinstance(request, CompletionRequest):
+        if request.suffix:
+            raise ApiError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise ApiError(400, "best_of must equal n: every sample is returned, none is ranked", "best_of")
+        if request.echo and request.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (prompt tokens have no logprobs here)", "echo")
+    mlxcel = request.mlxcel or {}
+    unknown = sorted(set(mlxcel) - {"sampler"})
+    if unknown:
+        raise ApiError(400, f"unknown field mlxcel.{unknown[0]} (known: mlxcel.sampler)", f"mlxcel.{unknown[0]}")
+    request.stop_strings()
+    request.include_usage()
+    request.logprobs_wanted()
+
+
+def make_sampler_config(base: SamplerConfig, request: SamplingFields, vocab_size: int) -> SamplerConfig | None:
+    """The request's sampler: the server's chain, then `mlxcel.sampler` merged over it, then the
+    OpenAI fields (temperature > 0 makes a greedy chain a categorical draw). None: the server's
+    own chain unchanged."""
+    overrides = (request.mlxcel or {}).get("sampler")
+    fields = (request.temperature, request.top_p, request.frequency_penalty, request.presence_penalty)
+    if overrides is None and all(f is None for f in fields) and not request.logit_bias:
+        return None
+    data = base.model_dump()
+    if overrides is not None:
+        if not isinstance(overrides, dict):
+            raise ApiError(400, "mlxcel.sampler must be an object (the sampler group's keys)", "mlxcel.sampler")
+        data = merge_dicts(data, overrides)
+    processors = data.setdefault("processors", {})
+    if request.temperature is not None:
+        processors["temperature"] = {**processors.get("temperature", {}), "value": request.temperature}
+        if request.temperature > 0 and data.get("selector", {}).get("kind") == "greedy":
+            data["selector"] = {"kind": "categorical"}
+    if request.top_p is not None:
+        processors["top_p"] = {**processors.get("top_p", {}), "p": request.top_p}
+    if request.frequency_penalty is not None or request.presence_penalty is not None:
+        penalties = processors.get("penalties", {})
+        for name, value in (("frequency", request.frequency_penalty), ("presence", request.presence_penalty)):
+            if value is not None:
+                penalties[name] = value
+        processors["penalties"] = penalties
+    if request.logit_bias:
+        bias = {}
+        for key, value in request.logit_bias.items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise ApiError(400, f"logit_bias keys are token ids in [0, {vocab_size}); got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        processors["logit_bias"] = {**processors.get("logit_bias", {}), "bias": bias}
+    try:
+        return SamplerConfig.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        detail = first.get("ctx", {}).get("mlxcel") or first.get("ctx", {}).get("nested") or first["msg"]
+        raise ApiError(
+            400, f"the request's sampler settings: {describe_validation(detail)}", "mlxcel.sampler"
+        ) from None
+
+
+def describe_validation(detail: Any) -> str:
+    """One line out of the sampler schema's nested error shapes."""
+    if isinstance(detail, tuple) and len(detail) == 3 and isinstance(detail[1], str):
+        field, message, value = detail
+        return f"{field + ': ' if field else ''}{message} (got {value!r})"
+    if isinstance(detail, list) and detail:
+        model, prefix, errors = detail[0]
+        if errors:
+            error = errors[0]
+            where = ".".join(str(p) for p in (*prefix, *error["loc"]))
+            inner = error.get("ctx", {}).get("mlxcel")
+            message = inner[1] if inner else error["msg"]
+            return f"{where}: {message} (got {error.get('input')!r})"
+    return str(detail)
+
+
+def merge_dicts(base: dict, overrides: dict) -> dict:
+    merged = dict(base)
+    for key, value in overrides.items():
+        merged[key] = (
+            merge_dicts(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
+    return merged
+
+
+# ---- responses ----
+def make_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def make_chat_logprobs(entries: list[dict], top: int) -> dict:
+    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    return {
+        "content": [
+            {
+                "token": e["text"],
+                "logprob": e["logprob"],
+                "bytes": list(e["text"].encode("utf-8")),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in e["top"][:top]
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def make_completion_logprobs(entries: list[dict], top: int, offset: int) -> dict:
+    """The completions API's logprobs: parallel lists, text_offset from `offset`."""
+    offsets, position = [], offset
+    for e in entries:
+        offsets.append(position)
+        position += len(e["text"])
+    return {
+        "tokens": [e["text"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [dict(e["top"][:top]) for e in entries],
+        "text_offset": offsets,
+    }

@@ -181,6 +181,22 @@ def test_ignored_fields_are_accepted_and_unknown_models_are_404s(server, client)
     assert request_json(f"{server.url.removesuffix('/v1')}/health")[1] == {"status": "ok"}
 
 
+def test_a_client_that_hangs_up_frees_its_row_at_once(server):
+    """2,000 tokens of SmolLM2 take minutes here; the row ends within a step of the hang-up."""
+    import asyncio
+    import time
+
+    from tests.test_serve_load import chat_body, raw_request, wait_for_idle
+
+    port = int(server.url.split(":")[-1].split("/")[0])
+    body = chat_body("Tell me a long story.", stream=True, max_tokens=2000)
+    status, _ = asyncio.run(raw_request(port, body, key=None, hang_up_after=3))
+    hung_up = time.monotonic()
+    assert status == 200
+    wait_for_idle(server.engine, 5)
+    assert time.monotonic() - hung_up < 5
+
+
 def test_the_run_folder_keeps_figures_not_text(server, client):
     client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A secret phrase"}])
     server.records.write_stats()

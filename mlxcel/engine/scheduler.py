@@ -440,6 +440,9 @@ class BatchScheduler:
                     self.reuse.forget(row)
             free_slots.sort()
             state.iterations += 1
+            # (held across the yield, they would keep the last step's logits and tokens alive
+            # while an open loop waits for rows)
+            logits_parts = logits = draw = None
             yield state
 
     def cancel_rows(

@@ -93,6 +93,13 @@ class ServeEngine:
         plus serve.max_queue waiting."""
         if self.failure is not None or self.closed:
             raise ApiError(503, "the engine has stopped; see the server's log", kind="server_error")
+        if job.row_count > self.max_rows + self.max_queue:
+            raise ApiError(
+                400,
+                f"{job.row_count} rows (prompts x n) is more than this server ever holds at once "
+                f"(runner.max_rows={self.max_rows} + serve.max_queue={self.max_queue})",
+                "n",
+            )
         with self.lock:
             if self.accepted_rows + job.row_count > self.max_rows + self.max_queue:
                 raise ApiError(

@@ -1,0 +1,162 @@
+"""mlxcel-serve under load and faults (loopback, bounded): 64 concurrent clients, some streaming,
+some hanging up mid-answer, some sending malformed JSON, oversize bodies, bad parameters or wrong
+API keys, against a queue that is too short for all of them. Every accepted request gets a
+complete answer or an OpenAI error object; a full queue answers 429 with Retry-After; the server
+stays up, and afterwards MLX's active
+memory equals its post-warm-up value and RSS is within 10% of it. A tiny random Llama (the faults,
+not the model, are under test; test_serve checks a hung-up client's rows are freed on SmolLM2);
+the prompt cache off, so the memory after equals the memory before by design (the cache keeps
+entries by design, within its own budget: test_prompt_cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import mlx.core as mx
+import pytest
+
+from tests.serve_fixtures import request_json, running_server
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_the_cpu")]  # 128 HTTP clients, ~30 s
+
+KEY = "sk-test-key"
+HANG_UP_TOKENS = 400  # (the tiny model's context is 512)
+
+
+def read_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def raw_request(port: int, body: bytes, key: str | None = KEY, hang_up_after: int | None = None) -> tuple:
+    """(status, the body as text) over a bare socket; `hang_up_after`: close once that many SSE
+    events arrived (a client that goes away mid-answer)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n"
+    if key is not None:
+        head += f"Authorization: Bearer {key}\r\n"
+    writer.write((head + "Connection: close\r\n\r\n").encode() + body)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    if hang_up_after is not None:
+        events = 0
+        while events < hang_up_after:
+            line = await reader.readline()
+            if not line:
+                break
+            events += line.startswith(b"data:")
+        writer.close()
+        return status, None
+    text = (await reader.read()).decode()
+    writer.close()
+    return status, text
+
+
+def chat_body(content: str, **extra) -> bytes:
+    return json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": content}], **extra}).encode()
+
+
+async def run_clients(server, seed: int) -> dict:
+    rng = random.Random(seed)
+    port = int(server.url.split(":")[-1].split("/")[0])
+    client = openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+    outcomes: dict[str, int] = {}
+
+    def count(name: str) -> None:
+        outcomes[name] = outcomes.get(name, 0) + 1
+
+    async def one(i: int) -> None:
+        kind = rng.choice(["stream", "stream", "whole", "whole", "hang_up", "malformed", "oversize", "bad", "key"])
+        prompt = f"Tell me about number {i}." + " Please." * rng.randint(0, 10)
+        await asyncio.sleep(rng.random() * 0.05)  # (all at once: the queue overflows)
+        if kind in ("stream", "whole"):
+            try:
+                if kind == "stream":
+                    stream = await client.chat.completions.create(
+                        model="smollm2", messages=[{"role": "user", "content": prompt}], stream=True, max_tokens=32
+                    )
+                    finish = [
+                        c.choices[0].finish_reason async for c in stream if c.choices and c.choices[0].finish_reason
+                    ]
+                    assert finish and finish[0] in ("stop", "length"), finish
+                else:
+                    answer = await client.chat.completions.create(
+                        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=32
+                    )
+                    assert answer.choices[0].finish_reason in ("stop", "length")
+                count("answered")
+            except openai.RateLimitError as err:
+                assert err.response.headers.get("retry-after") == "1"
+                assert err.body["type"] == "rate_limit_error"
+                count("429")
+        elif kind == "hang_up":
+            status = 429
+            while status == 429:  # (it must get in to hang up mid-answer)
+                body = chat_body(prompt, stream=True, max_tokens=HANG_UP_TOKENS)
+                status, _ = await raw_request(port, body, hang_up_after=2)
+                await asyncio.sleep(0.05)
+            count("hung_up" if status == 200 else str(status))
+        elif kind == "malformed":
+            status, text = await raw_request(port, b'{"model": "smollm2", "messages": [')
+            assert status == 400 and "not valid JSON" in json.loads(text.split("\r\n\r\n", 1)[1])["error"]["message"]
+            count("400")
+        elif kind == "oversize":
+            status, text = await raw_request(port, chat_body("x" * 20_000))
+            assert status == 413 and "max_body_mb" in text
+            count("413")
+        elif kind == "bad":
+            status, text = await raw_request(port, chat_body(prompt, n=0))
+            assert status == 400 and '"param":"n"' in text.replace(" ", "")
+            count("400")
+        else:
+            status, text = await raw_request(port, chat_body(prompt), key=rng.choice([None, "sk-wrong"]))
+            assert status == 401 and "authentication_error" in text
+            count("401")
+
+    await asyncio.gather(*(one(i) for i in range(64)))
+    await client.close()
+    return outcomes
+
+
+def wait_for_idle(engine, seconds: float) -> float:
+    began = time.monotonic()
+    while engine.accepted_rows or (engine.scheduler and engine.scheduler.live):
+        assert time.monotonic() - began < seconds, f"rows still held: {engine.accepted_rows}"
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def test_64_clients_with_faults_get_answers_or_errors_and_nothing_leaks(tmp_path, monkeypatch, tiny_llama):
+    monkeypatch.setenv("MLXCEL_API_KEYS", KEY)
+    overrides = (
+        "model=hf",
+        f"model.path={tiny_llama}",
+        "serve.model_name=smollm2",
+        "runner.max_rows=4",
+        "serve.max_queue=4",
+        "serve.max_body_mb=0.01",
+        "runner.prompt_cache=false",
+    )
+    with running_server(tmp_path / "run", *overrides) as server:
+        asyncio.run(run_clients(server, seed=0))  # warm-up: every request shape once
+        wait_for_idle(server.engine, 60)
+        mx.clear_cache()
+        active, rss = mx.get_active_memory(), read_rss()
+        outcomes = asyncio.run(run_clients(server, seed=1))
+        assert {"answered", "429", "hung_up", "400", "401", "413"} <= set(outcomes), outcomes
+        idle_after = wait_for_idle(server.engine, 30)
+        status, health, _ = request_json(server.url.removesuffix("/v1") + "/health")
+        assert status == 200 and health == {"status": "ok"}
+        mx.clear_cache()
+        assert mx.get_active_memory() == active
+        assert abs(read_rss() - rss) <= 0.1 * rss, (read_rss(), rss)
+        rows = [json.loads(line) for line in (server.run_dir / "generations.jsonl").read_text().splitlines()]
+        assert sum(r["status"] == 429 for r in rows) >= outcomes["429"]
+        print(f"outcomes {outcomes}; idle {idle_after:.2f} s after the last client")

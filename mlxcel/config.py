@@ -364,6 +364,7 @@ class PromptConfig(Group):
     system: str | None = None  # "" is allowed: it stops a template from adding its default system prompt
     messages: list[Message] | None = None
     file: str | None = None  # a JSONL file of rows (see PromptRow): a batch job
+    format: Literal["auto", "rows", "openai_batch"] = "auto"  # prompt.file's lines; auto: told from the first
     rows: list[PromptRow] | None = None  # the same rows inline in YAML
 
     _check_text = field_validator("text")(_check_not_blank)

@@ -24,6 +24,12 @@ class JobRow:
     seed: int | None = None
     n: int = 1
     tools: list[dict] | None = None  # the row's own tool definitions, if any
+    # a batch file's request (mlxcel.batch_files): its own settings, and what its result line needs
+    raw: bool = False  # a completion: the text as it is, no chat template
+    sampler: dict | None = None  # its own sampler config (None: the job's)
+    stop: list[str] | None = None  # its own stop strings (None: decode.stop_strings)
+    logprobs: int = 0  # its tokens' logprobs and this many alternatives
+    batch: dict | None = None  # custom_id, endpoint, model, ...; "error": the line cannot run
 
 
 def hash_row(row: JobRow) -> str:
@@ -39,6 +45,8 @@ def hash_row(row: JobRow) -> str:
         "n": row.n,
         "tools": row.tools,
     }
+    if row.batch is not None:  # (only then: the hashes of earlier folders' rows stay as they were)
+        content.update(raw=row.raw, sampler=row.sampler, stop=row.stop, logprobs=row.logprobs, batch=row.batch)
     return hashlib.sha256(
         json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
     ).hexdigest()
@@ -61,9 +69,15 @@ class Sample:
         return (str(self.row.id), self.index)
 
 
-def load_job_rows(prompt: PromptConfig) -> list[JobRow]:
+def load_job_rows(prompt: PromptConfig, sampler=None) -> list[JobRow]:
+    """`sampler`: the job's sampler config, under a batch file's per-request settings."""
     if prompt.file is not None:
-        return check_rows(read_jsonl_rows(Path(prompt.file)), prompt, f"prompt.file={prompt.file}")
+        from mlxcel.batch_files import detect_format, read_batch_rows
+
+        path = Path(prompt.file)
+        if prompt.format == "openai_batch" or (prompt.format == "auto" and detect_format(path) == "openai_batch"):
+            return read_batch_rows(path, prompt.system, sampler)
+        return check_rows(read_jsonl_rows(path), prompt, f"prompt.file={prompt.file}")
     if prompt.rows is not None:
         items = [(index, row.model_dump(exclude_unset=True)) for index, row in enumerate(prompt.rows, start=1)]
         return check_rows(items, prompt, "prompt.rows")

@@ -162,6 +162,7 @@ class Pipeline:
         self.prompt_cache = make_prompt_cache(cfg) if loaded and cfg.runner.prompt_cache else None
         self.prompt_cache_key = ""  # names this model's folder under runner.prompt_cache_dir (load_prompt_cache)
         self.keep_answers = False  # snapshot answers into the prompt cache too (a chat's next turn starts with them)
+        self.row_chains: dict[str, SamplerChain] = {}  # rows' own chains by their settings (chain_for)
 
     @classmethod
     def load(
@@ -245,6 +246,17 @@ class Pipeline:
         """Render, tokenize and (with images) load, preprocess and expand the placeholders. A dry
         run (no weights) stops before the images: their token counts need the model's processor."""
         template, model = self.cfg.template, self.loaded.model if self.loaded else None
+        row = sample.row
+        if row.batch is not None and row.batch.get("error"):
+            raise MlxcelError(row.batch["error"])  # a batch file's line that cannot run
+        if row.raw:  # a batch file's completion: the text as it is
+            prompt = build_prompt(self.tokenizer, row.messages, None, enabled=False)
+            self.check_length(prompt)
+            if row.sampler is not None and self.loaded is not None:
+                self.chain_for(row.sampler)  # (a bad logit_bias id is this row's error)
+            return PreparedSample(sample, prompt)
+        if row.sampler is not None and self.loaded is not None:
+            self.chain_for(row.sampler)
         paths = collect_image_paths(sample.row.messages)
         if model is not None:
             check_images_allowed(model, self.header.arch, paths)
@@ -267,12 +279,28 @@ class Pipeline:
         self.check_length(prompt)
         return PreparedSample(sample, prompt, images=images)
 
-    def make_text_stream(self, streaming: bool = True) -> TextStream | DeferredTextStream:
-        """Per-row detokenizer that also applies decode.stop_strings; decoded once at the row's
-        end where nothing reads its text as it grows (`streaming` False) and no stop string is set."""
-        if not streaming and not self.cfg.decode.stop_strings:
+    def make_text_stream(
+        self, streaming: bool = True, stop_strings: list[str] | None = None
+    ) -> TextStream | DeferredTextStream:
+        """Per-row detokenizer that also applies the stop strings (the row's own, else
+        decode.stop_strings); decoded once at the row's end where nothing reads its text as it
+        grows (`streaming` False) and no stop string is set."""
+        stops = self.cfg.decode.stop_strings if stop_strings is None else stop_strings
+        if not streaming and not stops:
             return DeferredTextStream(self.tokenizer)
-        return TextStream(self.tokenizer, self.cfg.decode.stop_strings)
+        return TextStream(self.tokenizer, stops)
+
+    def chain_for(self, config: dict | None) -> SamplerChain | None:
+        """A row's own sampler chain (a batch file's request), built once per distinct settings."""
+        if config is None:
+            return None
+        key = json.dumps(config, sort_keys=True)
+        if key not in self.row_chains:
+            try:
+                self.row_chains[key] = self.make_sampler(SamplerConfig.model_validate(config))
+            except ConfigError as err:
+                raise MlxcelError("; ".join(f"{i.path}: {i.message} (got {i.value!r})" for i in err.issues)) from None
+        return self.row_chains[key]
 
     def check_length(self, prompt: PromptTokens) -> None:
         if not prompt.token_ids:
@@ -356,6 +384,8 @@ class Pipeline:
                 max_tokens=p.sample.row.max_tokens,
                 seed=p.sample.row.seed,
                 images=p.images,
+                sampler=self.chain_for(p.sample.row.sampler),
+                logprobs=p.sample.row.logprobs,
             )
             for p in batch
         ]

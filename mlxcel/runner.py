@@ -17,6 +17,7 @@ from typing import TextIO
 
 import mlx.core as mx
 
+from mlxcel.batch_files import write_batch_output
 from mlxcel.config import RunConfig
 from mlxcel.engine import RowResult
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
@@ -59,7 +60,7 @@ def run(
 ) -> RunResult:
     # A refused start (another run's folder, a resume with another config, an input the run would
     # write over) leaves the folder as it was: no failure stats over another run's.
-    samples = expand_samples(load_job_rows(cfg.prompt))  # 1
+    samples = expand_samples(load_job_rows(cfg.prompt, cfg.sampler))  # 1
     done = claim_run_folder(
         out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg.prompt), hash_samples(samples)
     )  # 2
@@ -185,6 +186,10 @@ def run_job(
             report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())
     finally:
         progress.close()
+        if any(s.row.batch is not None for s in samples):  # an OpenAI batch file: its result lines too
+            rows = list({id(s.row): s.row for s in samples}.values())
+            answered = write_batch_output(outputs.dir, rows, outputs.read_rows(), decode_one(pipeline))
+            report["batch_output"] = {"requests": len(rows), "answered": answered}
     stats = make_generation_stats(batches, prepare_start, finish_reasons)
     report.update(stats.to_dict())
     errors = [row for row in generations if row["finish_reason"] == "error"]
@@ -215,7 +220,7 @@ def run_batch(
 ):
     """Generate `batch`, recording each row as it finishes. `keep_partial` (a single prompt): an
     interrupt records the row so far, finish_reason "interrupted" (a resume runs it again)."""
-    detokenizers = [pipeline.make_text_stream(streaming=stream is not None) for _ in batch]
+    detokenizers = [pipeline.make_text_stream(stream is not None, p.sample.row.stop) for p in batch]
     finished: set[int] = set()
 
     def on_token(row: int, token: int) -> bool:
@@ -271,6 +276,12 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         **({"error": result.error} if result.error else {}),  # a row the engine could not run
         **(result.timing or {}),  # the scheduler's queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
     }
+
+
+def decode_one(pipeline: Pipeline):
+    from mlxcel.serve.protocol import describe_token
+
+    return lambda token: describe_token(pipeline.tokenizer, token)
 
 
 def make_error_row(prepared: PreparedSample) -> dict:

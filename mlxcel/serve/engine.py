@@ -21,7 +21,7 @@ from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
 from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.sampling.config import SamplerConfig
-from mlxcel.serve.protocol import ApiError
+from mlxcel.serve.protocol import ApiError, describe_token
 from mlxcel.template import PromptTokens, build_prompt
 from mlxcel.tokenizer import TextStream
 
@@ -268,11 +268,11 @@ class ServeEngine:
         return not (job.cancelled or choice.stream.stopped)
 
     def describe_logprobs(self, entry: dict, top: int) -> dict:
-        decode = self.tokenizer.decode
+        tokenizer = self.tokenizer
         return {
-            "text": decode([entry["token"]]),
+            "text": describe_token(tokenizer, entry["token"]),
             "logprob": entry["logprob"],
-            "top": [(decode([t]), lp) for t, lp in entry["top"][:top]],
+            "top": [(describe_token(tokenizer, t), lp) for t, lp in entry["top"][:top]],
         }
 
     def on_row_done(self, row: int, result) -> None:

@@ -251,6 +251,16 @@ def merge_dicts(base: dict, overrides: dict) -> dict:
 
 
 # ---- responses ----
+def describe_token(tokenizer, token: int) -> str:
+    """A token as logprobs list it: its text, or where that is part of a character (the
+    replacement character), the tokenizer's own piece (unique per id: the legacy completions
+    format keys alternatives by text)."""
+    text = tokenizer.decode([token])
+    if "\ufffd" in text:
+        return tokenizer.id_to_token(token) or f"<token {token}>"
+    return text
+
+
 def make_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

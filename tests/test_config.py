@@ -260,7 +260,7 @@ ERROR_CASES = [
     ({"runner": {"device": "tpu"}}, "runner.device: must be one of: auto, cpu, gpu (got 'tpu')"),
     (
         {"extra": {"x": 1}},
-        "extra: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner "
+        "extra: unknown key; valid keys: model, tokenizer, template, sampler, prefill, decode, prompt, runner, serve "
         "(got {'x': 1})",
     ),
     ({"decode": None}, "decode: must be a mapping (got None)"),
@@ -372,12 +372,12 @@ def group_options() -> list[tuple[str, str]]:
 
 def test_every_group_has_options():
     groups = {group for group, _ in group_options()}
-    assert groups == {"model", "tokenizer", "template", "sampler", "prefill", "decode", "prompt", "runner"}
+    assert groups == {"model", "tokenizer", "template", "sampler", "prefill", "decode", "prompt", "runner", "serve"}
 
 
 @pytest.mark.parametrize("group, option", group_options())
 def test_every_option_composes_and_validates(group, option, tmp_path):
-    overrides = [f"{group}={option}"]
+    overrides = [f"{'+' if group == 'serve' else ''}{group}={option}"]  # (serve: mlxcel-serve composes it in)
     if group == "model" and option != "smollm2":  # hf and the family presets require model.path
         overrides.append(f"model.path={tmp_path}")
     if (group, option) == ("prompt", "jsonl"):

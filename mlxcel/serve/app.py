@@ -130,8 +130,8 @@ class ServeApp:
             parsed = parse_request(ChatRequest if endpoint == "chat" else CompletionRequest, body)
             self.check_model(parsed.model)
             if endpoint == "chat":
-                images = tempfile.mkdtemp(prefix="mlxcel-serve-")
-                prompts = [self.convert_messages(parsed.messages, Path(images))]
+                images = tempfile.mkdtemp(prefix="mlxcel-serve-") if has_data_urls(parsed.messages) else None
+                prompts = [self.convert_messages(parsed.messages, Path(images) if images else None)]
             else:
                 prompts = parsed.prompts()
             vocab = self.engine.pipeline.loaded.model.args.vocab_size
@@ -176,7 +176,7 @@ class ServeApp:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     # ---- messages and images ----
-    def convert_messages(self, messages: list, folder: Path) -> list[dict]:
+    def convert_messages(self, messages: list, folder: Path | None) -> list[dict]:
         """OpenAI's chat messages as our Message dicts: 'developer' is a system message, image_url
         parts become image files (data: URLs written to `folder`, local paths under serve.image_dirs)."""
         from pydantic import ValidationError
@@ -207,7 +207,7 @@ class ServeApp:
                 raise ApiError(400, f"messages[{i}].{where}: {text}", f"messages.{i}.{where}") from None
         return converted
 
-    def convert_part(self, part: Any, folder: Path, where: str) -> dict:
+    def convert_part(self, part: Any, folder: Path | None, where: str) -> dict:
         if not isinstance(part, dict):
             raise ApiError(400, f"{where} must be an object", where)
         kind = part.get("type")
@@ -223,7 +223,7 @@ class ServeApp:
             raise ApiError(400, f"{where}: image_url.url must be a string", f"{where}.image_url.url")
         return {"type": "image", "path": str(self.find_image(url, folder, where))}
 
-    def find_image(self, url: str, folder: Path, where: str) -> Path:
+    def find_image(self, url: str, folder: Path | None, where: str) -> Path:
         param = f"{where}.image_url.url"
         if url.startswith(("http://", "https://")):
             raise ApiError(400, "image URLs are not fetched: send the image as a data: URL", param)
@@ -286,6 +286,7 @@ class ServeApp:
             return Response(status_code=499)
         failed = next((d for d in done.values() if d["finish_reason"] == "error"), None)
         if failed is not None:
+            self.engine.cancel(job)  # (its other choices)
             return self.error_response(
                 ApiError(400, failed["error"] or "the row could not run"), request, job.endpoint, started
             )
@@ -423,6 +424,17 @@ class ServeApp:
                 self.records.add_answer(job, done, started, first, "disconnected")
             if images:
                 shutil.rmtree(images, ignore_errors=True)
+
+
+def has_data_urls(messages: list) -> bool:
+    """Whether any image part is a data: URL (its bytes go to a temporary file for the processor)."""
+    return any(
+        isinstance(part, dict) and str((part.get("image_url") or {}).get("url", "")).startswith("data:")
+        for message in messages
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and isinstance(part.get("image_url"), dict)
+    )
 
 
 async def wait_disconnect(request: Request) -> None:

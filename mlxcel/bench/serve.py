@@ -2,41 +2,45 @@
 
     python -m mlxcel.bench.serve [--model smollm2] [--clients 8] [--requests 16] [--prompt-tokens 128]
                                  [--max-tokens 128] [--servers mlxcel,mlx-lm] [--max-rows 8] [--seed 0]
-                                 [--endpoint auto] [--json OUT.json]
+                                 [--endpoint auto] [--json OUT.json] [--logs DIR]
 
-Each server in turn is started as a subprocess on a free loopback port, on the same HF folder
-(bench/checkpoints.py's checkpoint, plus a tokenizer both can read), answered a warm-up round, timed
-on one round, and stopped with SIGTERM:
+Each server in turn is started as a subprocess on a free loopback port, on the same HF folder,
+given a warm-up round, timed on one round, and stopped with SIGTERM. The folder is
+bench/checkpoints.py's checkpoint (--model: smollm2, a random-weight shape such as llama-3.2-1b, or
+an HF folder, which keeps its own tokenizer) plus a tokenizer both servers read: SmolLM2's GGUF
+tokenizer as mlxcel rebuilds it, with its chat template, or for the random shapes bench.jobs'
+word-level one. Before any server starts, mlx-lm's tokenizer (transformers' pick for the folder)
+must turn the first prompt into the same ids as mlxcel's, so both prefill the same tokens (it does
+not for the qwen2.5-0.5b shape: transformers builds its Qwen2 tokenizer whatever the folder says).
 
-- mlxcel-serve: `model=hf model.path=FOLDER model.dtype=D runner.max_rows=M decode.max_tokens=T`,
-  everything else as the server's defaults.
-- mlx_lm.server: `--model FOLDER --max-tokens T --decode-concurrency M --prompt-concurrency min(8, M)`;
-  its batching stays on with its defaults otherwise (8 is its default prompt concurrency: it must
-  not exceed the decode one; its default decode concurrency, 32, would cap wider runs).
+- mlxcel-serve: `model=hf model.path=FOLDER model.dtype=D runner.max_rows=M decode.max_tokens=T`
+  (+ `template=none` where the tokenizer has no chat template), the server's defaults otherwise.
+- mlx_lm.server: `--model FOLDER --max-tokens T --decode-concurrency M --prompt-concurrency min(8, M)`:
+  its batching on with its defaults otherwise (8 is its default prompt concurrency, which must not
+  exceed the decode one; its default decode concurrency, 32, would cap wider runs).
 
-Both get the same LD_PRELOAD: on a Linux CPU the OpenBLAS that mlxcel-serve would preload itself
-(mlxcel/blas.py), so both run on the same BLAS. M is --max-rows (default --clients).
+M is --max-rows (default --clients). Both servers get the same LD_PRELOAD: on a Linux CPU the
+OpenBLAS that mlxcel-serve would preload itself (mlxcel/blas.py), so both run on the same BLAS.
 
 The round: --requests requests (default 2 x --clients) go out through --clients concurrent clients
 (asyncio, the openai package's AsyncOpenAI), each client sending its next request as soon as its
 last one ends, so the server stays loaded. Every request streams (stream_options.include_usage) with
-max_tokens = --max-tokens at temperature 0. Its prompt is drawn from --seed, a different one per
-request: for a real model (a chat-completion request where the tokenizer has a chat template, else
-a completion) an essay request on a drawn topic padded with drawn words to --prompt-tokens tokens
-of text (before the chat template); for the random-weight shapes (a completion), --prompt-tokens
-random token ids written as the words of bench.jobs' word-level tokenizer. The prompt cache stays
-on as each server runs it by default (mlxcel's runner.prompt_cache, mlx-lm's LRU cache of 10); the
-prompts share only the template's and the instruction's first tokens. The OpenAI API cannot ask to
-ignore EOS, so a request may stop before max_tokens: its tokens are the usage chunk's
-completion_tokens (or, where a server sends none, its non-empty content chunks; the output says
-which).
+max_tokens = --max-tokens at temperature 0: a chat completion where the tokenizer has a chat
+template, else a completion (--endpoint). Its prompt is drawn from --seed, a different one per
+request: an essay request on a drawn topic padded with drawn words to --prompt-tokens tokens (before
+the chat template), or for the random shapes --prompt-tokens random token ids written as the
+word-level tokenizer's words. The prompt cache stays on as each server runs it by default (mlxcel's
+runner.prompt_cache, mlx-lm's LRU cache of 10 entries); the prompts share only the template's and
+the instruction's first tokens. The OpenAI API cannot ask to ignore EOS, so a request may stop
+before max_tokens: its tokens are its usage chunk's completion_tokens (or, where a server sends
+none, its non-empty content chunks; the output says which).
 
 Measured per server, over the timed round: throughput = generated tokens / wall time (first request
 sent to last answer); TTFT = request sent to its first non-empty content chunk; ITL = the gaps
 between a request's successive content chunks, pooled over all requests; p50 and p95 of both. The
 warm-up round before it: --clients requests of 8 tokens on other prompts (seed + 1), unmeasured.
 The table and ratios (mlxcel / mlx-lm) go to stdout, progress to stderr, everything (per request
-too) to --json.
+too) to --json. Server logs go to a temporary folder, kept only when something failed (or --logs).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from mlxcel.bench.harness import log
 from mlxcel.bench.jobs import MLX_LM_PREFILL_BATCH, draw_job, prepare_tokenizer, read_special_ids
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
+from mlxcel.tokenizer.loader import load_tokenizer
 
 SERVERS = ("mlxcel", "mlx-lm")
 MODEL_NAMES = {"mlxcel": "bench", "mlx-lm": "default_model"}  # what each server answers to
@@ -158,7 +163,7 @@ class Round:
             "tokens": tokens,
             "chunks": sum(r.chunks for r in ok),
             "wall_s": self.wall_s,
-            "tokens_from": sources.pop() if len(sources) == 1 else "usage and chunks",
+            "tokens_from": " and ".join(sorted(sources)) or "-",
             "finish_reasons": dict(Counter(str(r.finish_reason) for r in ok)),
         }
 
@@ -458,7 +463,9 @@ def read_mlxcel_stats(server: Server) -> dict | None:
 
 
 # ---- the clients ----
-async def stream_request(client, server: Server, endpoint: str, prompt: str, max_tokens: int, start: float):
+async def stream_request(
+    client, server: Server, endpoint: str, prompt: str, max_tokens: int, start: float
+) -> RequestResult:
     """One streamed request; content chunks time-stamped as they arrive."""
     sent = time.perf_counter()
     result = RequestResult(sent_s=sent - start)
@@ -577,7 +584,7 @@ def format_table(summaries: dict[str, dict], ratios: dict[str, float] | None) ->
     return "\n".join(text)
 
 
-def describe_run(args: argparse.Namespace, endpoint: str, server_blas: str) -> dict:
+def describe_run(args: argparse.Namespace, server_blas: str) -> dict:
     return {
         "model": args.model,
         "clients": args.clients,
@@ -586,7 +593,7 @@ def describe_run(args: argparse.Namespace, endpoint: str, server_blas: str) -> d
         "max_tokens": args.max_tokens,
         "max_rows": args.max_rows,
         "seed": args.seed,
-        "endpoint": endpoint,
+        "endpoint": args.endpoint,
         "servers": args.servers,
         "server_blas": server_blas,
         "mlx_lm_flags": make_mlx_lm_flags(args) if "mlx-lm" in args.servers else None,
@@ -597,9 +604,8 @@ def format_settings(run: dict) -> str:
     return (
         f"{run['model']}: {run['requests']} requests through {run['clients']} concurrent streaming clients, "
         f"{run['endpoint']} endpoint, prompts of {run['prompt_tokens']} tokens before any template "
-        f"(seed {run['seed']}), "
-        f"max_tokens {run['max_tokens']}, greedy; at most {run['max_rows']} rows decoding at once; "
-        f"servers' BLAS {run['server_blas']}"
+        f"(seed {run['seed']}), max_tokens {run['max_tokens']}, greedy; at most {run['max_rows']} rows decoding "
+        f"at once; servers' BLAS {run['server_blas']}"
     )
 
 
@@ -620,6 +626,26 @@ def check_packages(servers: list[str]) -> str | None:
     return None
 
 
+def prepare_model(args: argparse.Namespace, dtype: mx.Dtype) -> tuple[Path, list[str], list[str]]:
+    """The serving folder and the rounds' prompts (warm-up, timed); settles --endpoint."""
+    folder = prepare_serving_folder(args.model, args.work_dir.expanduser(), dtype)
+    tokenizer = load_tokenizer(folder)
+    log(f"{args.model}: serving folder {folder}")
+    args.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    args.endpoint = pick_endpoint(args.endpoint, args.has_chat_template)
+    warm_up = draw_prompts(args.model, folder, tokenizer, args.clients, args.prompt_tokens, args.seed + 1)
+    prompts = draw_prompts(args.model, folder, tokenizer, args.requests, args.prompt_tokens, args.seed)
+    if "mlx-lm" in args.servers:
+        check_same_prompt_tokens(folder, tokenizer, args.endpoint, prompts[0])
+    return folder, warm_up, prompts
+
+
+def make_log_dir(logs: Path | None) -> Path:
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="mlxcel-bench-serve-", dir=logs))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     missing = check_packages(args.servers)
@@ -633,27 +659,11 @@ def main(argv: list[str] | None = None) -> int:
         environment["device"] = f"{mx.default_device()}, BLAS {server_blas}"
     log(" | ".join(f"{k} {v}" for k, v in environment.items()))
     try:
-        folder = prepare_serving_folder(args.model, args.work_dir.expanduser(), dtype)
-        from mlxcel.tokenizer.loader import load_tokenizer
-
-        tokenizer = load_tokenizer(folder)
-    except (MlxcelError, ValueError) as exc:  # a missing package or a wrong path: one line, no traceback
+        folder, warm_up, prompts = prepare_model(args, dtype)
+    except (MlxcelError, ValueError) as exc:  # a missing package, a wrong path, tokenizers that differ: one line
         print(f"mlxcel.bench.serve: {args.model}: {exc}", file=sys.stderr)
         return 1
-    log(f"{args.model}: serving folder {folder}")
-    args.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-    args.endpoint = pick_endpoint(args.endpoint, args.has_chat_template)
-    prompts = draw_prompts(args.model, folder, tokenizer, args.requests, args.prompt_tokens, args.seed)
-    warm_up = draw_prompts(args.model, folder, tokenizer, args.clients, args.prompt_tokens, args.seed + 1)
-    if "mlx-lm" in args.servers:
-        try:
-            check_same_prompt_tokens(folder, tokenizer, args.endpoint, prompts[0])
-        except MlxcelError as exc:
-            print(f"mlxcel.bench.serve: {args.model}: {exc}", file=sys.stderr)
-            return 1
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(tempfile.mkdtemp(prefix="mlxcel-bench-serve-", dir=args.logs))
+    log_dir = make_log_dir(args.logs)
     rounds, stats = {}, None
     try:
         for name in args.servers:
@@ -664,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summaries = {name: r.summarize() for name, r in rounds.items()}
     ratios = compute_ratios(summaries)
-    run = describe_run(args, args.endpoint, server_blas)
+    run = describe_run(args, server_blas)
     print(" | ".join(f"{k} {v}" for k, v in environment.items()))
     print(format_settings(run))
     print(format_table(summaries, ratios))

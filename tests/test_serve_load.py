@@ -160,3 +160,22 @@ def test_64_clients_with_faults_get_answers_or_errors_and_nothing_leaks(tmp_path
         rows = [json.loads(line) for line in (server.run_dir / "generations.jsonl").read_text().splitlines()]
         assert sum(r["status"] == 429 for r in rows) >= outcomes["429"]
         print(f"outcomes {outcomes}; idle {idle_after:.2f} s after the last client")
+
+
+def test_a_model_with_lazy_arrays_made_at_load_serves(tmp_path):
+    """Llama 3's RoPE table is made lazily at load; MLX's streams belong to a thread, so the
+    server loads the model on its engine thread (loaded on the main thread, the first request
+    failed with "There is no Stream(cpu, 0) in current thread")."""
+    from tests.helpers import make_tiny_checkpoint
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    folder = make_tiny_checkpoint(tmp_path / "llama3", "llama", rope_scaling=scaling)
+    with running_server(tmp_path / "run", "model=hf", f"model.path={folder}", "serve.model_name=m") as server:
+        status, reply, _ = request_json(f"{server.url}/completions", {"model": "m", "prompt": "hello", "max_tokens": 3})
+        assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply

@@ -133,13 +133,19 @@ class Server:
         select_device(cfg.runner.device)
         report["environment"] = read_environment()
         self.outputs.write_config(cfg.resolved_dict())
-        pipeline = Pipeline.load(cfg, log=self.log)
-        pipeline.keep_answers = True  # a conversation's next request starts with this answer
+
+        def load() -> Pipeline:  # (on the engine thread)
+            select_device(cfg.runner.device)
+            pipeline = Pipeline.load(cfg, log=self.log)
+            pipeline.keep_answers = True  # a conversation's next request starts with this answer
+            return pipeline
+
+        self.engine = ServeEngine(load, cfg.runner.max_rows, settings.max_queue)
+        self.engine.start()
+        pipeline = self.engine.pipeline
         report["model"] = describe_model(pipeline)
         report["sampler_chain"] = cfg.sampler.effective_chain()
         report["api_keys"] = len(self.keys)  # how many, never which
-        self.engine = ServeEngine(pipeline, settings.max_queue)
-        self.engine.start()
         warm_up(self.engine)
         self.model_id = settings.model_name or str(cfg.model.path).removeprefix("embedded:")
         self.records = ServeRecords(self.outputs, report, settings.log_text, pipeline.header.fingerprint[:16])

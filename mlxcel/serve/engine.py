@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +67,15 @@ class Job:
 
 
 class ServeEngine:
-    def __init__(self, pipeline, max_queue: int):
-        self.pipeline = pipeline
-        self.tokenizer = pipeline.tokenizer
-        self.max_rows = pipeline.cfg.runner.max_rows
+    """`load` builds the Pipeline on the engine thread: MLX's streams belong to the thread that
+    made them, so arrays made at load time (a lazy RoPE table, prompt cache entries read from
+    disk) must be made where they are evaluated."""
+
+    def __init__(self, load: Callable[[], Any], max_rows: int, max_queue: int):
+        self.load = load
+        self.pipeline = self.tokenizer = None
+        self.ready = threading.Event()
+        self.max_rows = max_rows
         self.max_queue = max_queue
         self.inbox: queue.Queue = queue.Queue()
         self.rows: dict[int, tuple[Job, Choice]] = {}
@@ -86,7 +92,11 @@ class ServeEngine:
 
     # ---- the event loop's side ----
     def start(self) -> None:
+        """Start the engine thread and wait until it has loaded the model (its failure raised here)."""
         self.thread.start()
+        self.ready.wait()
+        if self.failure is not None:
+            raise self.failure
 
     def submit(self, job: Job) -> None:
         """Queue a request, or refuse it (429) when its rows would pass runner.max_rows running
@@ -133,6 +143,9 @@ class ServeEngine:
     # ---- the engine thread ----
     def run(self) -> None:
         try:
+            self.pipeline = self.load()
+            self.tokenizer = self.pipeline.tokenizer
+            self.ready.set()
             request = self.pipeline.make_request([])
             scheduler = self.pipeline.make_engine(request)
             if not isinstance(scheduler, BatchScheduler):
@@ -148,6 +161,7 @@ class ServeEngine:
                 self.flush()
         except BaseException as exc:  # every waiting request gets an answer, then the server reports it
             self.failure = exc
+            self.ready.set()
             for job, _ in list(self.rows.values()):
                 self.post(job, ("error", ApiError(500, f"the engine failed: {exc}", kind="server_error")))
             self.rows.clear()

@@ -83,6 +83,7 @@ WARM_UP_TOKENS = 8
 STARTUP_TIMEOUT_S = 900  # a large model's load and the server's own warm-up
 STOP_TIMEOUT_S = 60
 REQUEST_TIMEOUT_S = 1800
+CONNECT_ATTEMPTS = 50
 READY_LINE = re.compile(r"mlxcel-serve: .* at (http://\S+/v1)")
 
 TOPICS = (
@@ -139,6 +140,7 @@ class RequestResult:
     token_source: str = "usage"  # or "chunks": the server sent no usage
     finish_reason: str | None = None
     error: str | None = None
+    reconnects: int = 0  # connections the server refused before this request got in
 
 
 @dataclass
@@ -165,6 +167,7 @@ class Round:
             "wall_s": self.wall_s,
             "tokens_from": " and ".join(sorted(sources)) or "-",
             "finish_reasons": dict(Counter(str(r.finish_reason) for r in ok)),
+            "reconnects": sum(r.reconnects for r in self.requests),
         }
 
 
@@ -478,11 +481,24 @@ async def stream_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    from openai import APIConnectionError
+
     try:
-        if endpoint == "chat":
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
-        else:
-            stream = await client.completions.create(prompt=prompt, **common)
+        for attempt in range(CONNECT_ATTEMPTS):
+            # mlx_lm.server's listen backlog (socketserver's 5) refuses part of a burst of
+            # connections: a client connects again at once, as clients do; the wait counts in TTFT
+            try:
+                if endpoint == "chat":
+                    messages = [{"role": "user", "content": prompt}]
+                    stream = await client.chat.completions.create(messages=messages, **common)
+                else:
+                    stream = await client.completions.create(prompt=prompt, **common)
+                break
+            except APIConnectionError:
+                if attempt == CONNECT_ATTEMPTS - 1:
+                    raise
+                result.reconnects += 1
+                await asyncio.sleep(0.02)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -552,7 +568,8 @@ def format_summary(s: dict) -> str:
         f"{s['tokens']} tokens in {s['wall_s']:.1f} s ({s['throughput_tok_s']:.1f} tok/s), TTFT p50/p95 "
         f"{s['ttft_p50_ms']:.0f}/{s['ttft_p95_ms']:.0f} ms, "
         f"ITL p50/p95 {s['itl_p50_ms']:.1f}/{s['itl_p95_ms']:.1f} ms; "
-        f"{s['requests']} requests ({reasons}), {s['errors']} failed; tokens from {s['tokens_from']}, "
+        f"{s['requests']} requests ({reasons}), {s['errors']} failed, {s['reconnects']} refused connections "
+        f"retried; tokens from {s['tokens_from']}, "
         f"{s['chunks']} content chunks"
     )
 

@@ -249,17 +249,18 @@ class ServeApp:
 
     # ---- answers ----
     async def wait_events(self, job: Job, request: Request):
-        """The job's events as they come; raises ClientDisconnect when the client goes away."""
+        """The job's events in batches (all that arrived since the last: a reader that lags
+        behind the engine catches up in one go); raises ClientDisconnect when the client goes away."""
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             while True:
-                getter = asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield getter.result()
-                    continue
-                getter.cancel()
-                raise ClientDisconnect()
+                if not job.events:
+                    waiter = asyncio.ensure_future(job.wake.wait())
+                    done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if waiter not in done:
+                        waiter.cancel()
+                        raise ClientDisconnect()
+                yield job.take_events()
         finally:
             gone.cancel()
 
@@ -268,18 +269,19 @@ class ServeApp:
         logprobs: dict[int, list] = {}
         first = None
         try:
-            async for event in self.wait_events(job, request):
-                kind = event[0]
-                if kind == "error":
-                    return self.error_response(event[1], request, job.endpoint, started)
-                if kind == "first" and first is None:
-                    first = time.perf_counter()
-                elif kind == "logprobs":
-                    logprobs.setdefault(event[1], []).append(event[2])
-                elif kind == "done":
-                    done[event[1]] = event[2]
-                    if len(done) == job.row_count:
-                        break
+            async for events in self.wait_events(job, request):
+                for event in events:
+                    kind = event[0]
+                    if kind == "error":
+                        return self.error_response(event[1], request, job.endpoint, started)
+                    if kind == "first" and first is None:
+                        first = time.perf_counter()
+                    elif kind == "logprobs":
+                        logprobs.setdefault(event[1], []).append(event[2])
+                    elif kind == "done":
+                        done[event[1]] = event[2]
+                if len(done) == job.row_count:
+                    break
         except ClientDisconnect:
             self.engine.cancel(job)
             self.records.add_answer(job, done, started, first, "disconnected")
@@ -373,41 +375,49 @@ class ServeApp:
                     if isinstance(prompt, str):
                         offsets[index] = len(prompt)
                         yield chunk(index, prompt)
-            pending_logprobs: dict[int, list] = {}
-            async for event in self.wait_events(job, request):
-                kind = event[0]
-                if kind == "error":
-                    yield f"data: {json.dumps(event[1].body())}\n\n"
-                    self.records.add_refusal(job.endpoint, event[1], started)
-                    finished = True
-                    return
-                if kind == "first" and first is None:
-                    first = time.perf_counter()
-                elif kind == "logprobs":
-                    pending_logprobs.setdefault(event[1], []).append(event[2])
-                elif kind == "text":
-                    index, text = event[1], event[2]
-                    entries = pending_logprobs.pop(index, None)
-                    yield chunk(index, text, entries=entries)
+            pending: dict[int, list] = {}  # index -> [text, logprob entries] not yet sent
+
+            def flush(index: int, out: list[str]) -> None:
+                text, entries = pending.pop(index, ["", []])
+                if text or entries:
+                    out.append(chunk(index, text, entries=entries or None))
                     offsets[index] = offsets.get(index, 0) + len(text)
-                elif kind == "done":
-                    index, d = event[1], event[2]
-                    done[index] = d
-                    if d["finish_reason"] == "error":
-                        error = ApiError(400, d["error"] or "the row could not run")
-                        yield f"data: {json.dumps(error.body())}\n\n"
-                        self.engine.cancel(job)
-                        self.records.add_refusal(job.endpoint, error, started)
+
+            async for events in self.wait_events(job, request):
+                out: list[str] = []  # one write for the whole batch; a choice's pieces in one chunk
+                for event in events:
+                    kind = event[0]
+                    if kind == "error":
+                        out.append(f"data: {json.dumps(event[1].body())}\n\n")
+                        yield "".join(out)
+                        self.records.add_refusal(job.endpoint, event[1], started)
                         finished = True
                         return
-                    yield chunk(
-                        index,
-                        None if chat else "",
-                        finish=d["finish_reason"],
-                        entries=pending_logprobs.pop(index, None),
-                    )
-                    if len(done) == job.row_count:
-                        break
+                    if kind == "first" and first is None:
+                        first = time.perf_counter()
+                    elif kind == "logprobs":
+                        pending.setdefault(event[1], ["", []])[1].append(event[2])
+                    elif kind == "text":
+                        pending.setdefault(event[1], ["", []])[0] += event[2]
+                    elif kind == "done":
+                        index, d = event[1], event[2]
+                        flush(index, out)
+                        done[index] = d
+                        if d["finish_reason"] == "error":
+                            error = ApiError(400, d["error"] or "the row could not run")
+                            out.append(f"data: {json.dumps(error.body())}\n\n")
+                            yield "".join(out)
+                            self.engine.cancel(job)
+                            self.records.add_refusal(job.endpoint, error, started)
+                            finished = True
+                            return
+                        out.append(chunk(index, None if chat else "", finish=d["finish_reason"]))
+                for index in list(pending):
+                    flush(index, out)
+                if out:
+                    yield "".join(out)
+                if len(done) == job.row_count:
+                    break
             if include_usage:
                 usage = make_usage(
                     sum(d["prompt_tokens"] for i, d in done.items() if i % job.n == 0),

@@ -67,11 +67,11 @@ def warm_up(engine) -> None:
         )
         engine.submit(job)
         while True:
-            event = await job.events.get()
-            if event[0] == "error":
-                raise event[1]
-            if event[0] == "done":
-                return
+            for event in await job.next_events():
+                if event[0] == "error":
+                    raise event[1]
+                if event[0] == "done":
+                    return
 
     try:
         asyncio.run(run())

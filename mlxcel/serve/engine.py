@@ -12,7 +12,7 @@ import json
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +56,8 @@ class Job:
     stop: list[str] | None
     streaming: bool
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: deque = field(default_factory=deque)  # what the engine posted, not yet taken
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set when events arrive
     cancelled: bool = False  # the client went away (set by the event loop, read here)
     rows: list[int] = field(default_factory=list)  # scheduler row indices, while they run
     received: float = field(default_factory=time.perf_counter)
@@ -64,6 +65,19 @@ class Job:
     @property
     def row_count(self) -> int:
         return len(self.prompts) * self.n
+
+    async def next_events(self) -> list[tuple]:
+        """Every event that arrived since the last call (waits for one): a lagging reader takes
+        them in one go, not one wake-up each."""
+        if not self.events:
+            await self.wake.wait()
+        return self.take_events()
+
+    def take_events(self) -> list[tuple]:
+        events = list(self.events)
+        self.events.clear()
+        self.wake.clear()
+        return events
 
 
 class ServeEngine:
@@ -337,5 +351,9 @@ class ServeEngine:
 
 
 def deliver(batch: list[tuple[Job, tuple]]) -> None:
+    woken = {}
     for job, event in batch:
-        job.events.put_nowait(event)
+        job.events.append(event)
+        woken[id(job)] = job
+    for job in woken.values():
+        job.wake.set()

@@ -208,3 +208,43 @@ def test_the_run_folder_keeps_figures_not_text(server, client):
     assert stats["mode"] == "serve" and stats["requests"]["200"] >= 1 and stats["generated_tokens"] > 0
     config = json.loads((folder / "config.resolved.json").read_text())
     assert config["serve"]["port"] == 0 and "api_keys" not in json.dumps(config["serve"]).replace("api_keys_file", "")
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+def test_every_streamed_chunk_is_openais_shape(server, endpoint):
+    """Raw SSE: every data line is JSON of the chunk shape (text chunks are written from a
+    template: they must equal what the general path writes), then [DONE]."""
+    import urllib.request
+
+    body = {"model": "smollm2", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 8}
+    body.update(
+        {"messages": [{"role": "user", "content": QUESTION}]}
+        if endpoint == "chat/completions"
+        else {"prompt": "Once upon"}
+    )
+    request = urllib.request.Request(
+        f"{server.url}/{endpoint}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        events = [e for e in reply.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    kind = "chat.completion.chunk" if endpoint == "chat/completions" else "text_completion"
+    keys = (
+        {"index", "delta", "logprobs", "finish_reason"}
+        if kind.startswith("chat")
+        else {"index", "text", "logprobs", "finish_reason"}
+    )
+    for chunk in chunks[:-1]:
+        assert chunk["object"] == kind and set(chunk) == {
+            "id",
+            "object",
+            "created",
+            "model",
+            "system_fingerprint",
+            "choices",
+            "usage",
+        }
+        assert chunk["usage"] is None and len(chunk["choices"]) == 1 and set(chunk["choices"][0]) == keys
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert len({c["id"] for c in chunks}) == 1

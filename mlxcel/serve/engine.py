@@ -59,6 +59,7 @@ class Job:
     events: deque = field(default_factory=deque)  # what the engine posted, not yet taken
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set when events arrive
     cancelled: bool = False  # the client went away (set by the event loop, read here)
+    disconnected: bool = False  # (the event loop's own flag: its reader stops)
     rows: list[int] = field(default_factory=list)  # scheduler row indices, while they run
     received: float = field(default_factory=time.perf_counter)
 

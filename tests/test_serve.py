@@ -186,7 +186,7 @@ def test_a_client_that_hangs_up_frees_its_row_at_once(server):
     import asyncio
     import time
 
-    from tests.test_serve_load import chat_body, raw_request, wait_for_idle
+    from tests.serve_fixtures import chat_body, raw_request, wait_for_idle
 
     port = int(server.url.split(":")[-1].split("/")[0])
     body = chat_body("Tell me a long story.", stream=True, max_tokens=2000)

@@ -14,12 +14,11 @@ import asyncio
 import json
 import os
 import random
-import time
 
 import mlx.core as mx
 import pytest
 
-from tests.serve_fixtures import request_json, running_server
+from tests.serve_fixtures import chat_body, raw_request, request_json, running_server, wait_for_idle
 
 openai = pytest.importorskip("openai")
 
@@ -32,35 +31,6 @@ HANG_UP_TOKENS = 400  # (the tiny model's context is 512)
 def read_rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-async def raw_request(port: int, body: bytes, key: str | None = KEY, hang_up_after: int | None = None) -> tuple:
-    """(status, the body as text) over a bare socket; `hang_up_after`: close once that many SSE
-    events arrived (a client that goes away mid-answer)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    head += f"Content-Length: {len(body)}\r\n"
-    if key is not None:
-        head += f"Authorization: Bearer {key}\r\n"
-    writer.write((head + "Connection: close\r\n\r\n").encode() + body)
-    await writer.drain()
-    status = int((await reader.readline()).split()[1])
-    if hang_up_after is not None:
-        events = 0
-        while events < hang_up_after:
-            line = await reader.readline()
-            if not line:
-                break
-            events += line.startswith(b"data:")
-        writer.close()
-        return status, None
-    text = (await reader.read()).decode()
-    writer.close()
-    return status, text
-
-
-def chat_body(content: str, **extra) -> bytes:
-    return json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": content}], **extra}).encode()
 
 
 async def run_clients(server, seed: int) -> dict:
@@ -100,19 +70,19 @@ async def run_clients(server, seed: int) -> dict:
             status = 429
             while status == 429:  # (it must get in to hang up mid-answer)
                 body = chat_body(prompt, stream=True, max_tokens=HANG_UP_TOKENS)
-                status, _ = await raw_request(port, body, hang_up_after=2)
+                status, _ = await raw_request(port, body, KEY, hang_up_after=2)
                 await asyncio.sleep(0.05)
             count("hung_up" if status == 200 else str(status))
         elif kind == "malformed":
-            status, text = await raw_request(port, b'{"model": "smollm2", "messages": [')
+            status, text = await raw_request(port, b'{"model": "smollm2", "messages": [', KEY)
             assert status == 400 and "not valid JSON" in json.loads(text.split("\r\n\r\n", 1)[1])["error"]["message"]
             count("400")
         elif kind == "oversize":
-            status, text = await raw_request(port, chat_body("x" * 20_000))
+            status, text = await raw_request(port, chat_body("x" * 20_000), KEY)
             assert status == 413 and "max_body_mb" in text
             count("413")
         elif kind == "bad":
-            status, text = await raw_request(port, chat_body(prompt, n=0))
+            status, text = await raw_request(port, chat_body(prompt, n=0), KEY)
             assert status == 400 and '"param":"n"' in text.replace(" ", "")
             count("400")
         else:
@@ -123,14 +93,6 @@ async def run_clients(server, seed: int) -> dict:
     await asyncio.gather(*(one(i) for i in range(64)))
     await client.close()
     return outcomes
-
-
-def wait_for_idle(engine, seconds: float) -> float:
-    began = time.monotonic()
-    while engine.accepted_rows or (engine.scheduler and engine.scheduler.live):
-        assert time.monotonic() - began < seconds, f"rows still held: {engine.accepted_rows}"
-        time.sleep(0.05)
-    return time.monotonic() - began
 
 
 def test_64_clients_with_faults_get_answers_or_errors_and_nothing_leaks(tmp_path, monkeypatch, tiny_llama):

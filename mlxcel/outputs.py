@@ -278,13 +278,16 @@ def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], s
 def resolve_setting(key: str, value: Any) -> Any:
     """What a setting means on this machine, where its default changed its spelling:
     prefill.tile_size was null before `auto` (which is null here unless the GPU has Neural
-    Accelerators), and model.fuse was not a key, so a folder written before still resumes."""
+    Accelerators), and model.fuse and prompt.format were not keys, so a folder written before
+    still resumes."""
     if key == "prefill.tile_size":
         from mlxcel.prefill_plan import choose_tile_size
 
         return choose_tile_size(value)
     if key in ("model.fuse", "model.resolved_fuse") and value is None:
         return True  # folders written before model.fuse was a key fused (unless $MLXCEL_FUSE=0 said otherwise)
+    if key == "prompt.format" and value is None:
+        return "auto"  # folders written before prompt.format was a key read rows, as auto does for them
     return value
 
 

@@ -110,7 +110,7 @@ def test_resume_skips_written_rows_and_appends_the_rest(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
-def test_resume_a_folder_written_before_max_rows_and_tile_size_auto(tmp_path, tiny_llama):
+def test_resume_a_folder_written_before_max_rows_tile_size_auto_and_prompt_format(tmp_path, tiny_llama):
     """A run folder from before runner.batch_size became runner.max_rows and prefill.tile_size's
     default became auto resumes, and gives the rows the uninterrupted run gives."""
     rows_file = write_rows(tmp_path / "rows.jsonl", ROWS[:4])
@@ -120,6 +120,7 @@ def test_resume_a_folder_written_before_max_rows_and_tile_size_auto(tmp_path, ti
     config = json.loads((old / "config.resolved.json").read_text())
     config["runner"]["batch_size"] = config["runner"].pop("max_rows")
     config["prefill"]["tile_size"] = None
+    config["prompt"].pop("format")  # (before prompt.format was a key)
     (old / "config.resolved.json").write_text(json.dumps(config))
     lines = (old / "generations.jsonl").read_text().splitlines()
     (old / "generations.jsonl").write_text("\n".join(lines[:2]) + "\n")

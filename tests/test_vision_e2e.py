@@ -229,3 +229,28 @@ def test_images_without_placeholders_fail_that_row(tmp_path, vlm, photo_path):
     assert got[("raw", 0)]["finish_reason"] == "error"
     assert f"the prompt has 0 image placeholder(s) for 1 image(s) ({photo_path})" in got[("raw", 0)]["error"]
     assert got[("text", 0)]["finish_reason"] == "length"
+
+
+@pytest.mark.slow  # runs mlxcel-run in a subprocess and a server
+def test_the_server_takes_images_as_data_urls_and_allowed_paths(tmp_path, vlm, photo_path):
+    """A chat request with the photo as a data: URL, and as a path under serve.image_dirs, answers
+    what mlxcel-run answers for prompt.images (whose tokens equal transformers': above)."""
+    import base64
+
+    from tests.serve_fixtures import request_json, running_server
+
+    folder, _ = vlm
+    result = run_cli(tmp_path, *run_args(folder, "prompt.text=Describe it.", f"prompt.images=[{photo_path}]"))
+    assert result.returncode == 0, result.stderr
+    expected = read_rows(tmp_path / "run")[0]
+    assert len(expected["token_ids"]) == MAX_TOKENS and expected["text"].strip()
+    data_url = "data:image/jpeg;base64," + base64.b64encode(photo_path.read_bytes()).decode()
+    overrides = (*run_args(folder), f"serve.image_dirs=[{photo_path.parent}]", "serve.model_name=vlm")
+    with running_server(tmp_path / "serve", *overrides) as server:
+        for url in (data_url, str(photo_path)):
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]
+            body = {"model": "vlm", "messages": [{"role": "user", "content": content}]}
+            status, reply, _ = request_json(f"{server.url}/chat/completions", body)
+            assert status == 200, reply
+            assert reply["choices"][0]["message"]["content"] == expected["text"]
+            assert reply["usage"]["prompt_tokens"] == len(expected["prompt_token_ids"])

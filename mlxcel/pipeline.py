@@ -46,13 +46,14 @@ class PreparedSample:
     images: ImageInputs | None = None  # the prompt's preprocessed images (VLMs); token ids already expanded
 
 
-def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer):
-    """The chat template the config picks (None: no template)."""
+def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer, required: bool = True):
+    """The chat template the config picks (None: no template). `required` False (a server, whose
+    completions need none): template=auto without one is None here, and an error per chat request."""
     template = cfg.template
     source = load_template_source(
         tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools")
     )
-    if template.kind == "auto" and source is None:  # one error for the run, not one per row
+    if template.kind == "auto" and source is None and required:  # one error for the run, not one per row
         where = cfg.tokenizer.path or cfg.model.path
         raise MlxcelError(f"template=auto: the tokenizer of {where} has no chat template; {NO_TEMPLATE_HINT}")
     return source
@@ -105,7 +106,7 @@ def load_weights_for(cfg: RunConfig, path: Path, log: TextIO | None, keep: bool)
     return loaded
 
 
-def check_model_config(cfg: RunConfig) -> tuple:
+def check_model_config(cfg: RunConfig, require_template: bool = True) -> tuple:
     """The config's demands on this model that its header and tokenizer can answer (tile size,
     KV groups, the chat template): config errors, before minutes of loading. Returns the
     model's path, header and tokenizer."""
@@ -113,7 +114,7 @@ def check_model_config(cfg: RunConfig) -> tuple:
     header = read_model_header(path)
     check_before_loading(cfg, header)
     tokenizer = load_tokenizer(cfg.tokenizer.path or path, cfg.tokenizer.kind)
-    find_template(cfg, tokenizer)
+    find_template(cfg, tokenizer, require_template)
     return path, header, tokenizer
 
 
@@ -148,12 +149,19 @@ def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
 
 
 class Pipeline:
-    def __init__(self, cfg: RunConfig, header: ModelHeader, tokenizer: MlxcelTokenizer, loaded: LoadedModel | None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        header: ModelHeader,
+        tokenizer: MlxcelTokenizer,
+        loaded: LoadedModel | None,
+        require_template: bool = True,
+    ):
         self.cfg = cfg
         self.header = header
         self.tokenizer = tokenizer
         self.loaded = loaded
-        self.template_source = find_template(cfg, tokenizer)
+        self.template_source = find_template(cfg, tokenizer, require_template)
         self.max_context = cfg.model.max_context or (
             loaded.model.args.max_position_embeddings if loaded else header.max_context
         )
@@ -166,15 +174,22 @@ class Pipeline:
 
     @classmethod
     def load(
-        cls, cfg: RunConfig, load_weights: bool = True, log: TextIO | None = None, keep_weights: bool = False
+        cls,
+        cfg: RunConfig,
+        load_weights: bool = True,
+        log: TextIO | None = None,
+        keep_weights: bool = False,
+        require_template: bool = True,
     ) -> Pipeline:
         """`keep_weights`: the jobs of a sweep run in this process (Hydra's basic launcher) one
-        after another; the weights stay loaded for the next job that asks for the same ones."""
-        path, header, tokenizer = check_model_config(cfg)  # (a GGUF file's tokenizer reads its metadata itself)
+        after another; the weights stay loaded for the next job that asks for the same ones.
+        `require_template` False: see find_template."""
+        # (a GGUF file's tokenizer reads its metadata itself)
+        path, header, tokenizer = check_model_config(cfg, require_template)
         loaded = None
         if load_weights:
             loaded = load_weights_for(cfg, path, log, keep_weights)
-        pipeline = cls(cfg, header, tokenizer, loaded)
+        pipeline = cls(cfg, header, tokenizer, loaded, require_template)
         pipeline.load_prompt_cache(path, log)
         return pipeline
 

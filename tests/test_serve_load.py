@@ -141,3 +141,23 @@ def test_a_model_with_lazy_arrays_made_at_load_serves(tmp_path):
     with running_server(tmp_path / "run", "model=hf", f"model.path={folder}", "serve.model_name=m") as server:
         status, reply, _ = request_json(f"{server.url}/completions", {"model": "m", "prompt": "hello", "max_tokens": 3})
         assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
+
+
+def test_a_model_without_a_chat_template_serves_completions(tmp_path, tiny_llama):
+    """template=auto and no chat template: completions answer, a chat request is a 400 that
+    says so (mlxcel-run refuses such a config at start; a server has a use for it)."""
+    import shutil
+
+    folder = tmp_path / "base"
+    shutil.copytree(tiny_llama, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    with running_server(tmp_path / "run", "model=hf", f"model.path={folder}", "serve.model_name=m") as server:
+        status, reply, _ = request_json(f"{server.url}/completions", {"model": "m", "prompt": "hello", "max_tokens": 3})
+        assert status == 200, reply
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+        status, reply, _ = request_json(f"{server.url}/chat/completions", body)
+        assert status == 400 and "no chat template" in reply["error"]["message"], reply

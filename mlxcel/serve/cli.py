@@ -136,7 +136,7 @@ class Server:
 
         def load() -> Pipeline:  # (on the engine thread)
             select_device(cfg.runner.device)
-            pipeline = Pipeline.load(cfg, log=self.log)
+            pipeline = Pipeline.load(cfg, log=self.log, require_template=False)  # (completions need none)
             pipeline.keep_answers = True  # a conversation's next request starts with this answer
             return pipeline
 

@@ -1,0 +1,1 @@
+"""mlxcel-serve: the OpenAI-compatible server (docs/serve.md)."""

@@ -7,8 +7,6 @@ rows (the engine ends them at the next step)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hmac
 import json
 import shutil
@@ -23,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxcel.serve.engine import Job, ServeEngine
+from mlxcel.serve.messages import convert_messages, has_data_urls
 from mlxcel.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -36,14 +35,6 @@ from mlxcel.serve.protocol import (
     parse_request,
 )
 from mlxcel.serve.records import ServeRecords
-
-IMAGE_SUFFIXES = {
-    "image/png": ".png",
-    "image/jpeg": ".jpg",
-    "image/jpg": ".jpg",
-    "image/webp": ".webp",
-    "image/gif": ".gif",
-}
 
 
 class ServeApp:
@@ -131,7 +122,7 @@ class ServeApp:
             self.check_model(parsed.model)
             if endpoint == "chat":
                 images = tempfile.mkdtemp(prefix="mlxcel-serve-") if has_data_urls(parsed.messages) else None
-                prompts = [self.convert_messages(parsed.messages, Path(images) if images else None)]
+                prompts = [convert_messages(parsed.messages, Path(images) if images else None, self.image_dirs)]
             else:
                 prompts = parsed.prompts()
             vocab = self.engine.pipeline.loaded.model.args.vocab_size
@@ -174,78 +165,6 @@ class ServeApp:
     ) -> Response:
         self.records.add_refusal(endpoint, error, started)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    # ---- messages and images ----
-    def convert_messages(self, messages: list, folder: Path | None) -> list[dict]:
-        """OpenAI's chat messages as our Message dicts: 'developer' is a system message, image_url
-        parts become image files (data: URLs written to `folder`, local paths under serve.image_dirs)."""
-        from pydantic import ValidationError
-
-        from mlxcel.config import Message
-
-        if not messages:
-            raise ApiError(400, "messages must not be empty", "messages")
-        converted = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise ApiError(400, f"messages[{i}] must be an object", f"messages.{i}")
-            message = {k: v for k, v in message.items() if k != "name" or message.get("role") == "tool"}
-            if message.get("role") == "developer":
-                message["role"] = "system"
-            content = message.get("content")
-            if isinstance(content, list):
-                message["content"] = [
-                    self.convert_part(part, folder, f"messages.{i}.content.{j}") for j, part in enumerate(content)
-                ]
-            try:
-                converted.append(Message.model_validate(message).to_dict())
-            except ValidationError as err:
-                first = err.errors()[0]
-                where = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "tagged-")))
-                detail = first.get("ctx", {}).get("mlxcel")
-                text = detail[1] if detail else first["msg"]
-                raise ApiError(400, f"messages[{i}].{where}: {text}", f"messages.{i}.{where}") from None
-        return converted
-
-    def convert_part(self, part: Any, folder: Path | None, where: str) -> dict:
-        if not isinstance(part, dict):
-            raise ApiError(400, f"{where} must be an object", where)
-        kind = part.get("type")
-        if kind == "text":
-            return {"type": "text", "text": part.get("text")}
-        if kind != "image_url":
-            raise ApiError(
-                400, f"{where}: content part type '{kind}' is not supported (text, image_url)", f"{where}.type"
-            )
-        url = part.get("image_url", {})
-        url = url.get("url") if isinstance(url, dict) else None
-        if not isinstance(url, str):
-            raise ApiError(400, f"{where}: image_url.url must be a string", f"{where}.image_url.url")
-        return {"type": "image", "path": str(self.find_image(url, folder, where))}
-
-    def find_image(self, url: str, folder: Path | None, where: str) -> Path:
-        param = f"{where}.image_url.url"
-        if url.startswith(("http://", "https://")):
-            raise ApiError(400, "image URLs are not fetched: send the image as a data: URL", param)
-        if url.startswith("data:"):
-            header, _, data = url.partition(",")
-            media = header[5:].split(";")[0].lower()
-            if ";base64" not in header or media not in IMAGE_SUFFIXES:
-                raise ApiError(400, f"a data: URL of a base64 image ({', '.join(IMAGE_SUFFIXES)}) is expected", param)
-            try:
-                raw = base64.b64decode(data, validate=True)
-            except (binascii.Error, ValueError):
-                raise ApiError(400, "the data: URL's base64 does not decode", param) from None
-            path = folder / f"image-{len(list(folder.iterdir()))}{IMAGE_SUFFIXES[media]}"
-            path.write_bytes(raw)
-            return path
-        path = Path(url.removeprefix("file://")).expanduser()
-        if not self.image_dirs:
-            raise ApiError(400, "local image paths are off (serve.image_dirs is empty): send a data: URL", param)
-        resolved = path.resolve()
-        if not any(resolved.is_relative_to(d) for d in self.image_dirs) or not resolved.is_file():
-            raise ApiError(400, f"{url} is not a file under serve.image_dirs", param)
-        return resolved
 
     # ---- answers ----
     async def wait_events(self, job: Job, request: Request):
@@ -444,17 +363,6 @@ class ServeApp:
                 self.records.add_answer(job, done, started, first, "disconnected")
             if images:
                 shutil.rmtree(images, ignore_errors=True)
-
-
-def has_data_urls(messages: list) -> bool:
-    """Whether any image part is a data: URL (its bytes go to a temporary file for the processor)."""
-    return any(
-        isinstance(part, dict) and str((part.get("image_url") or {}).get("url", "")).startswith("data:")
-        for message in messages
-        if isinstance(message, dict) and isinstance(message.get("content"), list)
-        for part in message["content"]
-        if isinstance(part, dict) and isinstance(part.get("image_url"), dict)
-    )
 
 
 async def watch_disconnect(request: Request, job: Job) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import json
 import queue
 import threading
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +60,6 @@ class Job:
     cancelled: bool = False  # the client went away (set by the event loop, read here)
     disconnected: bool = False  # (the event loop's own flag: its reader stops)
     rows: list[int] = field(default_factory=list)  # scheduler row indices, while they run
-    received: float = field(default_factory=time.perf_counter)
 
     @property
     def row_count(self) -> int:

@@ -206,12 +206,14 @@ class ServeEngine:
         for kind, job in items:
             if kind == "close":
                 update.closed = True
-                for job_rows in {id(j): j for j, _ in self.rows.values()}.values():
-                    update.cancelled += job_rows.rows
+                for running in {id(j): j for j, _ in self.rows.values()}.values():
+                    update.cancelled += running.rows
             elif kind == "cancel":
                 update.cancelled += job.rows
-            elif job.cancelled:
+            elif job.cancelled or update.closed:  # (a request that came in as the server stopped)
                 self.release(job.row_count)
+                if not job.cancelled:
+                    self.post(job, ("error", ApiError(503, "the server is stopping", kind="server_error")))
             else:
                 update.rows += self.start_job(job)
         self.flush()

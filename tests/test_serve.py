@@ -248,3 +248,56 @@ def test_every_streamed_chunk_is_openais_shape(server, endpoint):
         assert chunk["usage"] is None and len(chunk["choices"]) == 1 and set(chunk["choices"][0]) == keys
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
     assert len({c["id"] for c in chunks}) == 1
+
+
+def test_sigterm_mid_stream_stops_the_server_cleanly(tmp_path):
+    """The mlxcel-serve command (a subprocess, OpenBLAS re-exec and all) under SIGTERM while a
+    stream runs: the stream ends, the process exits 0 within the grace period, and the run
+    folder says it completed, stopped by SIGTERM, with the request's row."""
+    import asyncio
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import REPO
+    from tests.serve_fixtures import chat_body
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "mlxcel.serve.cli", "serve.port=0", f"hydra.run.dir={run_dir}"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in process.stderr:
+            found = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
+            if found:
+                port = int(found.group(1))
+                break
+        assert port is not None, "the server never said where it listens"
+
+        async def stream_then_terminate():
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = chat_body("Tell me a very long story.", stream=True, max_tokens=2000)
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+            await reader.readuntil(b"data:")  # the answer has started
+            process.send_signal(signal.SIGTERM)
+            rest = await asyncio.wait_for(reader.read(), timeout=60)  # the server ends the stream
+            writer.close()
+            return rest
+
+        began = time.monotonic()
+        asyncio.run(stream_then_terminate())
+        assert process.wait(timeout=60) == 0
+        assert time.monotonic() - began < 40
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stats = json.loads((run_dir / "stats.json").read_text())
+    assert stats["status"] == "completed" and stats["stopped_by"] == "SIGTERM"
+    rows = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["stream"] is True and rows[0]["completion_tokens"] >= 0

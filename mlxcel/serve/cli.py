@@ -92,6 +92,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(ConfigIssue("serve.port", f"cannot listen on {host}:{port}: {exc.strerror}", port)) from None
+    sock.listen(2048)  # from now on connections wait in the backlog: the start line can say "ready"
     sock.set_inheritable(True)
     return sock
 

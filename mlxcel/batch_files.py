@@ -18,7 +18,6 @@ agrees with it.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from pathlib import Path
 
@@ -155,7 +154,7 @@ def read_prompt(request, endpoint: str, system: str | None) -> tuple[list[dict],
 
 
 # ---- results ----
-def write_batch_output(folder: Path, rows: list[JobRow], generations: list[dict], decode_token) -> int:
+def write_batch_output(folder: Path, rows: list[JobRow], generations: list[dict], tokenizer) -> int:
     """Rebuild batch_output.jsonl: a line per request whose every sample is in generations.jsonl
     (or that failed), in input order. Returns the lines written."""
     by_key = {(str(g["id"]), int(g.get("sample", 0))): g for g in generations}
@@ -165,63 +164,34 @@ def write_batch_output(folder: Path, rows: list[JobRow], generations: list[dict]
         error = row.batch.get("error") or next((s["error"] for s in samples if s and s.get("error")), None)
         if error is None and not all(samples):
             continue  # not answered yet (an interrupted job: a resume completes it)
-        lines.append(make_result_line(row, samples, error, decode_token))
+        lines.append(make_result_line(row, samples, error, tokenizer))
     tmp = folder / (BATCH_OUTPUT_FILE + ".tmp")
     tmp.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
     tmp.replace(folder / BATCH_OUTPUT_FILE)
     return len(lines)
 
 
-def make_result_line(row: JobRow, samples: list[dict | None], error: str | None, decode_token) -> dict:
+def make_result_line(row: JobRow, samples: list[dict | None], error: str | None, tokenizer) -> dict:
+    """The Batch API's result line: the endpoint's answer as the server gives it, or the error."""
+    from mlxcel.serve.protocol import ApiError, describe_logprobs, make_answer, make_choice, make_usage
+
     request_id = uuid.uuid5(uuid.NAMESPACE_OID, f"{row.id}").hex  # stable across resumes
     line = {"id": f"batch_req_{request_id[:24]}", "custom_id": row.batch.get("custom_id")}
     if error is not None:
-        body = {"error": {"message": error, "type": "invalid_request_error", "param": None, "code": None}}
-        return {**line, "response": {"status_code": 400, "request_id": request_id, "body": body}, "error": None}
-    info = row.batch
-    first = samples[0]
-    body = {
-        "id": f"{'chatcmpl' if info['endpoint'] == 'chat' else 'cmpl'}-{request_id[:24]}",
-        "object": "chat.completion" if info["endpoint"] == "chat" else "text_completion",
-        "created": int(time.time()),
-        "model": info["model"],
-        "choices": [make_choice(row, i, s, decode_token) for i, s in enumerate(samples)],
-        "usage": {
-            "prompt_tokens": first.get("prompt_tokens", 0),
-            "completion_tokens": sum(s.get("generated_tokens", 0) for s in samples),
-            "total_tokens": first.get("prompt_tokens", 0) + sum(s.get("generated_tokens", 0) for s in samples),
-            "prompt_tokens_details": {"cached_tokens": first.get("cached_tokens", 0)},
-        },
-    }
-    return {**line, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
-
-
-def make_choice(row: JobRow, index: int, sample: dict, decode_token) -> dict:
-    from mlxcel.serve.protocol import make_chat_logprobs, make_completion_logprobs
-
-    info = row.batch
-    entries = None
-    if sample.get("logprobs") is not None:
-        entries = [
-            {
-                "text": decode_token(e["token"]),
-                "logprob": e["logprob"],
-                "top": [(decode_token(t), lp) for t, lp in e["top"]],
-            }
-            for e in sample["logprobs"]
-        ]
+        response = {"status_code": 400, "request_id": request_id, "body": ApiError(400, error).body()}
+        return {**line, "response": response, "error": None}
+    info, first = row.batch, samples[0]
     top = info.get("top_logprobs") or 0
-    if info["endpoint"] == "chat":
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": sample["text"], "refusal": None},
-            "logprobs": make_chat_logprobs(entries, top) if entries is not None else None,
-            "finish_reason": sample["finish_reason"],
-        }
     prefix = row.messages[0]["content"] if info.get("echo") else ""
-    return {
-        "index": index,
-        "text": prefix + sample["text"],
-        "logprobs": make_completion_logprobs(entries, top, 0) if entries is not None else None,
-        "finish_reason": sample["finish_reason"],
-    }
+    choices = []
+    for index, sample in enumerate(samples):
+        logprobs = sample.get("logprobs")
+        entries = [describe_logprobs(tokenizer, e, top) for e in logprobs] if logprobs is not None else None
+        choices.append(
+            make_choice(info["endpoint"], index, prefix + sample["text"], sample["finish_reason"], entries, top)
+        )
+    generated = sum(s.get("generated_tokens", 0) for s in samples)
+    usage = make_usage(first.get("prompt_tokens", 0), generated, first.get("cached_tokens", 0))
+    answer_id = f"{'chatcmpl' if info['endpoint'] == 'chat' else 'cmpl'}-{request_id[:24]}"
+    body = make_answer(info["endpoint"], answer_id, info["model"], choices, usage, None)
+    return {**line, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}

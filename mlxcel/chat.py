@@ -13,11 +13,9 @@ a row per turn in generations.jsonl, stats.json (rewritten after every turn).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
@@ -164,18 +162,6 @@ class ChatSession:
         print(message, file=self.log, flush=True)
 
 
-def split_run_dir(args: list[str]) -> tuple[Path | None, list[str]]:
-    """hydra.run.dir=PATH (as for mlxcel-run) out of the overrides, which the composer does not take."""
-    given = [a for a in args if a.startswith("hydra.run.dir=")]
-    rest = [a for a in args if not a.startswith("hydra.run.dir=")]
-    return (Path(given[-1].partition("=")[2]).expanduser().absolute() if given else None), rest
-
-
-def default_run_dir(name: str) -> Path:
-    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return Path("outputs", name, "chats", f"{stamp}_{os.getpid()}").absolute()
-
-
 def read_line(prompt: str) -> str | None:
     """One line from the user; None at Ctrl-D. Ctrl-C at the prompt clears the line."""
     while True:
@@ -190,14 +176,14 @@ def read_line(prompt: str) -> str | None:
 def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
     from mlxcel.cli import compose_config
     from mlxcel.config import validate_config
-    from mlxcel.outputs import RunOutputs, claim_run_folder, release_run_folder
+    from mlxcel.outputs import RunOutputs, claim_run_folder, default_run_dir, release_run_folder, split_run_dir
     from mlxcel.pipeline import Pipeline
     from mlxcel.runner import describe_model, order_report, select_device
     from mlxcel.stats import format_stats_table, make_generation_stats, read_environment
 
     run_dir, overrides = split_run_dir(args)
     cfg = validate_config(compose_config(overrides))
-    run_dir = run_dir or default_run_dir(cfg.runner.name)
+    run_dir = run_dir or default_run_dir(cfg.runner.name, "chats")
     claim_run_folder(run_dir, cfg.resolved_dict(), False, [], {})
     outputs = RunOutputs(run_dir)
     report: dict = {"status": "running", "overrides": overrides, "mode": "chat"}
@@ -248,14 +234,9 @@ def entry() -> None:
 
 
 def main() -> None:
-    from mlxcel.cli import report_error
+    from mlxcel.cli import run_command
 
-    debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0")
-    try:
-        code = chat(sys.argv[1:])
-    except (Exception, KeyboardInterrupt) as exc:
-        code = report_error(exc, debug)
-    sys.exit(code)
+    run_command(chat)
 
 
 if __name__ == "__main__":

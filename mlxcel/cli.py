@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -400,6 +401,17 @@ def join_sentences(lines: list[str]) -> str:
 
 def first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def run_command(command: Callable[[list[str]], int]) -> None:
+    """A command that composes its own config (mlxcel-chat, mlxcel-serve) run on argv: its errors
+    one line each (the traceback with MLXCEL_DEBUG=1), and its exit code."""
+    debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0")
+    try:
+        code = command(sys.argv[1:])
+    except (Exception, KeyboardInterrupt) as exc:
+        code = report_error(exc, debug)
+    sys.exit(code)
 
 
 def report_error(ex: BaseException, debug: bool) -> int:

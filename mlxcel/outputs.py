@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +346,17 @@ def defer_interrupt():
                 previous[sig](sig, None)
             elif previous[sig] == signal.SIG_DFL:
                 signal.raise_signal(sig)
+
+
+def split_run_dir(args: list[str]) -> tuple[Path | None, list[str]]:
+    """hydra.run.dir=PATH (as for mlxcel-run) out of the overrides of a command that composes the
+    config itself (mlxcel-chat, mlxcel-serve)."""
+    given = [a for a in args if a.startswith("hydra.run.dir=")]
+    rest = [a for a in args if not a.startswith("hydra.run.dir=")]
+    return (Path(given[-1].partition("=")[2]).expanduser().absolute() if given else None), rest
+
+
+def default_run_dir(name: str, kind: str) -> Path:
+    """outputs/<runner.name>/<kind>/<time>_<pid>: a chat's or a server's folder."""
+    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    return Path("outputs", name, kind, f"{stamp}_{os.getpid()}").absolute()

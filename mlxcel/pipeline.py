@@ -170,7 +170,7 @@ class Pipeline:
         self.prompt_cache = make_prompt_cache(cfg) if loaded and cfg.runner.prompt_cache else None
         self.prompt_cache_key = ""  # names this model's folder under runner.prompt_cache_dir (load_prompt_cache)
         self.keep_answers = False  # snapshot answers into the prompt cache too (a chat's next turn starts with them)
-        self.row_chains: dict[str, SamplerChain] = {}  # rows' own chains by their settings (chain_for)
+        self.row_chains: dict[str, SamplerChain] = {}  # rows' own chains by their settings, LRU (chain_for)
 
     @classmethod
     def load(
@@ -264,14 +264,12 @@ class Pipeline:
         row = sample.row
         if row.batch is not None and row.batch.get("error"):
             raise MlxcelError(row.batch["error"])  # a batch file's line that cannot run
-        if row.raw:  # a batch file's completion: the text as it is
+        if self.loaded is not None:
+            self.chain_for(row.sampler)  # (a bad logit_bias id is this row's error)
+        if row.raw:  # a completion (a server's, a batch file's): the text as it is
             prompt = build_prompt(self.tokenizer, row.messages, None, enabled=False)
             self.check_length(prompt)
-            if row.sampler is not None and self.loaded is not None:
-                self.chain_for(row.sampler)  # (a bad logit_bias id is this row's error)
             return PreparedSample(sample, prompt)
-        if row.sampler is not None and self.loaded is not None:
-            self.chain_for(row.sampler)
         paths = collect_image_paths(sample.row.messages)
         if model is not None:
             check_images_allowed(model, self.header.arch, paths)
@@ -305,17 +303,24 @@ class Pipeline:
             return DeferredTextStream(self.tokenizer)
         return TextStream(self.tokenizer, stops)
 
-    def chain_for(self, config: dict | None) -> SamplerChain | None:
-        """A row's own sampler chain (a batch file's request), built once per distinct settings."""
+    def chain_for(self, config: SamplerConfig | dict | None) -> SamplerChain | None:
+        """A row's own sampler chain (a server request's, a batch file line's), built once per
+        distinct settings; the last ROW_CHAINS used are kept (a chain holds compiled functions and
+        a bias vector, and a server sees settings without end)."""
         if config is None:
             return None
-        key = json.dumps(config, sort_keys=True)
-        if key not in self.row_chains:
+        data = config.model_dump(mode="json") if isinstance(config, SamplerConfig) else config
+        key = json.dumps(data, sort_keys=True)
+        chain = self.row_chains.pop(key, None)
+        if chain is None:
             try:
-                self.row_chains[key] = self.make_sampler(SamplerConfig.model_validate(config))
+                chain = self.make_sampler(SamplerConfig.model_validate(data))
             except ConfigError as err:
                 raise MlxcelError("; ".join(f"{i.path}: {i.message} (got {i.value!r})" for i in err.issues)) from None
-        return self.row_chains[key]
+        self.row_chains[key] = chain  # (the most recently used last)
+        if len(self.row_chains) > ROW_CHAINS:
+            del self.row_chains[next(iter(self.row_chains))]
+        return chain
 
     def check_length(self, prompt: PromptTokens) -> None:
         if not prompt.token_ids:
@@ -416,6 +421,9 @@ class Pipeline:
             kv_bits=cfg.decode.kv_bits,
             kv_group_size=cfg.decode.kv_group_size,
         )
+
+
+ROW_CHAINS = 64  # rows' own sampler chains kept built (Pipeline.chain_for)
 
 
 def make_prompt_cache(cfg: RunConfig) -> PromptCache:

@@ -188,7 +188,7 @@ def run_job(
         progress.close()
         if any(s.row.batch is not None for s in samples):  # an OpenAI batch file: its result lines too
             rows = list({id(s.row): s.row for s in samples}.values())
-            answered = write_batch_output(outputs.dir, rows, outputs.read_rows(), decode_one(pipeline))
+            answered = write_batch_output(outputs.dir, rows, outputs.read_rows(), pipeline.tokenizer)
             report["batch_output"] = {"requests": len(rows), "answered": answered}
     stats = make_generation_stats(batches, prepare_start, finish_reasons)
     report.update(stats.to_dict())
@@ -276,12 +276,6 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         **({"error": result.error} if result.error else {}),  # a row the engine could not run
         **(result.timing or {}),  # the scheduler's queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
     }
-
-
-def decode_one(pipeline: Pipeline):
-    from mlxcel.serve.protocol import describe_token
-
-    return lambda token: describe_token(pipeline.tokenizer, token)
 
 
 def make_error_row(prepared: PreparedSample) -> dict:

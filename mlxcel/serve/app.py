@@ -26,11 +26,13 @@ from mlxcel.serve.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    count_usage,
+    make_answer,
     make_chat_logprobs,
+    make_choice,
     make_completion_logprobs,
     make_id,
     make_sampler_config,
-    make_usage,
     now,
     parse_request,
 )
@@ -209,43 +211,15 @@ class ServeApp:
                 ApiError(400, failed["error"] or "the row could not run"), request, job.endpoint, started
             )
         self.records.add_answer(job, done, started, first, "ok")
-        usage = make_usage(
-            sum(d["prompt_tokens"] for i, d in done.items() if i % job.n == 0),
-            sum(d["completion_tokens"] for d in done.values()),
-            sum(d["cached_tokens"] for i, d in done.items() if i % job.n == 0),
-        )
+        top = (parsed.top_logprobs or 0) if job.endpoint == "chat" else parsed.logprobs
         choices = []
+        echoed = job.endpoint == "completion" and parsed.echo and isinstance(job.prompts[0], str)
         for index in sorted(done):
-            d = done[index]
-            if job.endpoint == "chat":
-                choice = {
-                    "index": index,
-                    "message": {"role": "assistant", "content": d["text"], "refusal": None},
-                    "logprobs": make_chat_logprobs(logprobs.get(index, []), parsed.top_logprobs or 0)
-                    if job.logprobs
-                    else None,
-                    "finish_reason": d["finish_reason"],
-                }
-            else:
-                prefix = job.prompts[index // job.n] if parsed.echo and isinstance(job.prompts[0], str) else ""
-                choice = {
-                    "index": index,
-                    "text": prefix + d["text"],
-                    "logprobs": make_completion_logprobs(logprobs.get(index, []), parsed.logprobs, 0)
-                    if job.logprobs
-                    else None,
-                    "finish_reason": d["finish_reason"],
-                }
-            choices.append(choice)
-        body = {
-            "id": job.id,
-            "object": "chat.completion" if job.endpoint == "chat" else "text_completion",
-            "created": now(),
-            "model": self.model_id,
-            "choices": choices,
-            "usage": usage,
-            "system_fingerprint": self.records.fingerprint,
-        }
+            text = (job.prompts[index // job.n] if echoed else "") + done[index]["text"]
+            entries = logprobs.get(index, []) if job.logprobs else None
+            choices.append(make_choice(job.endpoint, index, text, done[index]["finish_reason"], entries, top))
+        usage = count_usage(done, job.n)
+        body = make_answer(job.endpoint, job.id, self.model_id, choices, usage, self.records.fingerprint)
         return JSONResponse(body)
 
     async def stream_answer(self, job: Job, parsed, request: Request, started: float, images: str | None):
@@ -348,11 +322,7 @@ class ServeApp:
                 if len(done) == job.row_count:
                     break
             if include_usage:
-                usage = make_usage(
-                    sum(d["prompt_tokens"] for i, d in done.items() if i % job.n == 0),
-                    sum(d["completion_tokens"] for d in done.values()),
-                    sum(d["cached_tokens"] for i, d in done.items() if i % job.n == 0),
-                )
+                usage = count_usage(done, job.n)
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             finished = True

@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 import threading
-from datetime import datetime
 from pathlib import Path
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
@@ -49,11 +48,6 @@ def load_api_keys(path: str | None) -> set[str]:
         lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
         keys |= {line.strip() for line in lines if line.strip() and not line.strip().startswith("#")}
     return keys
-
-
-def default_run_dir(name: str) -> Path:
-    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return Path("outputs", name, "serve", f"{stamp}_{os.getpid()}").absolute()
 
 
 def warm_up(engine) -> None:
@@ -103,15 +97,16 @@ class Server:
     SIGINT/SIGTERM (or `stop()`); `close()` ends the engine and writes the last stats."""
 
     def __init__(self, args: list[str], log=sys.stderr):
-        from mlxcel.chat import split_run_dir
         from mlxcel.cli import compose_config
         from mlxcel.config import validate_config
 
         check_serve_extra()
+        from mlxcel.outputs import default_run_dir, split_run_dir
+
         run_dir, self.overrides = split_run_dir(args)
         self.cfg = validate_config(compose_config(add_serve_group(self.overrides)))
         self.keys = load_api_keys(self.cfg.serve.api_keys_file)
-        self.run_dir = run_dir or default_run_dir(self.cfg.runner.name)
+        self.run_dir = run_dir or default_run_dir(self.cfg.runner.name, "serve")
         self.log = log
         self.engine = self.records = self.app = self.uvicorn = None
         self.sock: socket.socket | None = None
@@ -251,14 +246,9 @@ def entry() -> None:
 
 
 def main() -> None:
-    from mlxcel.cli import report_error
+    from mlxcel.cli import run_command
 
-    debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0")
-    try:
-        code = serve(sys.argv[1:])
-    except (Exception, KeyboardInterrupt) as exc:
-        code = report_error(exc, debug)
-    sys.exit(code)
+    run_command(serve)
 
 
 if __name__ == "__main__":

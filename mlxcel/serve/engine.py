@@ -8,10 +8,9 @@ wake-up of the event loop per step, not one per token).
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +20,9 @@ from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
 from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.sampling.config import SamplerConfig
-from mlxcel.serve.protocol import ApiError, describe_token
-from mlxcel.template import PromptTokens, build_prompt
+from mlxcel.serve.protocol import ApiError, describe_logprobs
+from mlxcel.template import PromptTokens
 from mlxcel.tokenizer import TextStream
-
-MAX_CHAINS = 64  # distinct sampler settings kept built (a chain holds compiled functions and a bias vector)
 
 
 @dataclass
@@ -94,7 +91,6 @@ class ServeEngine:
         self.rows: dict[int, tuple[Job, Choice]] = {}
         self.next_row = 0
         self.outbox: list[tuple[Job, tuple]] = []
-        self.chains: OrderedDict[str, Any] = OrderedDict()
         self.lock = threading.Lock()
         self.accepted_rows = 0  # rows of accepted requests that have not ended (the queue's fill)
         self.scheduler: BatchScheduler | None = None
@@ -150,7 +146,6 @@ class ServeEngine:
         self.thread.join(timeout)
         if not self.thread.is_alive():
             self.scheduler = self.pipeline = None
-            self.chains.clear()
             gc.collect()
 
     # ---- the engine thread ----
@@ -223,7 +218,7 @@ class ServeEngine:
         """The request's rows, or an error answer (400) when its prompt cannot run."""
         try:
             prompts = [self.prepare(job, prompt) for prompt in job.prompts]
-            chain = self.make_chain(job.sampler)
+            chain = self.pipeline.chain_for(job.sampler)
         except (MlxcelError, ApiError) as exc:
             error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), code="invalid_prompt")
             self.release(job.row_count)
@@ -247,41 +242,28 @@ class ServeEngine:
                     sampler=chain,
                     logprobs=job.logprobs,
                 )
-                stop = self.pipeline.cfg.decode.stop_strings if job.stop is None else job.stop
-                choice = Choice(p * job.n + i, TextStream(self.tokenizer, stop), job.logprobs, len(prompt.token_ids))
+                stream = self.pipeline.make_text_stream(job.streaming, job.stop)
+                choice = Choice(p * job.n + i, stream, job.logprobs, len(prompt.token_ids))
                 self.rows[index] = (job, choice)
                 job.rows.append(index)
                 rows.append((index, request))
         return rows
 
     def prepare(self, job: Job, prompt: Any) -> tuple[PromptTokens, Any]:
+        """A chat's messages (templated), a completion's text (as it is) or its token ids."""
         pipeline = self.pipeline
-        if job.endpoint == "chat":
-            prepared = pipeline.prepare_one(Sample(JobRow(id=job.id, messages=prompt)))
+        if job.endpoint == "chat" or isinstance(prompt, str):
+            raw = job.endpoint != "chat"
+            messages = [{"role": "user", "content": prompt}] if raw else prompt
+            prepared = pipeline.prepare_one(Sample(JobRow(id=job.id, messages=messages, raw=raw)))
             return prepared.prompt, prepared.images
-        if isinstance(prompt, str):
-            tokens = build_prompt(self.tokenizer, [{"role": "user", "content": prompt}], None, enabled=False)
-        else:
-            vocab = pipeline.loaded.model.args.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[0]}", "prompt")
-            tokens = PromptTokens(self.tokenizer.decode(prompt), list(prompt), 0)
+        vocab = pipeline.loaded.model.args.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[0]}", "prompt")
+        tokens = PromptTokens(self.tokenizer.decode(prompt), list(prompt), 0)
         pipeline.check_length(tokens)
         return tokens, None
-
-    def make_chain(self, config: SamplerConfig | None):
-        """The request's chain (None: the server's); built once per distinct settings."""
-        if config is None:
-            return None
-        key = json.dumps(config.model_dump(mode="json"), sort_keys=True)
-        if key in self.chains:
-            self.chains.move_to_end(key)
-            return self.chains[key]
-        chain = self.chains[key] = self.pipeline.make_sampler(config)
-        if len(self.chains) > MAX_CHAINS:
-            self.chains.popitem(last=False)
-        return chain
 
     def on_token(self, row: int, token: int) -> bool:
         job, choice = self.rows[row]
@@ -291,18 +273,10 @@ class ServeEngine:
             self.post(job, ("first", choice.index))
         if choice.logprobs:
             entry = self.scheduler.live[row].result.logprobs[-1]
-            self.post(job, ("logprobs", choice.index, self.describe_logprobs(entry, choice.logprobs)))
+            self.post(job, ("logprobs", choice.index, describe_logprobs(self.tokenizer, entry, choice.logprobs)))
         if piece and job.streaming:
             self.post(job, ("text", choice.index, piece))
         return not (job.cancelled or choice.stream.stopped)
-
-    def describe_logprobs(self, entry: dict, top: int) -> dict:
-        tokenizer = self.tokenizer
-        return {
-            "text": describe_token(tokenizer, entry["token"]),
-            "logprob": entry["logprob"],
-            "top": [(describe_token(tokenizer, t), lp) for t, lp in entry["top"][:top]],
-        }
 
     def on_row_done(self, row: int, result) -> None:
         if row not in self.rows:

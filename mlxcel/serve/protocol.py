@@ -278,6 +278,59 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
+def count_usage(done: dict[int, dict], n: int) -> dict:
+    """A request's usage from its finished choices (index -> figures): a prompt counts once (its
+    choices are n in a row), every choice's tokens count."""
+    firsts = [d for i, d in done.items() if i % n == 0]
+    return make_usage(
+        sum(d["prompt_tokens"] for d in firsts),
+        sum(d["completion_tokens"] for d in done.values()),
+        sum(d["cached_tokens"] for d in firsts),
+    )
+
+
+def describe_logprobs(tokenizer, entry: dict, top: int) -> dict:
+    """A token's logprob entry ({token, logprob, top: [[id, logprob], ...]}, as the engine gives
+    it) with the tokens as text: what make_*_logprobs take."""
+    return {
+        "text": describe_token(tokenizer, entry["token"]),
+        "logprob": entry["logprob"],
+        "top": [(describe_token(tokenizer, t), lp) for t, lp in entry["top"][:top]],
+    }
+
+
+def make_choice(endpoint: str, index: int, text: str, finish_reason: str, entries: list[dict] | None, top: int) -> dict:
+    """One choice of a whole (not streamed) answer; `entries`: describe_logprobs' (None: not asked)."""
+    if endpoint == "chat":
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": make_chat_logprobs(entries, top) if entries is not None else None,
+            "finish_reason": finish_reason,
+        }
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": make_completion_logprobs(entries, top, 0) if entries is not None else None,
+        "finish_reason": finish_reason,
+    }
+
+
+def make_answer(
+    endpoint: str, answer_id: str, model: str, choices: list[dict], usage: dict, fingerprint: str | None
+) -> dict:
+    """A whole answer's body: chat.completion or text_completion."""
+    return {
+        "id": answer_id,
+        "object": "chat.completion" if endpoint == "chat" else "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+        "system_fingerprint": fingerprint,
+    }
+
+
 def make_chat_logprobs(entries: list[dict], top: int) -> dict:
     """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     return {

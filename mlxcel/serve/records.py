@@ -8,6 +8,7 @@ import time
 from collections import Counter, deque
 
 from mlxcel.outputs import RunOutputs
+from mlxcel.serve.protocol import count_usage
 
 STATS_EVERY_SECONDS = 5.0
 TTFT_WINDOW = 10_000  # the latest requests' TTFTs kept for the percentiles
@@ -37,9 +38,9 @@ class ServeRecords:
         end = time.perf_counter()
         status = "200" if outcome == "ok" else "disconnected"
         self.statuses[status] += 1
-        prompt_tokens = sum(d["prompt_tokens"] for i, d in done.items() if i % job.n == 0)
-        completion = sum(d["completion_tokens"] for d in done.values())
-        cached = sum(d["cached_tokens"] for i, d in done.items() if i % job.n == 0)
+        usage = count_usage(done, job.n)
+        prompt_tokens, completion = usage["prompt_tokens"], usage["completion_tokens"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
         self.tokens.update(prompt=prompt_tokens, completion=completion, cached=cached)
         reasons = [done[i]["finish_reason"] for i in sorted(done)]
         self.finish_reasons.update(reasons)

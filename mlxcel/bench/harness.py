@@ -142,6 +142,25 @@ def measure_case(
     return result
 
 
+def align_columns(lines: list[tuple], text_columns: int) -> list[str]:
+    """A table's lines (the first the header) as aligned text: the first `text_columns` columns
+    left-aligned, the figures right-aligned, a rule under the header."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = [
+        "  ".join(cell.ljust(w) if i < text_columns else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        for line in lines
+    ]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return text
+
+
+def explain_ratios(metrics: dict[str, tuple[str, bool | None]], note: str = "") -> str:
+    """The legend under a table of mlxcel / mlx-lm ratios (metrics: key -> (label, higher is better;
+    None for a count))."""
+    better = ", ".join(f"{label} {'>' if up else '<'} 1" for label, up in metrics.values() if up is not None)
+    return f"ratio = mlxcel / mlx-lm{note}; mlxcel is ahead where {better}"
+
+
 def format_value(value: float) -> str:
     if math.isnan(value):
         return "nan"
@@ -182,15 +201,7 @@ def format_table(results: list[CaseResult]) -> str:
                 f"{row['ratio']:.2f}",
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [
-        "  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in lines
-    ]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    better = ", ".join(f"{label} {'>' if up else '<'} 1" for label, up in METRICS.values())
-    text.append(f"ratio = mlxcel / mlx-lm (medians); mlxcel is ahead where {better}")
-    return "\n".join(text)
+    return "\n".join([*align_columns(lines, 4), explain_ratios(METRICS, " (medians)")])
 
 
 def format_agreement(results: list[CaseResult]) -> str:

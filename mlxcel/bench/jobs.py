@@ -52,7 +52,7 @@ from mlxcel.bench.__main__ import (
     split_models,
 )
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
-from mlxcel.bench.harness import compare_token_ids, format_value, log
+from mlxcel.bench.harness import align_columns, compare_token_ids, explain_ratios, format_value, log
 from mlxcel.bench.peers import ENGINES, count_weight_bytes, load_peer, synchronize_streams
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
@@ -486,15 +486,7 @@ def format_table(results: list[ModelResult]) -> str:
         for key, (label, _) in METRICS.items():
             values = [format_metric(metrics[name][key]) if name in metrics else "-" for name in ENGINES]
             lines.append((result.model, label, *values, f"{ratios[key]:.2f}" if ratios else "-"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [
-        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in lines
-    ]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    better = ", ".join(f"{label} {'>' if up else '<'} 1" for label, up in METRICS.values() if up is not None)
-    text.append(f"ratio = mlxcel / mlx-lm; mlxcel is ahead where {better}")
-    return "\n".join(text)
+    return "\n".join([*align_columns(lines, 2), explain_ratios(METRICS)])
 
 
 def format_metric(value: float) -> str:

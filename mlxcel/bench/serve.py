@@ -71,7 +71,7 @@ import numpy as np
 from mlxcel import blas
 from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, RANDOM_SHAPES, dtype_name, prepare_checkpoint
-from mlxcel.bench.harness import log
+from mlxcel.bench.harness import align_columns, explain_ratios, log
 from mlxcel.bench.jobs import MLX_LM_PREFILL_BATCH, draw_job, prepare_tokenizer, read_special_ids
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
@@ -640,16 +640,7 @@ def format_table(summaries: dict[str, dict], ratios: dict[str, float] | None) ->
         lines.append((name, *figures, str(s["requests"]), str(s["errors"]), str(s["tokens"]), f"{s['wall_s']:.1f}"))
     if ratios:
         lines.append(("ratio", *(f"{ratios[key]:.2f}" for key in METRICS), "", "", "", ""))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in lines
-    ]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    if ratios:
-        better = ", ".join(f"{label} {'>' if up else '<'} 1" for label, up in METRICS.values())
-        text.append(f"ratio = mlxcel / mlx-lm; mlxcel is ahead where {better}")
-    return "\n".join(text)
+    return "\n".join(align_columns(lines, 1) + ([explain_ratios(METRICS)] if ratios else []))
 
 
 def describe_run(args: argparse.Namespace, server_blas: str) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 from functools import lru_cache
@@ -301,6 +302,23 @@ TOOLS = [
     {"role": "assistant", "tool_calls": [TOOL_CALL]},
     {"role": "tool", "tool_call_id": "call0abcd", "name": "get_weather", "content": '{"temp": 21, "sky": "clear"}'},
 ]
+
+# --- the scheduler's oracle ------------------------------------------------------------------------
+
+
+def make_token_prompts(seed: int, count: int) -> list[list[int]]:
+    """`count` prompts of 1 to 90 random ids in [3, 300) (the tiny tokenizers' range)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randint(1, 90))] for _ in range(count)]
+
+
+def run_alone(model, sampler, prompt: list[int], row_id, max_tokens: int, **request):
+    """One row through the batch engine (DirectEngine): what the scheduler must give that row."""
+    from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+
+    rows = [RowRequest(prompt, row_id=row_id, max_tokens=max_tokens)]
+    return DirectEngine(model, 512).generate(GenerationRequest(rows, sampler, max_tokens=64, **request)).results[0]
+
 
 # --- mlxcel-run in a subprocess -------------------------------------------------------------------
 

@@ -10,11 +10,11 @@ import random
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
-from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import PIECES_PER_STEP, BatchScheduler, kv_bytes_per_position, supports_scheduling
 from mlxcel.models.paged_cache import BLOCK_SIZE
 from mlxcel.sampling import Sampler, make_sampler_chain
-from tests.helpers import CHAINS
+from tests.helpers import CHAINS, make_token_prompts, run_alone
 
 GREEDY = Sampler("greedy")
 CATEGORICAL = Sampler("categorical", temperature=1.0, seed=1234)
@@ -26,18 +26,6 @@ pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 @pytest.fixture(scope="module")
 def model(tiny_llama, on_the_cpu):
     return load_model(str(tiny_llama), dtype="float32").model
-
-
-def make_prompts(seed: int, count: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randint(1, 90))] for _ in range(count)]
-
-
-def alone(model, sampler, prompt, row_id, max_tokens, **kwargs):
-    request = GenerationRequest(
-        [RowRequest(prompt, row_id=row_id, max_tokens=max_tokens)], sampler, max_tokens=64, **kwargs
-    )
-    return DirectEngine(model, 512).generate(request).results[0]
 
 
 def schedule(
@@ -71,9 +59,9 @@ def test_the_tiny_llama_runs_through_the_scheduler(model):
 @pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
 def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
     """ragged: rows' pieces of different lengths and starts share a padded call (the GPU default)."""
-    prompts = make_prompts(0, 9)
+    prompts = make_token_prompts(0, 9)
     lengths = [random.Random(i).randint(1, 24) for i in range(9)]
-    expected = [alone(model, sampler, p, i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
+    expected = [run_alone(model, sampler, p, i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
     grouped = padded = 0  # pieces that prefilled several rows in one call; of those, rows with leading padding
     for seed in range(6):
         rng = random.Random(seed)
@@ -101,16 +89,16 @@ def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
 def test_a_lone_rows_odd_piece_is_padded_and_exact(model):
     """Ragged prefill pads a lone row's piece to a power of two too (a new query length costs
     cuDNN a graph build); the padding is neither cached nor attended to."""
-    prompt = make_prompts(5, 1)[0][:37]
-    expected = alone(model, GREEDY, prompt, 0, 9).token_ids
+    prompt = make_token_prompts(5, 1)[0][:37]
+    expected = run_alone(model, GREEDY, prompt, 0, 9).token_ids
     state = schedule(model, GREEDY, [prompt], [0], [9], max_rows=1, ragged=True)
     assert state.results[0].token_ids == expected
     assert [(p["rows"], p["end"] - p["start"], p["pad"]) for p in state.timings.prefill_pieces] == [(1, 37, 64 - 37)]
 
 
 def test_cancellations_and_stop_ids_mid_row(model):
-    prompts = make_prompts(1, 6)
-    full = [alone(model, CATEGORICAL, p, i, 20).token_ids for i, p in enumerate(prompts)]
+    prompts = make_token_prompts(1, 6)
+    full = [run_alone(model, CATEGORICAL, p, i, 20).token_ids for i, p in enumerate(prompts)]
     stop = full[2][5]  # row 2 stops at its first occurrence of this token
     cancel_after = {1: 3, 4: 1}  # row -> tokens it receives before cancelling
     seen: dict[int, int] = {}
@@ -142,22 +130,22 @@ def test_cancellations_and_stop_ids_mid_row(model):
 @pytest.mark.parametrize("name", ["full", "penalties", "mirostat", "adaptive_p"])
 def test_stateful_chains_equal_each_row_alone(model, name):
     chain = make_sampler_chain({"seed": 7, **CHAINS[name]}, model.args.vocab_size)
-    prompts = make_prompts(2, 5)
-    expected = [alone(model, chain, p, i, 12).token_ids for i, p in enumerate(prompts)]
+    prompts = make_token_prompts(2, 5)
+    expected = [run_alone(model, chain, p, i, 12).token_ids for i, p in enumerate(prompts)]
     state = schedule(model, chain, prompts[::-1], [4, 3, 2, 1, 0], [12] * 5, max_rows=2, chunk_size=16)
     assert [r.token_ids for r in state.results][::-1] == expected
 
 
 def test_logprobs_equal_each_row_alone(model):
-    prompts = make_prompts(3, 3)
-    expected = [alone(model, CATEGORICAL, p, i, 6, logprobs=3).logprobs for i, p in enumerate(prompts)]
+    prompts = make_token_prompts(3, 3)
+    expected = [run_alone(model, CATEGORICAL, p, i, 6, logprobs=3).logprobs for i, p in enumerate(prompts)]
     state = schedule(model, CATEGORICAL, prompts, range(3), [6] * 3, max_rows=2, logprobs=3)
     assert [r.logprobs for r in state.results] == expected
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["equal-pieces", "ragged-pieces"])
 def test_reruns_form_the_same_batches(model, ragged):
-    prompts = make_prompts(4, 8)
+    prompts = make_token_prompts(4, 8)
     runs = [
         schedule(
             model, CATEGORICAL, prompts, range(8), [5, 9, 2, 14, 7, 1, 11, 3], max_rows=3, chunk_size=16, ragged=ragged
@@ -202,7 +190,7 @@ def test_rows_that_cannot_run_are_error_rows(model):
 
 def test_finished_rows_free_their_blocks_for_waiting_rows(model):
     """max_rows=2 over 6 rows: the pool holds two rows' blocks, and all six run through it."""
-    prompts = make_prompts(5, 6)
+    prompts = make_token_prompts(5, 6)
     state = schedule(model, GREEDY, prompts, range(6), [6] * 6, max_rows=2)
     per_block = kv_bytes_per_position(model) * BLOCK_SIZE
     two_largest = sorted((-(-(len(p) + 5) // BLOCK_SIZE) for p in prompts), reverse=True)[:2]
@@ -214,7 +202,7 @@ def test_finished_rows_free_their_blocks_for_waiting_rows(model):
 def test_the_segmented_decode_step_gives_the_eager_tokens(model, monkeypatch):
     """Small decode batches run the batch engine's segmented step where it is the default (GPUs);
     forced here on the CPU, every row's tokens stay those of the eager step."""
-    prompts = make_prompts(4, 6)
+    prompts = make_token_prompts(4, 6)
     lengths = [random.Random(i).randint(1, 20) for i in range(6)]
     eager = [
         r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results

@@ -10,11 +10,11 @@ import random
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
-from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
 from mlxcel.sampling import Sampler, make_sampler_chain
-from tests.helpers import CHAINS
+from tests.helpers import CHAINS, make_token_prompts, run_alone
 
 GREEDY = Sampler("greedy")
 
@@ -24,18 +24,6 @@ pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 @pytest.fixture(scope="module")
 def model(tiny_llama, on_the_cpu):
     return load_model(str(tiny_llama), dtype="float32").model
-
-
-def make_prompts(seed: int, count: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randint(1, 90))] for _ in range(count)]
-
-
-def alone(model, sampler, prompt, row_id, max_tokens, logprobs=0):
-    request = GenerationRequest(
-        [RowRequest(prompt, row_id=row_id, max_tokens=max_tokens)], sampler, max_tokens=64, logprobs=logprobs
-    )
-    return DirectEngine(model, 512).generate(request).results[0]
 
 
 class ScriptedFeed:
@@ -94,11 +82,11 @@ def run_feed(model, feed, max_rows=3, chunk_size=None, prompt_cache=None):
 def test_rows_arriving_mid_run_equal_each_row_alone(model, chunk_size, cached):
     """With the prompt cache (as the server runs): later rows share earlier rows' prefixes and
     adopt them."""
-    prompts = make_prompts(10, 8)
+    prompts = make_token_prompts(10, 8)
     prompts[5] = prompts[0] + prompts[5]
     prompts[6] = prompts[1][:40] + prompts[6]
     lengths = [random.Random(i).randint(1, 20) for i in range(8)]
-    expected = [alone(model, GREEDY, p, 100 + i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
+    expected = [run_alone(model, GREEDY, p, 100 + i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
     rows = [(100 + i, RowRequest(p, row_id=100 + i, max_tokens=m)) for i, (p, m) in enumerate(zip(prompts, lengths))]
     # two at once, then one every few iterations, then a gap with nothing running, then the rest
     feed = ScriptedFeed({0: rows[:2], 3: rows[2:3], 5: rows[3:4], 60: rows[4:]})
@@ -119,12 +107,12 @@ def test_rows_with_their_own_chains_and_logprobs_share_a_batch(model):
         make_sampler_chain({"seed": 3, **CHAINS["penalties"]}, vocab),
         make_sampler_chain({"seed": 9, **CHAINS["mirostat"]}, vocab),
     ]
-    prompts = make_prompts(11, 8)
+    prompts = make_token_prompts(11, 8)
     rows, expected = [], {}
     for i, prompt in enumerate(prompts):
         chain, logprobs = chains[i % 4], 2 if i % 3 == 0 else 0
         rows.append((i, RowRequest(prompt, row_id=i, max_tokens=10, sampler=chain, logprobs=logprobs)))
-        expected[i] = alone(model, chain or GREEDY, prompt, i, 10, logprobs)
+        expected[i] = run_alone(model, chain or GREEDY, prompt, i, 10, logprobs=logprobs)
     results, _ = run_feed(model, ScriptedFeed({0: rows[:5], 2: rows[5:]}), max_rows=8)
     for i, result in results.items():
         assert result.token_ids == expected[i].token_ids, i
@@ -144,7 +132,7 @@ def test_cancelled_rows_end_where_they_are_and_free_their_slots(model):
     results, tokens = run_feed(model, feed, max_rows=2, chunk_size=4)
     assert [results[i].finish_reason for i in range(3)] == ["cancelled"] * 3
     assert results[2].token_ids == [] and results[1].token_ids == []
-    expected_0 = alone(model, GREEDY, prompts[0], 0, 30).token_ids
+    expected_0 = run_alone(model, GREEDY, prompts[0], 0, 30).token_ids
     assert 0 < len(results[0].token_ids) < 30 and results[0].token_ids == expected_0[: len(results[0].token_ids)]
     assert tokens.get(0, []) == results[0].token_ids
-    assert results[3].token_ids == alone(model, GREEDY, prompts[3], 3, 30).token_ids
+    assert results[3].token_ids == run_alone(model, GREEDY, prompts[3], 3, 30).token_ids

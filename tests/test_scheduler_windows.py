@@ -10,14 +10,14 @@ import random
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
-from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, layer_windows, supports_scheduling
 from mlxcel.sampling import Sampler
 from tests.family_fixtures import make_family_checkpoint
+from tests.helpers import run_alone
 
 GREEDY = Sampler("greedy")
 CATEGORICAL = Sampler("categorical", temperature=1.0, seed=99)
-
 
 pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 
@@ -26,11 +26,6 @@ pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 def model(request, tmp_path_factory, on_the_cpu):
     folder = make_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     return load_model(str(folder), dtype="float32").model
-
-
-def alone(model, sampler, prompt, row_id, max_tokens):
-    request = GenerationRequest([RowRequest(prompt, row_id=row_id, max_tokens=max_tokens)], sampler, max_tokens=64)
-    return DirectEngine(model, 512).generate(request).results[0].token_ids
 
 
 def test_windowed_families_run_through_the_scheduler(model):
@@ -45,7 +40,7 @@ def test_rows_equal_each_row_alone_under_random_schedules(model, sampler, ragged
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 60))] for _ in range(7)]
     lengths = [rng.randint(1, 30) for _ in range(7)]
-    expected = [alone(model, sampler, p, i, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    expected = [run_alone(model, sampler, p, i, n).token_ids for i, (p, n) in enumerate(zip(prompts, lengths))]
     for seed in range(3):
         pick = random.Random(seed)
         order = pick.sample(range(7), 7)

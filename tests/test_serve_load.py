@@ -122,6 +122,10 @@ def test_64_clients_with_faults_get_answers_or_errors_and_nothing_leaks(tmp_path
         rows = [json.loads(line) for line in (server.run_dir / "generations.jsonl").read_text().splitlines()]
         assert sum(r["status"] == 429 for r in rows) >= outcomes["429"]
         print(f"outcomes {outcomes}; idle {idle_after:.2f} s after the last client")
+    # the key was in use the whole time, and the run folder (closed now) never holds it
+    files = [f for f in (tmp_path / "run").rglob("*") if f.is_file()]
+    assert files and not any(KEY in f.read_text(errors="replace") for f in files)
+    assert json.loads((tmp_path / "run" / "stats.json").read_text())["api_keys"] == 1
 
 
 def test_a_model_with_lazy_arrays_made_at_load_serves(tmp_path):

@@ -165,11 +165,13 @@ class GroupedDraw:
         return [self.tokens] + [a for d in self.draws for a in d.arrays()]
 
     def to_host(self) -> tuple[list[int], list[dict | None] | None]:
-        size = sum(len(p) for p in self.positions)
-        tokens, logprobs = [0] * size, [None] * size
-        for draw, positions in zip(self.draws, self.positions):
-            group_tokens, group_logprobs = draw.to_host()
-            for j, i in enumerate(positions):
-                tokens[i] = group_tokens[j]
-                logprobs[i] = group_logprobs[j] if group_logprobs is not None else None
-        return tokens, (logprobs if any(lp is not None for lp in logprobs) else None)
+        """(tokens, per row its logprobs or None; None when no group asked for them)."""
+        tokens = self.tokens.tolist()
+        asked = [(draw, positions) for draw, positions in zip(self.draws, self.positions) if draw.logprobs is not None]
+        if not asked:
+            return tokens, None
+        logprobs: list[dict | None] = [None] * len(tokens)
+        for draw, positions in asked:
+            for i, row in zip(positions, draw.to_host()[1]):
+                logprobs[i] = row
+        return tokens, logprobs

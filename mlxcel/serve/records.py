@@ -9,6 +9,7 @@ from collections import Counter, deque
 
 from mlxcel.outputs import RunOutputs
 from mlxcel.serve.protocol import count_usage
+from mlxcel.stats import percentiles
 
 STATS_EVERY_SECONDS = 5.0
 TTFT_WINDOW = 10_000  # the latest requests' TTFTs kept for the percentiles
@@ -74,7 +75,7 @@ class ServeRecords:
 
         self.written_at = time.perf_counter()
         uptime = self.written_at - self.started
-        ttfts = sorted(self.ttfts)
+        ttfts = list(self.ttfts)
         totals = self.engine.totals if self.engine is not None else {}
         steps = totals.get("decode_steps", 0)
         self.report.update(
@@ -87,16 +88,9 @@ class ServeRecords:
                 "cached_tokens": self.tokens["cached"],
                 "generated_tokens": self.tokens["completion"],
                 "generated_tok_per_sec_over_uptime": round(self.tokens["completion"] / uptime, 3) if uptime else None,
-                "ttft_ms": {"p50": percentile(ttfts, 0.5), "p95": percentile(ttfts, 0.95), "count": len(ttfts)},
+                "ttft_ms": {**percentiles(ttfts), "count": len(ttfts)},  # (as mlxcel-run's row_ttft_ms)
                 "decode_steps": steps,
                 "occupancy": round(totals.get("rows_decoding_sum", 0) / steps, 3) if steps else None,
             }
         )
         self.outputs.write_stats(order_report(self.report))
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of sorted values."""
-    if not values:
-        return None
-    return values[min(len(values) - 1, max(0, round(q * len(values) + 0.5) - 1))]

@@ -122,9 +122,7 @@ def read_batch_line(line: str, number: int, system: str | None, sampler, vocab_s
 def read_prompt(request, endpoint: str, system: str | None) -> tuple[list[dict], bool]:
     """(messages, raw): a chat's messages (prompt.system first unless it has one), or a
     completion's single text prompt as a raw user turn."""
-    from pydantic import ValidationError
-
-    from mlxcel.config import Message
+    from mlxcel.serve.messages import convert_messages
     from mlxcel.serve.protocol import ApiError
 
     if endpoint == "completion":
@@ -132,22 +130,11 @@ def read_prompt(request, endpoint: str, system: str | None) -> tuple[list[dict],
         if len(prompts) != 1 or not isinstance(prompts[0], str):
             raise ApiError(400, "a batch line's prompt is one string (a line per prompt)", "prompt")
         return [{"role": "user", "content": prompts[0]}], True
-    messages = []
     for i, message in enumerate(request.messages):
-        if isinstance(message, dict) and message.get("role") == "developer":
-            message = {**message, "role": "system"}
-        if isinstance(message, dict) and isinstance(message.get("content"), list):
-            if any(isinstance(p, dict) and p.get("type") != "text" for p in message["content"]):
-                raise ApiError(
-                    400, f"messages[{i}]: only text parts in a batch file (images: our JSONL rows)", "messages"
-                )
-            message = {**message, "content": "".join(p.get("text", "") for p in message["content"])}
-        try:
-            messages.append(Message.model_validate(message).to_dict())
-        except ValidationError as err:
-            raise ApiError(400, f"messages[{i}]: {err.errors()[0]['msg']}", "messages") from None
-    if not messages:
-        raise ApiError(400, "messages must not be empty", "messages")
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") != "text" for p in content):
+            raise ApiError(400, f"messages[{i}]: only text parts in a batch file (images: our JSONL rows)", "messages")
+    messages = convert_messages(request.messages, None, [])  # (as the server reads them)
     if system is not None and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
     return messages, False

@@ -74,7 +74,14 @@ def make_bad_row(row_id: str, custom_id: str | None, error: str) -> JobRow:
 
 
 def read_batch_line(line: str, number: int, system: str | None, sampler, vocab_size: int | None) -> JobRow:
-    from mlxcel.serve.protocol import ApiError, ChatRequest, CompletionRequest, make_sampler_config, parse_request
+    from mlxcel.serve.protocol import (
+        ApiError,
+        ChatRequest,
+        CompletionRequest,
+        make_sampler_config,
+        parse_request,
+        read_constraint,
+    )
 
     try:
         data = json.loads(line)
@@ -116,6 +123,7 @@ def read_batch_line(line: str, number: int, system: str | None, sampler, vocab_s
         stop=request.stop_strings(),
         logprobs=request.logprobs_wanted(),
         batch=request_info,
+        constraint=read_constraint(request),
     )
 
 

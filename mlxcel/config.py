@@ -190,6 +190,63 @@ class PrefillConfig(Group):
         return choose_tile_size(self.tile_size)
 
 
+class ConstraintConfig(Group):
+    """What every answer must match (structured output, docs/structured.md): exactly one of these."""
+
+    json_schema: dict[str, Any] | Annotated[str, Strict()] | None = None  # a schema, its JSON text, or a .json file
+    regex: Annotated[str, Strict()] | None = None
+    choice: list[Annotated[str, Strict()]] | None = None  # the answer is one of these strings
+    grammar: Annotated[str, Strict()] | None = None  # Lark (llguidance's dialect) or GBNF text, or a .lark/.gbnf file
+
+    @model_validator(mode="after")
+    def _check_one(self) -> ConstraintConfig:
+        from mlxcel.structured.spec import SPEC_KINDS, ConstraintError, check_spec
+
+        given = [kind for kind in SPEC_KINDS if getattr(self, kind) is not None]
+        if len(given) != 1:
+            raise reject(f"needs exactly one of {', '.join(SPEC_KINDS)} (got {given or 'none'})", None, NO_VALUE)
+        kind = given[0]
+        value = getattr(self, kind)
+        if isinstance(value, str) and is_constraint_file(kind, value):
+            return self  # a file: read and checked when the run starts (to_spec)
+        try:
+            check_spec({kind: value})
+        except ConstraintError as exc:
+            raise reject(exc.reason, kind, value) from None
+        return self
+
+    def to_spec(self) -> dict:
+        """The spec (structured.spec) this config asks for, files read."""
+        from mlxcel.structured.spec import SPEC_KINDS, ConstraintError, check_spec
+
+        kind = next(kind for kind in SPEC_KINDS if getattr(self, kind) is not None)
+        value = getattr(self, kind)
+        text = read_constraint_file(kind, value) if isinstance(value, str) and is_constraint_file(kind, value) else None
+        try:
+            return check_spec({kind: value if text is None else text})
+        except ConstraintError as exc:
+            raise ConfigError(ConfigIssue(f"decode.constraint.{kind}", exc.reason, value)) from None
+
+
+CONSTRAINT_FILE_SUFFIXES = {"json_schema": (".json",), "grammar": (".lark", ".gbnf", ".ebnf")}
+
+
+def is_constraint_file(kind: str, value: str) -> bool:
+    """A constraint given as a file path: a one-line value with the kind's suffix."""
+    suffixes = CONSTRAINT_FILE_SUFFIXES.get(kind)
+    return bool(suffixes) and "\n" not in value and value.strip().lower().endswith(suffixes)
+
+
+def read_constraint_file(kind: str, value: str) -> str:
+    path = Path(value.strip()).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            ConfigIssue(f"decode.constraint.{kind}", f"cannot read the file: {exc.strerror or exc}", value)
+        ) from None
+
+
 class DecodeConfig(Group):
     max_tokens: PositiveInt = 256
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
@@ -201,6 +258,9 @@ class DecodeConfig(Group):
     kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # store the KV cache quantized (full-attention layers)
     kv_group_size: Literal[32, 64, 128] = 64  # must divide the model's head_dim
     step: Literal["auto", "eager", "segmented", "compiled"] = "auto"  # how a decode step runs; env: MLXCEL_DECODE_STEP
+    constraint: ConstraintConfig | None = (
+        None  # structured output: what every answer must match (rows may set their own)
+    )
 
     @field_validator("stop_strings")
     @classmethod
@@ -208,6 +268,16 @@ class DecodeConfig(Group):
         if any(v == "" for v in values):
             raise reject("stop strings must not be empty (an empty one would stop before the first token)")
         return values
+
+    @model_validator(mode="after")
+    def _check_constraint_eos(self) -> DecodeConfig:
+        if self.constraint is not None and self.ignore_eos:
+            raise reject(
+                "cannot be true with decode.constraint: a constrained answer ends with EOS once it is whole "
+                "(fix: drop decode.ignore_eos)",
+                "ignore_eos",
+            )
+        return self
 
     def use_pipeline(self) -> bool:
         """Pipelined decode unless decode.pipeline=false or MLXCEL_FORCE_SYNC=1."""
@@ -322,8 +392,36 @@ class PromptRow(Group):
     seed: NonNegativeInt | None = None  # default: sampler.seed
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_SAMPLES)] = 1  # samples of this prompt
     tools: list[dict[str, Any]] | None = None  # this row's tool definitions (default: template.kwargs.tools)
+    # structured output: what this row's answer must match (default: decode.constraint); as in the
+    # config ({"json_schema": {...}}, regex, choice or grammar), or OpenAI's response_format
+    constraint: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     _check_prompt = field_validator("prompt")(_check_not_blank)
+
+    @field_validator("constraint")
+    @classmethod
+    def _check_constraint(cls, value: dict | None) -> dict | None:
+        from mlxcel.structured.spec import ConstraintError, check_spec
+
+        try:
+            return None if value is None else check_spec(value)
+        except ConstraintError as exc:
+            raise reject(str(exc)) from None
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: dict | None) -> dict | None:
+        from mlxcel.structured.spec import ConstraintError, read_response_format
+
+        try:
+            return None if value is None else read_response_format(value)
+        except ConstraintError as exc:
+            raise reject(str(exc)) from None
+
+    def to_constraint(self) -> dict | None:
+        """The row's own spec (structured.spec), from `constraint` or `response_format`."""
+        return self.constraint or self.response_format
 
     @field_validator("id")
     @classmethod
@@ -334,6 +432,8 @@ class PromptRow(Group):
 
     @model_validator(mode="after")
     def _check_one_source(self) -> PromptRow:
+        if self.constraint is not None and self.response_format is not None:
+            raise reject("give 'constraint' or 'response_format', not both", "response_format", NO_VALUE)
         if (self.prompt is None) == (not self.messages):
             raise reject(
                 "each row needs exactly one of 'prompt' (text) or 'messages' (a conversation)", "prompt", NO_VALUE

@@ -30,6 +30,7 @@ class JobRow:
     stop: list[str] | None = None  # its own stop strings (None: decode.stop_strings)
     logprobs: int = 0  # its tokens' logprobs and this many alternatives
     batch: dict | None = None  # custom_id, endpoint, model, ...; "error": the line cannot run
+    constraint: dict | None = None  # structured output: the row's own spec (mlxcel.structured.spec); None: the job's
 
 
 def hash_row(row: JobRow) -> str:
@@ -47,6 +48,8 @@ def hash_row(row: JobRow) -> str:
     }
     if row.batch is not None:  # (only then: the hashes of earlier folders' rows stay as they were)
         content.update(raw=row.raw, sampler=row.sampler, stop=row.stop, logprobs=row.logprobs, batch=row.batch)
+    if row.constraint is not None:
+        content["constraint"] = row.constraint
     return hashlib.sha256(
         json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
     ).hexdigest()
@@ -149,7 +152,17 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
             continue
         seen[str(row_id)] = number
         messages = row.to_messages()
-        rows.append(JobRow(row_id, prompt.with_system(messages), row.max_tokens, row.seed, row.n, row.tools))
+        rows.append(
+            JobRow(
+                row_id,
+                prompt.with_system(messages),
+                row.max_tokens,
+                row.seed,
+                row.n,
+                row.tools,
+                constraint=row.to_constraint(),
+            )
+        )
     if issues:
         raise ConfigError(issues, hint=f"fix: correct those rows of {source}")
     return rows

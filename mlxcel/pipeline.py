@@ -25,6 +25,8 @@ from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.sampling.config import SamplerConfig
 from mlxcel.sampling.history import make_piece_encoder
+from mlxcel.structured.matcher import Constraint, Constraints
+from mlxcel.structured.spec import ConstraintError, describe_spec
 from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
@@ -44,6 +46,7 @@ class PreparedSample:
     prompt: PromptTokens | None = None
     error: str | None = None  # why this sample cannot run (it is written as an error row)
     images: ImageInputs | None = None  # the prompt's preprocessed images (VLMs); token ids already expanded
+    constraint: Constraint | None = None  # structured output: the row's (or the job's) compiled constraint
 
 
 def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer, required: bool = True):
@@ -171,6 +174,8 @@ class Pipeline:
         self.prompt_cache_key = ""  # names this model's folder under runner.prompt_cache_dir (load_prompt_cache)
         self.keep_answers = False  # snapshot answers into the prompt cache too (a chat's next turn starts with them)
         self.row_chains: dict[str, SamplerChain] = {}  # rows' own chains by their settings, LRU (chain_for)
+        self.constraints = Constraints(tokenizer, loaded.model.args.vocab_size, self.eos_ids()) if loaded else None
+        self.constraint = self.compile_job_constraint()  # decode.constraint, for rows without their own
 
     @classmethod
     def load(
@@ -219,33 +224,51 @@ class Pipeline:
     def _merge_stop_ids(self) -> set[int]:
         """EOS from the model, generation_config.json and the tokenizer, plus decode.stop_token_ids;
         decode.ignore_eos keeps only the explicit stop ids."""
-        cfg, loaded = self.cfg, self.loaded
-        vocab = loaded.model.args.vocab_size
+        cfg = self.cfg
+        vocab = self.loaded.model.args.vocab_size
         bad = [i for i in cfg.decode.stop_token_ids if not 0 <= i < vocab]
         if bad:
             raise ConfigError(ConfigIssue("decode.stop_token_ids", f"ids must be in [0, {vocab}) for this model", bad))
         stop = set(cfg.decode.stop_token_ids)
         if not cfg.decode.ignore_eos:
-            eos = loaded.generation_config.get("eos_token_id")
-            stop.update([eos] if isinstance(eos, int) else eos or [])
-            stop.update(loaded.model.eos_token_ids())
-            stop.update(self.tokenizer.eos_token_ids)
+            stop.update(self.eos_ids())
         return stop
+
+    def eos_ids(self) -> list[int]:
+        """The model's EOS ids (its config, generation_config.json and the tokenizer's), sorted."""
+        loaded = self.loaded
+        eos = loaded.generation_config.get("eos_token_id")
+        ids = set([eos] if isinstance(eos, int) else eos or []) | set(loaded.model.eos_token_ids())
+        return sorted(ids | set(self.tokenizer.eos_token_ids))
 
     def make_sampler(self, config: SamplerConfig | None = None) -> SamplerChain:
         """The sampler chain (the config's, or `config`: a server request's) bound to this model:
         its vocabulary, EOS ids, DRY breakers tokenized."""
-        loaded, tokenizer = self.loaded, self.tokenizer
-        eos = loaded.generation_config.get("eos_token_id")
-        eos_ids = (
-            set([eos] if isinstance(eos, int) else eos or [])
-            | set(loaded.model.eos_token_ids())
-            | set(tokenizer.eos_token_ids)
-        )
-        encode = make_piece_encoder(tokenizer)  # DRY's breaker strings
+        encode = make_piece_encoder(self.tokenizer)  # DRY's breaker strings
         return make_sampler_chain(
-            config or self.cfg.sampler, loaded.model.args.vocab_size, encode=encode, eos_token_ids=sorted(eos_ids)
+            config or self.cfg.sampler, self.loaded.model.args.vocab_size, encode=encode, eos_token_ids=self.eos_ids()
         )
+
+    def compile_job_constraint(self) -> Constraint | None:
+        """decode.constraint compiled for this model's tokenizer: one that does not compile is a
+        config error before anything runs."""
+        config = self.cfg.decode.constraint
+        if config is None or self.constraints is None:
+            return None
+        spec = config.to_spec()
+        try:
+            return self.constraints.compile(spec)
+        except ConstraintError as exc:
+            kind = describe_spec(spec)
+            raise ConfigError(
+                ConfigIssue(f"decode.constraint.{kind}", f"does not compile: {exc.reason}", has_value=False)
+            ) from None
+
+    def constraint_for(self, spec: dict | None) -> Constraint | None:
+        """A row's constraint: its own spec compiled (ConstraintError if it does not), else the job's."""
+        if spec is None or self.constraints is None:
+            return self.constraint
+        return self.constraints.compile(spec)
 
     def prepare(self, samples: list[Sample]) -> list[PreparedSample]:
         """Render and tokenize every sample; one that fails gets its error, the rest go on."""
@@ -264,12 +287,14 @@ class Pipeline:
         row = sample.row
         if row.batch is not None and row.batch.get("error"):
             raise MlxcelError(row.batch["error"])  # a batch file's line that cannot run
+        constraint = None
         if self.loaded is not None:
             self.chain_for(row.sampler)  # (a bad logit_bias id is this row's error)
+            constraint = self.constraint_for(row.constraint)  # (one that does not compile: this row's error)
         if row.raw:  # a completion (a server's, a batch file's): the text as it is
             prompt = build_prompt(self.tokenizer, row.messages, None, enabled=False)
             self.check_length(prompt)
-            return PreparedSample(sample, prompt)
+            return PreparedSample(sample, prompt, constraint=constraint)
         paths = collect_image_paths(sample.row.messages)
         if model is not None:
             check_images_allowed(model, self.header.arch, paths)
@@ -278,7 +303,7 @@ class Pipeline:
         prompt = build_prompt(self.tokenizer, messages, self.template_source, template.kind != "none", kwargs)
         if model is None or not is_vision_model(model):
             self.check_length(prompt)
-            return PreparedSample(sample, prompt)
+            return PreparedSample(sample, prompt, constraint=constraint)
         templated = template.kind != "none"
         token_ids, images = prepare_images(
             model,
@@ -290,7 +315,7 @@ class Pipeline:
         if images is not None:  # the history boundary moved with the expansion: no history piece
             prompt = PromptTokens(prompt.text, token_ids, history_tokens=0)
         self.check_length(prompt)
-        return PreparedSample(sample, prompt, images=images)
+        return PreparedSample(sample, prompt, images=images, constraint=constraint)
 
     def make_text_stream(
         self, streaming: bool = True, stop_strings: list[str] | None = None
@@ -406,6 +431,7 @@ class Pipeline:
                 images=p.images,
                 sampler=self.chain_for(p.sample.row.sampler),
                 logprobs=p.sample.row.logprobs,
+                constraint=p.constraint,
             )
             for p in batch
         ]
@@ -420,6 +446,7 @@ class Pipeline:
             logprobs=cfg.decode.logprobs,
             kv_bits=cfg.decode.kv_bits,
             kv_group_size=cfg.decode.kv_group_size,
+            constraints=self.constraints,
         )
 
 

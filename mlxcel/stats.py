@@ -47,6 +47,9 @@ class BatchStats:
     cached_tokens: int = 0  # prompt tokens adopted from the prompt cache
     rows_adopted: int = 0  # rows that adopted a prefix
     prompt_cache: dict | None = None  # the cache after this batch (PrefixReuse.summary); None: off
+    constraint_kinds: dict[str, int] = field(default_factory=dict)  # structured output: rows by kind
+    constraints_satisfied: int = 0  # of those, rows whose answer is a whole match
+    mask_ms: float = 0.0  # computing their token masks (overlaps the forward pass)
 
 
 @dataclass
@@ -75,6 +78,9 @@ class GenerationStats:
     # with runner.prompt_cache=false. (Time saved is measured by python -m mlxcel.bench.prefix, cache off
     # vs on: in continuous batching no row's prefill time can be subtracted from the job's.)
     prompt_cache: dict = field(default_factory=dict)
+    # structured output: constrained rows, how many ended with a whole match, their kinds and the
+    # host time spent on masks; empty when no row has a constraint
+    constraints: dict = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -108,7 +114,33 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         cached_tokens=sum(r.cached_tokens for r in results),
         rows_adopted=sum(1 for r in results if r.cached_tokens),
         prompt_cache=getattr(state, "prompt_cache", None),
+        constraint_kinds=count_constraint_kinds(state.request.rows),
+        constraints_satisfied=sum(1 for r in results if r.constraint_satisfied),
+        mask_ms=1000 * getattr(state, "mask_seconds", 0.0),
     )
+
+
+def count_constraint_kinds(rows) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for row in rows:
+        if row.constraint is not None:
+            kinds[row.constraint.kind] = kinds.get(row.constraint.kind, 0) + 1
+    return kinds
+
+
+def summarize_constraints(batches: list[BatchStats]) -> dict:
+    kinds: dict[str, int] = {}
+    for b in batches:
+        for kind, count in b.constraint_kinds.items():
+            kinds[kind] = kinds.get(kind, 0) + count
+    if not kinds:
+        return {}
+    return {
+        "rows": sum(kinds.values()),
+        "satisfied": sum(b.constraints_satisfied for b in batches),
+        "kinds": kinds,
+        "mask_ms": round(sum(b.mask_ms for b in batches), 3),
+    }
 
 
 def make_generation_stats(
@@ -139,6 +171,7 @@ def make_generation_stats(
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
         host_ms_per_step=round(sum(b.host_ms for b in batches) / max(1, sum(b.iterations for b in batches)), 3),
         prompt_cache=summarize_prompt_cache(batches),
+        constraints=summarize_constraints(batches),
         batches=[
             {
                 "rows": b.rows,

@@ -41,6 +41,11 @@ class DirectEngine:
                 "rows with sampler settings of their own (a server request's, a batch file line's) run on the "
                 "scheduler only, and this model or request runs on the batch engine (scheduler.supports_scheduling)"
             )
+        if any(r.constraint is not None for r in request.rows):
+            raise MlxcelError(
+                "structured output (decode.constraint, response_format) runs on the scheduler only, and this "
+                "model or request runs on the batch engine (scheduler.supports_scheduling)"
+            )
         engine = self.engine
         state = engine.start(request)
         while True:

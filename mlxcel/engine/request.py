@@ -21,6 +21,7 @@ class RowRequest:
     images: Any = None  # mlxcel.vision.stage.ImageInputs: the prompt's images (prompt_ids expanded)
     sampler: SamplerChain | None = None  # this row's own chain (a server request's); None: the request's
     logprobs: int = 0  # > 0: this row's tokens' logprobs and top-N alternatives, beside the request's setting
+    constraint: Any = None  # mlxcel.structured.Constraint: what the answer must match (structured output)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class GenerationRequest:
     logprobs: int = 0  # > 0: each token's logprob and the top-N alternatives (RowResult.logprobs)
     kv_bits: int | None = None  # quantize the KV cache (QuantizedKVCache); None: model dtype
     kv_group_size: int = 64
+    constraints: Any = None  # mlxcel.structured.Constraints: computes the masks of rows with a constraint
 
 
 @dataclass
@@ -46,6 +48,7 @@ class RowResult:
     error: str | None = None  # why a row with finish_reason "error" could not run
     cached_tokens: int = 0  # prompt tokens adopted from the prompt cache (not prefilled again)
     timing: dict | None = None  # the scheduler's per-row figures: queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
+    constraint_satisfied: bool | None = None  # a constrained row: whether its answer is a whole match
 
 
 @dataclass

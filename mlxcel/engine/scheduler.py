@@ -42,6 +42,7 @@ from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
 from mlxcel.sampling.rows import GroupedRowsSampler
+from mlxcel.structured.matcher import consume_token, is_satisfied
 from mlxcel.vision.stage import merge_embeddings
 
 KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
@@ -67,6 +68,7 @@ class Row:
     prefilled: int = 0  # prompt positions in the cache
     embeddings: mx.array | None = None  # [1, L, hidden] with its images' features, while it prefills
     extras: dict | None = None  # the family's per-token prefill inputs (M-RoPE ids), sliced per piece
+    matcher: object = None  # structured output: the row's llguidance matcher (RowRequest.constraint)
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -115,6 +117,7 @@ class ScheduleState:
     iterations: int = 0
     prompt_cache: dict | None = None  # PrefixReuse.summary(): the cache's entries, size and evictions
     wait_seconds: float = 0.0  # the host blocked on the device (reading draws, queueing work); the rest is host work
+    mask_seconds: float = 0.0  # structured output: computing the rows' token masks (overlaps the forward pass)
 
     @property
     def host_seconds(self) -> float:
@@ -290,8 +293,14 @@ class BatchScheduler:
         wants_logprobs = job.logprobs or request.logprobs
         result = RowResult(prompt_tokens=len(request.prompt_ids), logprobs=[] if wants_logprobs else None)
         limit = min(request.max_tokens or job.max_tokens, self.max_context - len(request.prompt_ids) + 1)
+        matcher = request.constraint.new_matcher() if request.constraint is not None else None
         return Row(
-            index, request, result, max(limit, 1), error=check_prompt(index, request.prompt_ids, self.max_context)
+            index,
+            request,
+            result,
+            max(limit, 1),
+            error=check_prompt(index, request.prompt_ids, self.max_context),
+            matcher=matcher,
         )
 
     def check_rows(self, rows: list[Row], request: GenerationRequest, on_row_done) -> list[Row]:
@@ -410,7 +419,18 @@ class BatchScheduler:
                     key = RowKey(row.request.row_id, row.request.sample_index, row.request.seed)
                     sampler.add(key, row.prompt, row.request.sampler, row.request.logprobs)
                 batch.join(joined)
-                draw = sampler.sample(logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts))
+                bitmask, ended = None, []
+                if any(row.matcher is not None for row in batch.rows):
+                    # Structured output: this step's masks need the last step's tokens. The forward
+                    # pass goes to the device first; the host reads the last draw and computes the
+                    # masks while it runs, then queues the draw (no lookahead for these batches).
+                    submit(logits_parts, state)
+                    while inflight:
+                        ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
+                        draws_read += 1
+                    bitmask = self.compute_masks(batch.rows, request, state)
+                logits = logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts)
+                draw = sampler.sample(logits, bitmask)
                 submit(draw.arrays() + sampler.state_arrays(), state)
                 inflight.append(PendingDraw(draw, list(batch.rows)))
                 draws_queued += 1
@@ -418,6 +438,10 @@ class BatchScheduler:
                 batch.drawn += 1
                 # rows that drew their last token leave the decode batch now (no wasted step)
                 leaving += self.keep(batch, batch.drawn < batch.limits, sampler, draws_queued)
+                if ended and len(batch):
+                    leaving += self.keep(
+                        batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
+                    )
             # 4. read the oldest draw (pipelined: one step behind), apply stop rules
             if inflight and (len(inflight) > 1 or not self.pipeline or not (len(batch) or prefilling)):
                 ended = self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
@@ -471,6 +495,15 @@ class BatchScheduler:
             row.result.finish_reason = "cancelled"
             if on_row_done is not None:
                 on_row_done(row.index, row.result)
+
+    def compute_masks(self, rows: list[Row], request: GenerationRequest, state: ScheduleState) -> mx.array:
+        """[B, ceil(V / 32)] structured output's bitmasks for a draw over `rows` (batch order);
+        rows without a constraint, or already finished (their draw is not read), allow every token."""
+        began = time.perf_counter()
+        matchers = [row.matcher if row.result.finish_reason is None else None for row in rows]
+        masks = mx.array(request.constraints.fill_masks(matchers))
+        state.mask_seconds += time.perf_counter() - began
+        return masks
 
     def keep(self, batch: DecodeBatch, mask: np.ndarray, sampler: GroupedRowsSampler, last_draw: int) -> list[Row]:
         """Only the rows where `mask` holds go on decoding; returns the others, which took part
@@ -771,9 +804,13 @@ class BatchScheduler:
             if row.index in self.cancelling:
                 self.cancelling.discard(row.index)
                 result.finish_reason = "cancelled"
+            elif row.matcher is not None and token not in stop_ids and (problem := consume_token(row.matcher, token)):
+                result.finish_reason, result.error = "error", problem
             else:
                 token_logprobs = logprobs[i] if logprobs is not None else None
                 apply_token(result, row.index, token, token_logprobs, stop_ids, row.limit, on_token)
+            if result.finish_reason is not None and row.matcher is not None:
+                result.constraint_satisfied = is_satisfied(row.matcher)
             if result.finish_reason is not None:
                 self.live.pop(row.index, None)
                 row.finished_at = now

@@ -14,6 +14,7 @@ import numpy as np
 from mlxcel.sampling import history as hist
 from mlxcel.sampling import selectors as sel
 from mlxcel.sampling.chain import Draw, RowKey, SamplerChain, should_compile
+from mlxcel.sampling.processors import apply_token_bitmask
 from mlxcel.sampling.rng import KEY_WORDS, derive_row_seed, make_base_keys, make_step_key_words
 
 
@@ -140,7 +141,11 @@ class GroupedRowsSampler:
                 del self.groups[key]
         self.members = [self.members[i] for i in rows]
 
-    def sample(self, logits: mx.array) -> Draw | GroupedDraw:
+    def sample(self, logits: mx.array, bitmask: mx.array | None = None) -> Draw | GroupedDraw:
+        """Every row's next token; `bitmask` [B, ceil(V / 32)]: structured output's allowed
+        tokens (structured.matcher), applied before every stage of every chain."""
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         if len(self.groups) == 1:
             return next(iter(self.groups.values())).sample(logits)
         positions = {key: [] for key in self.groups}

@@ -35,6 +35,7 @@ from mlxcel.serve.protocol import (
     make_sampler_config,
     now,
     parse_request,
+    read_constraint,
 )
 from mlxcel.serve.records import ServeRecords
 
@@ -140,6 +141,7 @@ class ServeApp:
                 stop=parsed.stop_strings(),
                 streaming=parsed.stream,
                 loop=asyncio.get_running_loop(),
+                constraint=read_constraint(parsed),
             )
             self.engine.submit(job)
         except ApiError as error:

@@ -21,6 +21,7 @@ from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.sampling.config import SamplerConfig
 from mlxcel.serve.protocol import ApiError, describe_logprobs
+from mlxcel.structured.spec import ConstraintError
 from mlxcel.template import PromptTokens
 from mlxcel.tokenizer import TextStream
 
@@ -57,6 +58,7 @@ class Job:
     cancelled: bool = False  # the client went away (set by the event loop, read here)
     disconnected: bool = False  # (the event loop's own flag: its reader stops)
     rows: list[int] = field(default_factory=list)  # scheduler row indices, while they run
+    constraint: dict | None = None  # structured output: the request's spec (None: the server's decode.constraint)
 
     @property
     def row_count(self) -> int:
@@ -219,6 +221,12 @@ class ServeEngine:
         try:
             prompts = [self.prepare(job, prompt) for prompt in job.prompts]
             chain = self.pipeline.chain_for(job.sampler)
+            constraint = self.pipeline.constraint_for(job.constraint)
+        except ConstraintError as exc:  # a schema or grammar that does not compile
+            param = "response_format" if job.endpoint == "chat" else "mlxcel.constraint"
+            self.release(job.row_count)
+            self.post(job, ("error", ApiError(400, f"{param}: {exc}", param, code="invalid_constraint")))
+            return []
         except (MlxcelError, ApiError) as exc:
             error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), code="invalid_prompt")
             self.release(job.row_count)
@@ -241,6 +249,7 @@ class ServeEngine:
                     images=images,
                     sampler=chain,
                     logprobs=job.logprobs,
+                    constraint=constraint,
                 )
                 stream = self.pipeline.make_text_stream(job.streaming, job.stop)
                 choice = Choice(p * job.n + i, stream, job.logprobs, len(prompt.token_ids))
@@ -301,6 +310,7 @@ class ServeEngine:
                     "prompt_tokens": choice.prompt_tokens,
                     "cached_tokens": result.cached_tokens,
                     "error": result.error,
+                    "constraint_satisfied": result.constraint_satisfied,
                 },
             ),
         )

@@ -159,13 +159,25 @@ def parse_request(kind: type[SamplingFields], data: Any) -> SamplingFields:
     return request
 
 
+def read_constraint(request: SamplingFields) -> dict | None:
+    """The request's structured output spec (mlxcel.structured.spec): a chat's response_format, or
+    `mlxcel.constraint` (either endpoint; the shape of decode.constraint). None: the server's."""
+    from mlxcel.structured.spec import ConstraintError, check_spec, read_response_format
+
+    own = (request.mlxcel or {}).get("constraint")
+    response_format = getattr(request, "response_format", None)
+    if own is not None and response_format is not None:
+        raise ApiError(400, "give response_format or mlxcel.constraint, not both", "mlxcel.constraint")
+    try:
+        if own is not None:
+            return check_spec(own, "mlxcel.constraint")
+        return read_response_format(response_format) if response_format is not None else None
+    except ConstraintError as exc:
+        param = exc.key or ("mlxcel.constraint" if own is not None else "response_format")
+        raise ApiError(400, str(exc), param) from None
+
+
 def check_unsupported(request: SamplingFields) -> None:
-    if isinstance(request, ChatRequest):
-        kind = (request.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ApiError(
-                400, f"response_format type '{kind}' is not supported yet (only 'text')", "response_format.type"
-            )
     if isinstance(request, CompletionRequest):
         if request.suffix:
             raise ApiError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
@@ -174,12 +186,15 @@ def check_unsupported(request: SamplingFields) -> None:
         if request.echo and request.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (prompt tokens have no logprobs here)", "echo")
     mlxcel = request.mlxcel or {}
-    unknown = sorted(set(mlxcel) - {"sampler"})
+    unknown = sorted(set(mlxcel) - {"sampler", "constraint"})
     if unknown:
-        raise ApiError(400, f"unknown field mlxcel.{unknown[0]} (known: mlxcel.sampler)", f"mlxcel.{unknown[0]}")
+        raise ApiError(
+            400, f"unknown field mlxcel.{unknown[0]} (known: mlxcel.sampler, mlxcel.constraint)", f"mlxcel.{unknown[0]}"
+        )
     request.stop_strings()
     request.include_usage()
     request.logprobs_wanted()
+    read_constraint(request)
 
 
 def make_sampler_config(base: SamplerConfig, request: SamplingFields, vocab_size: int) -> SamplerConfig | None:

@@ -58,6 +58,9 @@ class ServeRecords:
             "ttft_ms": round((first - started) * 1000, 3) if first is not None else None,
             "latency_ms": round((end - started) * 1000, 3),
         }
+        satisfied = [done[i].get("constraint_satisfied") for i in sorted(done)]
+        if any(s is not None for s in satisfied):  # structured output: whether each answer is whole
+            row["constraint_satisfied"] = satisfied
         if first is not None:
             self.ttfts.append(row["ttft_ms"])
         if self.log_text:

@@ -1,0 +1,99 @@
+"""Constraints bound to a model's tokenizer, and the token masks of a batch.
+
+`Constraints(tokenizer, n_vocab, eos_ids)` compiles specs (spec.py) into `Constraint`s, one per
+distinct spec (kept, as a job's rows and a server's requests repeat them); each row takes its own
+matcher from one (`new_matcher`). `fill_masks` computes a batch's masks with llguidance's
+executor (Rust threads, the GIL released) while the device runs the forward pass; the sampler
+chain applies them (sampling/processors.apply_token_bitmask).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import numpy as np
+
+from mlxcel.structured.spec import ConstraintError, compile_grammar, describe_spec, first_line
+
+CACHED_CONSTRAINTS = 64  # distinct specs kept compiled (a server sees schemas without end)
+
+
+class Constraint:
+    """One compiled spec: a fresh matcher for each row."""
+
+    def __init__(self, spec: dict, matcher):
+        self.spec = spec
+        self.kind = describe_spec(spec)
+        self._matcher = matcher  # at the start state, copied for each row (compiling is the costly part)
+
+    def new_matcher(self):
+        return self._matcher.deep_copy()
+
+
+class Constraints:
+    """A model's constraints: its tokenizer as llguidance sees it, built on first use."""
+
+    def __init__(self, tokenizer, n_vocab: int, eos_token_ids: list[int]):
+        self.tokenizer, self.n_vocab, self.eos_token_ids = tokenizer, n_vocab, list(eos_token_ids)
+        self.compiled: OrderedDict[str, Constraint] = OrderedDict()
+        self._ll_tokenizer = None
+        self._executor = None
+
+    @property
+    def ll_tokenizer(self):
+        if self._ll_tokenizer is None:
+            from mlxcel.structured.tokenizer import make_ll_tokenizer
+
+            self._ll_tokenizer = make_ll_tokenizer(self.tokenizer, self.n_vocab, self.eos_token_ids)
+        return self._ll_tokenizer
+
+    def compile(self, spec: dict) -> Constraint:
+        """The spec's Constraint; a spec that does not compile raises ConstraintError (one line)."""
+        key = json.dumps(spec, sort_keys=True)
+        constraint = self.compiled.pop(key, None)
+        if constraint is None:
+            constraint = self.bind(spec, compile_grammar(spec))
+        self.compiled[key] = constraint  # (the most recently used last)
+        if len(self.compiled) > CACHED_CONSTRAINTS:
+            self.compiled.popitem(last=False)
+        return constraint
+
+    def bind(self, spec: dict, grammar: str) -> Constraint:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(first_line(matcher.get_error()), describe_spec(spec))
+        return Constraint(spec, matcher)
+
+    def fill_masks(self, matchers: list) -> np.ndarray:
+        """[B, ceil(V / 32)] int32 bitmasks in batch order: a row's allowed tokens, every bit set
+        for rows without a matcher (or whose matcher is done: their draw is not read)."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        masks = np.full((len(matchers), (self.n_vocab + 31) // 32), -1, dtype=np.int32)
+        work = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
+        if work:
+            if self._executor is None:
+                from llguidance import LLExecutor
+
+                self._executor = LLExecutor()
+            fill_next_token_bitmask_par(self._executor, work, masks)
+        return masks
+
+
+def consume_token(matcher, token: int) -> str | None:
+    """Advance a row's matcher by its drawn token; the reason when the token breaks it (the mask
+    makes that impossible unless a stop rule outside the grammar drew it)."""
+    if matcher.is_stopped() or matcher.consume_token(token):
+        return None
+    return f"the constraint refused token {token}: {first_line(matcher.get_error())}"
+
+
+def is_satisfied(matcher) -> bool:
+    """Whether the answer so far is a whole match (an EOS now would be allowed)."""
+    return matcher.is_accepting() or matcher.is_stopped()
+
+
+__all__ = ["Constraint", "ConstraintError", "Constraints", "consume_token", "is_satisfied"]

@@ -1,0 +1,215 @@
+"""Structured output: rows constrained to a JSON schema, a regex, a choice list or a grammar share
+a batch with each other and with free rows. A tiny random Llama samples at temperature 1, so only
+the masks make its answers match; the checks are other people's code (jsonschema, `re`,
+llguidance's numpy mask)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel.config import DecodeConfig, validate_config
+from mlxcel.errors import ConfigError
+from mlxcel.runner import run
+from mlxcel.sampling.processors import apply_token_bitmask
+from mlxcel.structured.spec import ConstraintError, check_spec, read_response_format
+from tests.helpers import write_rows
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+CHOICES = ["yes", "no", "maybe so"]
+GBNF = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'  # a GBNF grammar, as llama.cpp writes them
+GBNF_MATCH = r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)"
+LARK = 'start: "say " WORD\nWORD: /[a-z]{1,5}/'
+SAMPLER = {"processors": {"temperature": {"value": 1.0}}, "selector": {"kind": "categorical"}, "seed": 7}
+
+
+def make_rows(count: int = 2) -> list[dict]:
+    rows = []
+    for i in range(count):
+        rows += [
+            {"id": f"json{i}", "prompt": f"person {i}", "response_format": json_format(SCHEMA)},
+            {"id": f"date{i}", "prompt": f"date {i}", "constraint": {"regex": DATE}},
+            {"id": f"choice{i}", "prompt": f"pick {i}", "constraint": {"choice": CHOICES}},
+            {"id": f"sum{i}", "prompt": f"sum {i}", "constraint": {"grammar": GBNF}},
+            {"id": f"lark{i}", "prompt": f"say {i}", "constraint": {"grammar": LARK}},
+            {"id": f"free{i}", "prompt": f"anything {i}"},
+        ]
+    return rows
+
+
+def json_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+def run_job(tmp_path, tiny_llama, rows, name: str, decode: dict | None = None, **runner):
+    path = write_rows(tmp_path / f"{name}.jsonl", rows)
+    cfg = validate_config(
+        {
+            "model": {"path": str(tiny_llama), "max_context": 256},
+            "template": {"kind": "none"},
+            "prompt": {"file": str(path)},
+            "decode": {"max_tokens": 60, **(decode or {})},
+            "sampler": SAMPLER,
+            "runner": {"max_rows": 8, **runner},
+        }
+    )
+    result = run(cfg, tmp_path / name, stream=None, log=None)
+    stats = json.loads((tmp_path / name / "stats.json").read_text())
+    return {str(r["id"]): r for r in result.generations}, stats
+
+
+def check_answer(row: dict) -> None:
+    kind, text = row["id"].rstrip("0123456789"), row["text"]
+    assert row["finish_reason"] == "stop" and row["constraint_satisfied"] is True, row
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "date":
+        assert re.fullmatch(DATE, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    elif kind == "sum":
+        assert re.fullmatch(GBNF_MATCH, text), text
+    elif kind == "lark":
+        assert re.fullmatch(r"say [a-z]{1,5}", text), text
+
+
+def test_mixed_constraints_share_a_batch_and_every_answer_matches(tmp_path, tiny_llama):
+    rows = make_rows(2)
+    got, stats = run_job(tmp_path, tiny_llama, rows, "mixed")
+    for row in got.values():
+        if not row["id"].startswith("free"):
+            check_answer(row)
+        else:
+            assert "constraint_satisfied" not in row
+    assert stats["constraints"]["rows"] == 10 and stats["constraints"]["satisfied"] == 10
+    # each row as it runs alone (seeded rows: the batch does not change a row's tokens)
+    for row in rows[:6]:
+        alone, _ = run_job(tmp_path, tiny_llama, [row], f"alone-{row['id']}")
+        assert alone[row["id"]]["token_ids"] == got[row["id"]]["token_ids"], row["id"]
+    # and a rerun of the whole job gives the same tokens
+    again, _ = run_job(tmp_path, tiny_llama, rows, "again")
+    assert {k: r["token_ids"] for k, r in again.items()} == {k: r["token_ids"] for k, r in got.items()}
+
+
+def test_the_job_constraint_applies_to_rows_without_their_own(tmp_path, tiny_llama):
+    rows = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y", "constraint": {"choice": CHOICES}}]
+    got, _ = run_job(tmp_path, tiny_llama, rows, "job", decode={"constraint": {"regex": DATE}})
+    assert re.fullmatch(DATE, got["a"]["text"]) and got["b"]["text"] in CHOICES
+
+
+def test_a_row_that_reaches_max_tokens_first_says_so(tmp_path, tiny_llama):
+    rows = [{"id": "json0", "prompt": "p", "response_format": json_format(SCHEMA), "max_tokens": 3}]
+    got, stats = run_job(tmp_path, tiny_llama, rows, "short")
+    row = got["json0"]
+    assert row["finish_reason"] == "length" and row["constraint_satisfied"] is False
+    assert len(row["token_ids"]) == 3
+    assert stats["constraints"]["satisfied"] == 0
+
+
+def test_json_object_gives_a_json_object(tmp_path, tiny_llama):
+    rows = [{"id": i, "prompt": f"obj {i}", "response_format": {"type": "json_object"}} for i in range(3)]
+    got, _ = run_job(tmp_path, tiny_llama, rows, "object", decode={"max_tokens": 120})
+    for row in got.values():
+        if row["finish_reason"] == "stop":
+            assert isinstance(json.loads(row["text"]), dict)
+        else:  # free-form objects have no bound: a random model may run out of tokens
+            assert row["finish_reason"] == "length" and row["constraint_satisfied"] is False
+
+
+def test_a_row_whose_constraint_does_not_compile_is_an_error_row(tmp_path, tiny_llama):
+    rows = [
+        {"id": "bad", "prompt": "x", "constraint": {"json_schema": {"type": "wat"}}},
+        {"id": "badre", "prompt": "x", "constraint": {"regex": "[a-"}},
+        {"id": "good", "prompt": "y", "constraint": {"choice": CHOICES}},
+    ]
+    got, _ = run_job(tmp_path, tiny_llama, rows, "bad")
+    assert got["bad"]["finish_reason"] == "error" and "Invalid type: wat" in got["bad"]["error"]
+    assert got["badre"]["finish_reason"] == "error" and "regex" in got["badre"]["error"]
+    assert "\n" not in got["badre"]["error"]
+    assert got["good"]["text"] in CHOICES
+
+
+def test_a_job_constraint_that_does_not_compile_is_a_config_error(tmp_path, tiny_llama):
+    with pytest.raises(ConfigError) as err:
+        run_job(tmp_path, tiny_llama, [{"prompt": "x"}], "cfg", decode={"constraint": {"grammar": "start: foo"}})
+    message = str(err.value)
+    assert message.startswith("decode.constraint.grammar: does not compile:") and "foo" in message
+    assert "\n" not in message
+
+
+def test_constraint_config_checks():
+    def issues(constraint, **decode):
+        with pytest.raises(ConfigError) as err:
+            validate_config({"model": {"path": "x"}, "decode": {"constraint": constraint, **decode}})
+        return str(err.value)
+
+    assert "exactly one of json_schema, regex, choice, grammar" in issues({"regex": "a", "choice": ["a"]})
+    assert "exactly one" in issues({})
+    assert "decode.constraint.choice" in issues({"choice": []})
+    assert "decode.constraint.json_schema: is not valid JSON" in issues({"json_schema": "{nope"})
+    assert "decode.ignore_eos" in issues({"regex": "a"}, ignore_eos=True)
+    assert "decode.constraint.regexp" in issues({"regexp": "a"})  # extra keys are refused
+
+
+def test_constraint_files_are_read_when_the_run_starts(tmp_path):
+    def spec(kind: str, path):
+        return DecodeConfig.model_validate({"constraint": {kind: str(path)}}).constraint.to_spec()
+
+    with pytest.raises(ConfigError, match="decode.constraint.json_schema: cannot read the file"):
+        spec("json_schema", tmp_path / "missing.json")
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    assert spec("json_schema", tmp_path / "schema.json") == {"json_schema": SCHEMA}
+    (tmp_path / "sum.gbnf").write_text(GBNF)
+    assert spec("grammar", tmp_path / "sum.gbnf") == {"grammar": GBNF}
+    assert spec("regex", "a.json") == {"regex": "a.json"}  # only json_schema and grammar name files
+
+
+def test_response_format_shapes():
+    assert read_response_format({"type": "text"}) is None
+    assert read_response_format({"type": "json_object"}) == {"json_schema": {"type": "object"}}
+    assert read_response_format(json_format(SCHEMA)) == {"json_schema": SCHEMA}
+    for bad, fragment in [
+        ({"type": "xml"}, "must be one of text, json_object, json_schema"),
+        ({"type": "json_schema"}, "must be an object"),
+        ({"type": "json_object", "schema": {}}, "unknown keys ['schema']"),
+        ("json", "must be one of"),
+    ]:
+        with pytest.raises(ConstraintError, match=re.escape(fragment)):
+            read_response_format(bad)
+    with pytest.raises(ConstraintError, match="constraint.choice: must be a non-empty list"):
+        check_spec({"choice": ["a", ""]})
+    with pytest.raises(ConstraintError, match="exactly one of"):
+        check_spec({"regex": "a", "grammar": "b"})
+    with pytest.raises(ConstraintError, match="constraint.json_schema: must be a JSON object"):
+        check_spec({"json_schema": "[1]"})
+
+
+def test_the_mask_matches_llguidances_own():
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    rng = np.random.default_rng(0)
+    for vocab in (70, 96, 1000):
+        logits = rng.normal(size=(3, vocab)).astype(np.float32)
+        bitmask = rng.integers(-(2**31), 2**31, size=(3, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+        expected = logits.copy()
+        apply_token_bitmask_inplace(expected, bitmask)
+        got = np.array(apply_token_bitmask(mx.array(logits), mx.array(bitmask)))
+        np.testing.assert_array_equal(got, expected)
+        half = np.array(apply_token_bitmask(mx.array(logits).astype(mx.bfloat16), mx.array(bitmask)).astype(mx.float32))
+        assert np.array_equal(np.isinf(half), np.isinf(expected))

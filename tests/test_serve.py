@@ -150,7 +150,11 @@ def test_images_need_a_vision_model_and_are_never_fetched(server, client):
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature", "less than or equal"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools", "unsupported"),
-        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, None, "json"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+            "response_format",
+            "json",
+        ),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "messages[0]"),
         ({"messages": []}, "messages", "empty"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999": 1}}, "logit_bias", "token ids"),

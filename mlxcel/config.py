@@ -269,6 +269,15 @@ class DecodeConfig(Group):
             raise reject("stop strings must not be empty (an empty one would stop before the first token)")
         return values
 
+    @field_validator("constraint", mode="before")
+    @classmethod
+    def _unset_constraint(cls, value: Any) -> Any:
+        # conf/decode/default.yaml lists the four keys as null (so `decode.constraint.regex=...`
+        # needs no `+`): none set is no constraint
+        if isinstance(value, dict) and all(v is None for v in value.values()):
+            return None
+        return value
+
     @model_validator(mode="after")
     def _check_constraint_eos(self) -> DecodeConfig:
         if self.constraint is not None and self.ignore_eos:

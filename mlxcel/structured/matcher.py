@@ -10,6 +10,7 @@ chain applies them (sampling/processors.apply_token_bitmask).
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 
 import numpy as np
@@ -74,11 +75,18 @@ class Constraints:
 
         masks = np.full((len(matchers), (self.n_vocab + 31) // 32), -1, dtype=np.int32)
         work = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
+        threads = int(os.environ.get("MLXCEL_MASK_THREADS", "-1"))  # (a probe's knob; -1: llguidance's default)
+        if threads == 0:
+            from llguidance.numpy import fill_next_token_bitmask
+
+            for m, i in work:
+                fill_next_token_bitmask(m, masks, i)
+            return masks
         if work:
             if self._executor is None:
                 from llguidance import LLExecutor
 
-                self._executor = LLExecutor()
+                self._executor = LLExecutor(None if threads < 0 else threads)
             fill_next_token_bitmask_par(self._executor, work, masks)
         return masks
 

@@ -174,7 +174,12 @@ class Pipeline:
         self.prompt_cache_key = ""  # names this model's folder under runner.prompt_cache_dir (load_prompt_cache)
         self.keep_answers = False  # snapshot answers into the prompt cache too (a chat's next turn starts with them)
         self.row_chains: dict[str, SamplerChain] = {}  # rows' own chains by their settings, LRU (chain_for)
-        self.constraints = Constraints(tokenizer, loaded.model.args.vocab_size, self.eos_ids()) if loaded else None
+        # (a dry run compiles constraints too, against the tokenizer alone: a bad schema fails it)
+        self.constraints = (
+            Constraints(tokenizer, loaded.model.args.vocab_size, self.eos_ids())
+            if loaded
+            else Constraints(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        )
         self.constraint = self.compile_job_constraint()  # decode.constraint, for rows without their own
 
     @classmethod
@@ -253,7 +258,7 @@ class Pipeline:
         """decode.constraint compiled for this model's tokenizer: one that does not compile is a
         config error before anything runs."""
         config = self.cfg.decode.constraint
-        if config is None or self.constraints is None:
+        if config is None:
             return None
         spec = config.to_spec()
         try:
@@ -266,7 +271,7 @@ class Pipeline:
 
     def constraint_for(self, spec: dict | None) -> Constraint | None:
         """A row's constraint: its own spec compiled (ConstraintError if it does not), else the job's."""
-        if spec is None or self.constraints is None:
+        if spec is None:
             return self.constraint
         return self.constraints.compile(spec)
 
@@ -287,10 +292,9 @@ class Pipeline:
         row = sample.row
         if row.batch is not None and row.batch.get("error"):
             raise MlxcelError(row.batch["error"])  # a batch file's line that cannot run
-        constraint = None
         if self.loaded is not None:
             self.chain_for(row.sampler)  # (a bad logit_bias id is this row's error)
-            constraint = self.constraint_for(row.constraint)  # (one that does not compile: this row's error)
+        constraint = self.constraint_for(row.constraint)  # (one that does not compile: this row's error)
         if row.raw:  # a completion (a server's, a batch file's): the text as it is
             prompt = build_prompt(self.tokenizer, row.messages, None, enabled=False)
             self.check_length(prompt)

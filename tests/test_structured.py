@@ -215,3 +215,25 @@ def test_the_mask_matches_llguidances_own():
         np.testing.assert_array_equal(got, expected)
         half = np.array(apply_token_bitmask(mx.array(logits).astype(mx.bfloat16), mx.array(bitmask)).astype(mx.float32))
         assert np.array_equal(np.isinf(half), np.isinf(expected))
+
+
+def test_a_dry_run_compiles_the_constraints_too(tmp_path, tiny_llama):
+    with pytest.raises(ConfigError, match="decode.constraint.regex: does not compile"):
+        run_job(tmp_path, tiny_llama, [{"prompt": "x"}], "dry", decode={"constraint": {"regex": "(a"}}, dry_run=True)
+
+
+def test_batch_file_lines_carry_their_response_format(tmp_path):
+    from mlxcel.batch_files import read_batch_rows
+    from mlxcel.sampling.config import SamplerConfig
+
+    def line(custom_id, response_format):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": response_format}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+    path = write_rows(
+        tmp_path / "batch.jsonl",
+        [line("a", json_format(SCHEMA)), line("b", {"type": "json_object"}), line("c", {"type": "yaml"})],
+    )
+    rows = read_batch_rows(path, None, SamplerConfig())
+    assert rows[0].constraint == {"json_schema": SCHEMA} and rows[1].constraint == {"json_schema": {"type": "object"}}
+    assert "response_format.type must be one of" in rows[2].batch["error"]

@@ -237,3 +237,60 @@ def test_batch_file_lines_carry_their_response_format(tmp_path):
     rows = read_batch_rows(path, None, SamplerConfig())
     assert rows[0].constraint == {"json_schema": SCHEMA} and rows[1].constraint == {"json_schema": {"type": "object"}}
     assert "response_format.type must be one of" in rows[2].batch["error"]
+
+
+def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama):
+    """A server's shape: constrained and free rows arrive while others decode, one constrained
+    row is cancelled mid-answer; every other row gets the tokens it gets alone."""
+    from mlxcel.checkpoints.loader import load_model
+    from mlxcel.engine import GenerationRequest, RowRequest
+    from mlxcel.engine.scheduler import BatchScheduler
+    from mlxcel.sampling import make_sampler_chain
+    from mlxcel.structured.matcher import Constraints
+    from mlxcel.tokenizer import load_tokenizer
+    from tests.helpers import make_token_prompts
+    from tests.test_scheduler_feed import ScriptedFeed
+
+    model = load_model(str(tiny_llama), dtype="float32").model
+    tokenizer = load_tokenizer(tiny_llama)
+    constraints = Constraints(tokenizer, model.args.vocab_size, [2])
+    chain = make_sampler_chain(SAMPLER, model.args.vocab_size)
+    specs = [{"regex": DATE}, None, {"choice": CHOICES}, {"json_schema": SCHEMA}, None, {"grammar": GBNF}]
+    prompts = make_token_prompts(5, len(specs))
+
+    def make_row(i: int) -> RowRequest:
+        constraint = constraints.compile(specs[i]) if specs[i] else None
+        return RowRequest(prompts[i], row_id=i, max_tokens=60, constraint=constraint)
+
+    def run(feed_or_rows):
+        scheduler = BatchScheduler(model, 512, 3, kv_budget_bytes=50_000_000)
+        request = GenerationRequest([], chain, max_tokens=60, stop_token_ids=frozenset([2]), constraints=constraints)
+        results = {}
+        steps = scheduler.steps(
+            request, lambda r, t: True, lambda r, res: results.__setitem__(r, res), feed=feed_or_rows
+        )
+        for _ in steps:
+            pass
+        return results
+
+    feed = ScriptedFeed(
+        {0: [(i, make_row(i)) for i in (0, 1, 3)], 3: [(2, make_row(2))], 6: [(4, make_row(4)), (5, make_row(5))]},
+        {5: [3]},
+    )
+    together = run(feed)
+    assert together[3].finish_reason == "cancelled" and together[3].constraint_satisfied is False
+    for i in (0, 1, 2, 4, 5):
+        alone = run(ScriptedFeed({0: [(i, make_row(i))]}))[i]
+        assert together[i].token_ids == alone.token_ids, i
+        if specs[i] is not None:
+            kind = {0: "date", 2: "choice", 3: "json", 5: "sum"}[i]
+            text = tokenizer.decode(together[i].token_ids)
+            satisfied = together[i].constraint_satisfied
+            check_answer(
+                {
+                    "id": kind,
+                    "text": text,
+                    "finish_reason": together[i].finish_reason,
+                    "constraint_satisfied": satisfied,
+                }
+            )

@@ -294,3 +294,19 @@ def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama):
                     "constraint_satisfied": satisfied,
                 }
             )
+
+
+def test_masks_fit_logits_narrower_than_the_tokenizer(tiny_llama):
+    from mlxcel.structured.matcher import Constraints
+    from mlxcel.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    narrow = tokenizer.vocab_size - 20  # a model whose head is narrower than its tokenizer
+    constraints = Constraints(tokenizer, narrow, [2])
+    matcher = constraints.compile({"choice": CHOICES}).new_matcher()
+    masks = constraints.fill_masks([matcher, None])
+    logits = apply_token_bitmask(mx.zeros((2, narrow)), mx.array(masks))
+    allowed = np.isfinite(np.array(logits))
+    assert allowed[1].all() and 0 < allowed[0].sum() < narrow
+    first = [tokenizer.encode(c, add_special_tokens=False)[0] for c in CHOICES]
+    assert all(allowed[0][t] for t in first if t < narrow)

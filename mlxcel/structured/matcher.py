@@ -73,7 +73,9 @@ class Constraints:
         for rows without a matcher (or whose matcher is done: their draw is not read)."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        masks = np.full((len(matchers), (self.n_vocab + 31) // 32), -1, dtype=np.int32)
+        # (as wide as llguidance's vocabulary: the tokenizer's when it is wider than the logits,
+        # which apply_token_bitmask then cuts to the logits' width)
+        masks = np.full((len(matchers), (self.ll_tokenizer.vocab_size + 31) // 32), -1, dtype=np.int32)
         work = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
         threads = int(os.environ.get("MLXCEL_MASK_THREADS", "-1"))  # (a probe's knob; -1: llguidance's default)
         if threads == 0:

@@ -7,6 +7,7 @@ out = gen.generate("What is the capital of France?")             # -> Generation
 outs = gen.generate(["Hi", [{"role": "user", "content": "Yo"}]]) # a batch -> [Generation]
 for text in gen.stream("Tell me a story"):                      # text as it is generated
     print(text, end="")
+out = gen.generate("Name a color", constraint={"choice": ["red", "blue"]})  # structured output
 gen.stats                                                        # GenerationStats of the last call
 """
 
@@ -39,6 +40,7 @@ class Generation:
     finish_reason: str
     prompt_tokens: int
     error: str | None = None
+    constraint_satisfied: bool | None = None  # with a constraint: whether the answer is whole
 
 
 def load_config(config: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -62,13 +64,19 @@ class Generator:
         self.stats: GenerationStats | None = None
 
     def generate(
-        self, prompts: Prompt | list[Prompt], max_tokens: int | None = None, seed: int | None = None
+        self,
+        prompts: Prompt | list[Prompt],
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        constraint: dict | None = None,
     ) -> Generation | list[Generation]:
-        """One prompt -> one Generation; a list of prompts -> a list, at most runner.max_rows decoding at once."""
+        """One prompt -> one Generation; a list of prompts -> a list, at most runner.max_rows decoding at once.
+        `constraint`: what every answer must match (docs/structured.md): {"json_schema": {...}},
+        {"regex": ...}, {"choice": [...]}, {"grammar": ...}, or OpenAI's response_format."""
         single = isinstance(prompts, str) or is_conversation(prompts)
         batch = [prompts] if single else list(prompts)
         start = time.perf_counter()
-        prepared = self.prepare(batch, max_tokens, seed)
+        prepared = self.prepare(batch, max_tokens, seed, constraint)
         results: dict[int, Generation] = {}
         measured = []
         runnable = [(i, p) for i, p in enumerate(prepared) if not p.error]
@@ -85,10 +93,12 @@ class Generator:
         self.stats = make_generation_stats(measured, start, count_reasons(outputs))
         return outputs[0] if single else outputs
 
-    def stream(self, prompt: Prompt, max_tokens: int | None = None, seed: int | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: Prompt, max_tokens: int | None = None, seed: int | None = None, constraint: dict | None = None
+    ) -> Iterator[str]:
         """Yield text as it is generated (never a broken UTF-8 character); stats after the end."""
         start = time.perf_counter()
-        (prepared,) = self.prepare([prompt], max_tokens, seed)
+        (prepared,) = self.prepare([prompt], max_tokens, seed, constraint)
         if prepared.error:
             from mlxcel.errors import MlxcelError
 
@@ -112,12 +122,15 @@ class Generator:
             state.results[0].finish_reason = "stop"
         self.stats = make_generation_stats([measure_batch(state)], start, {state.results[0].finish_reason: 1})
 
-    def prepare(self, prompts: list[Prompt], max_tokens: int | None, seed: int | None) -> list[PreparedSample]:
+    def prepare(
+        self, prompts: list[Prompt], max_tokens: int | None, seed: int | None, constraint: dict | None = None
+    ) -> list[PreparedSample]:
         cfg = self.pipeline.cfg.prompt
+        spec = read_constraint(constraint)
         rows = []
         for number, prompt in enumerate(prompts, start=1):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-            rows.append(Sample(JobRow(number, cfg.with_system(messages), max_tokens, seed)))
+            rows.append(Sample(JobRow(number, cfg.with_system(messages), max_tokens, seed, constraint=spec)))
         return self.pipeline.prepare(rows)
 
     def make_generation(self, prepared: PreparedSample, result: RowResult, stream: TextStream) -> Generation:
@@ -125,7 +138,13 @@ class Generator:
         if stream.stopped:
             result.finish_reason = "stop"
         return Generation(
-            prepared.sample.row.id, text, result.token_ids, result.finish_reason, result.prompt_tokens, result.error
+            prepared.sample.row.id,
+            text,
+            result.token_ids,
+            result.finish_reason,
+            result.prompt_tokens,
+            result.error,
+            result.constraint_satisfied,
         )
 
 
@@ -137,6 +156,15 @@ def make_on_token(streams: list[TextStream]):
         return not streams[row].stopped
 
     return on_token
+
+
+def read_constraint(constraint: dict | None) -> dict | None:
+    """A constraint in decode.constraint's shape, or OpenAI's response_format (it has a "type")."""
+    from mlxcel.structured.spec import check_spec, read_response_format
+
+    if constraint is None:
+        return None
+    return read_response_format(constraint) if "type" in constraint else check_spec(constraint)
 
 
 def is_conversation(value: object) -> bool:

@@ -67,3 +67,15 @@ def test_config_dict_and_overrides_are_validated(tiny_llama):
         load_config(overrides=["sampler=nope"])
     resolved = json.loads(json.dumps(cfg.resolved_dict()))  # JSON-ready, as the runner writes it
     assert resolved["sampler"]["chain"][-1] == {"stage": "draw", "kind": "categorical"}
+
+
+def test_generate_takes_a_constraint(generator):
+    """Structured output from Python; the grammar's end ends the row even under decode.ignore_eos."""
+    out = generator.generate("Pick one", max_tokens=8, constraint={"choice": ["yes", "no"]})
+    assert out.text in ("yes", "no") and out.finish_reason == "stop" and out.constraint_satisfied is True
+    outs = generator.generate(["a", "b"], constraint={"type": "json_object"}, max_tokens=3)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert [o.constraint_satisfied for o in outs] == [False, False] and outs[0].text.startswith("{")
+    assert "".join(generator.stream("Pick one", constraint={"regex": "[0-9]{3}"})).isdigit()
+    with pytest.raises(MlxcelError, match="exactly one of"):
+        generator.generate("x", constraint={"regex": "a", "choice": ["b"]})

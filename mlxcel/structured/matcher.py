@@ -23,9 +23,10 @@ CACHED_CONSTRAINTS = 64  # distinct specs kept compiled (a server sees schemas w
 class Constraint:
     """One compiled spec: a fresh matcher for each row."""
 
-    def __init__(self, spec: dict, matcher):
+    def __init__(self, spec: dict, matcher, end_ids: frozenset[int]):
         self.spec = spec
         self.kind = describe_spec(spec)
+        self.end_ids = end_ids  # the EOS ids the grammar allows once the answer is whole: they end the row
         self._matcher = matcher  # at the start state, copied for each row (compiling is the costly part)
 
     def new_matcher(self):
@@ -66,7 +67,7 @@ class Constraints:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(first_line(matcher.get_error()), describe_spec(spec))
-        return Constraint(spec, matcher)
+        return Constraint(spec, matcher, frozenset(self.eos_token_ids))
 
     def fill_masks(self, matchers: list) -> np.ndarray:
         """[B, ceil(V / 32)] int32 bitmasks in batch order: a row's allowed tokens, every bit set

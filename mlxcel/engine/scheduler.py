@@ -806,6 +806,8 @@ class BatchScheduler:
                 result.finish_reason = "cancelled"
             elif row.matcher is not None and token not in stop_ids and (problem := consume_token(row.matcher, token)):
                 result.finish_reason, result.error = "error", problem
+            elif row.matcher is not None and token in row.request.constraint.end_ids:
+                result.finish_reason = "stop"  # the grammar's end (a job with decode.ignore_eos stops here too)
             else:
                 token_logprobs = logprobs[i] if logprobs is not None else None
                 apply_token(result, row.index, token, token_logprobs, stop_ids, row.limit, on_token)

@@ -16,7 +16,9 @@ import pytest
 from mlxcel.config import DecodeConfig, validate_config
 from mlxcel.errors import ConfigError
 from mlxcel.runner import run
+from mlxcel.sampling.chain import has_cpu_jit_compiler
 from mlxcel.sampling.processors import apply_token_bitmask
+from mlxcel.sampling.rows import compiled_apply_token_bitmask
 from mlxcel.structured.spec import ConstraintError, check_spec, read_response_format
 from tests.helpers import write_rows
 
@@ -213,6 +215,9 @@ def test_the_mask_matches_llguidances_own():
         apply_token_bitmask_inplace(expected, bitmask)
         got = np.array(apply_token_bitmask(mx.array(logits), mx.array(bitmask)))
         np.testing.assert_array_equal(got, expected)
+        if has_cpu_jit_compiler() or mx.default_device() == mx.gpu:  # the fused form a GPU runs
+            fused = np.array(compiled_apply_token_bitmask(mx.array(logits), mx.array(bitmask)))
+            np.testing.assert_array_equal(fused, expected)
         half = np.array(apply_token_bitmask(mx.array(logits).astype(mx.bfloat16), mx.array(bitmask)).astype(mx.float32))
         assert np.array_equal(np.isinf(half), np.isinf(expected))
 

@@ -105,6 +105,9 @@ def join_rows(name: str, rows: mx.array, new: mx.array) -> mx.array:
     return mx.concatenate([rows, new.astype(rows.dtype)])
 
 
+compiled_apply_token_bitmask = mx.compile(apply_token_bitmask)
+
+
 class GroupedRowsSampler:
     """Rows with chains of their own in one batch (a server's requests, a batch file's lines,
     each with its own temperature or penalties): the rows of each distinct (chain, logprobs)
@@ -145,7 +148,10 @@ class GroupedRowsSampler:
         """Every row's next token; `bitmask` [B, ceil(V / 32)]: structured output's allowed
         tokens (structured.matcher), applied before every stage of every chain."""
         if bitmask is not None:
-            logits = apply_token_bitmask(logits, bitmask)
+            # one fused kernel on a GPU (traced once per batch size); eager on the CPU, where
+            # compiling needs a system compiler and the mask's ops cost little beside a step
+            apply = compiled_apply_token_bitmask if mx.default_device() == mx.gpu else apply_token_bitmask
+            logits = apply(logits, bitmask)
         if len(self.groups) == 1:
             return next(iter(self.groups.values())).sample(logits)
         positions = {key: [] for key in self.groups}

@@ -10,7 +10,6 @@ chain applies them (sampling/processors.apply_token_bitmask).
 from __future__ import annotations
 
 import json
-import os
 from collections import OrderedDict
 
 import numpy as np
@@ -78,18 +77,11 @@ class Constraints:
         # which apply_token_bitmask then cuts to the logits' width)
         masks = np.full((len(matchers), (self.ll_tokenizer.vocab_size + 31) // 32), -1, dtype=np.int32)
         work = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
-        threads = int(os.environ.get("MLXCEL_MASK_THREADS", "-1"))  # (a probe's knob; -1: llguidance's default)
-        if threads == 0:
-            from llguidance.numpy import fill_next_token_bitmask
-
-            for m, i in work:
-                fill_next_token_bitmask(m, masks, i)
-            return masks
         if work:
             if self._executor is None:
                 from llguidance import LLExecutor
 
-                self._executor = LLExecutor(None if threads < 0 else threads)
+                self._executor = LLExecutor()
             fill_next_token_bitmask_par(self._executor, work, masks)
         return masks
 

@@ -312,6 +312,31 @@ def make_token_prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(3, 300) for _ in range(rng.randint(1, 90))] for _ in range(count)]
 
 
+class ScriptedFeed:
+    """A RowFeed (engine/scheduler.py) that hands over rows and cancellations at given iterations
+    and closes after the last."""
+
+    def __init__(self, arrivals: dict[int, list], cancels: dict[int, list] | None = None):
+        self.arrivals, self.cancels = arrivals, cancels or {}
+        self.polls = 0
+        self.idle_polls = 0
+        self.last = max([*self.arrivals, *self.cancels])
+
+    def poll(self, idle: bool):
+        from mlxcel.engine.scheduler import FeedUpdate
+
+        # an idle poll jumps to the next iteration that brings something (a server would block)
+        if idle:
+            self.idle_polls += 1
+            later = [i for i in [*self.arrivals, *self.cancels] if i >= self.polls]
+            self.polls = min(later) if later else self.polls
+        update = FeedUpdate(
+            self.arrivals.get(self.polls, []), self.cancels.get(self.polls, []), closed=self.polls >= self.last
+        )
+        self.polls += 1
+        return update
+
+
 def run_alone(model, sampler, prompt: list[int], row_id, max_tokens: int, **request):
     """One row through the batch engine (DirectEngine): what the scheduler must give that row."""
     from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest

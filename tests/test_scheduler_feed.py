@@ -12,9 +12,9 @@ import pytest
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.prompt_cache import PromptCache
-from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
+from mlxcel.engine.scheduler import BatchScheduler
 from mlxcel.sampling import Sampler, make_sampler_chain
-from tests.helpers import CHAINS, make_token_prompts, run_alone
+from tests.helpers import CHAINS, ScriptedFeed, make_token_prompts, run_alone
 
 GREEDY = Sampler("greedy")
 
@@ -24,28 +24,6 @@ pytestmark = pytest.mark.usefixtures("on_the_cpu")  # (conftest)
 @pytest.fixture(scope="module")
 def model(tiny_llama, on_the_cpu):
     return load_model(str(tiny_llama), dtype="float32").model
-
-
-class ScriptedFeed:
-    """Hands over rows and cancellations at given iterations; closes after the last."""
-
-    def __init__(self, arrivals: dict[int, list], cancels: dict[int, list] | None = None):
-        self.arrivals, self.cancels = arrivals, cancels or {}
-        self.polls = 0
-        self.idle_polls = 0
-        self.last = max([*self.arrivals, *self.cancels])
-
-    def poll(self, idle: bool) -> FeedUpdate:
-        # an idle poll jumps to the next iteration that brings something (a server would block)
-        if idle:
-            self.idle_polls += 1
-            later = [i for i in [*self.arrivals, *self.cancels] if i >= self.polls]
-            self.polls = min(later) if later else self.polls
-        update = FeedUpdate(
-            self.arrivals.get(self.polls, []), self.cancels.get(self.polls, []), closed=self.polls >= self.last
-        )
-        self.polls += 1
-        return update
 
 
 def run_feed(model, feed, max_rows=3, chunk_size=None, prompt_cache=None):

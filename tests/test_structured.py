@@ -253,8 +253,7 @@ def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama):
     from mlxcel.sampling import make_sampler_chain
     from mlxcel.structured.matcher import Constraints
     from mlxcel.tokenizer import load_tokenizer
-    from tests.helpers import make_token_prompts
-    from tests.test_scheduler_feed import ScriptedFeed
+    from tests.helpers import ScriptedFeed, make_token_prompts
 
     model = load_model(str(tiny_llama), dtype="float32").model
     tokenizer = load_tokenizer(tiny_llama)

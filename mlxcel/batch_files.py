@@ -40,7 +40,7 @@ def detect_format(path: Path) -> str:
                 if line.strip():
                     try:
                         return "openai_batch" if is_batch_line(json.loads(line)) else "rows"
-                    except json.JSONDecodeError:
+                    except (json.JSONDecodeError, RecursionError):
                         return "rows"  # (the rows reader reports the line)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(ConfigIssue("prompt.file", f"cannot read: {exc}", str(path))) from exc
@@ -87,6 +87,8 @@ def read_batch_line(line: str, number: int, system: str | None, sampler, vocab_s
         data = json.loads(line)
     except json.JSONDecodeError as exc:
         return make_bad_row(f"line-{number}", None, f"line {number}: not valid JSON ({exc.msg} at column {exc.colno})")
+    except RecursionError:
+        return make_bad_row(f"line-{number}", None, f"line {number}: nested too deeply to read")
     custom_id = data.get("custom_id") if isinstance(data, dict) else None
     if not isinstance(custom_id, str) or not custom_id:
         return make_bad_row(f"line-{number}", None, f"line {number}: custom_id must be a non-empty string")

@@ -105,6 +105,8 @@ def read_jsonl_rows(path: Path) -> list[tuple[int, object]]:
                     f"prompt.file line {number}", f"not valid JSON ({exc.msg} at column {exc.colno})", line[:80]
                 )
             )
+        except RecursionError:
+            issues.append(ConfigIssue(f"prompt.file line {number}", "nested too deeply to read", line[:80]))
         except RepeatedKeyError as exc:
             issues.append(
                 ConfigIssue(

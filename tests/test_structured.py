@@ -314,3 +314,45 @@ def test_masks_fit_logits_narrower_than_the_tokenizer(tiny_llama):
     assert allowed[1].all() and 0 < allowed[0].sum() < narrow
     first = [tokenizer.encode(c, add_special_tokens=False)[0] for c in CHOICES]
     assert all(allowed[0][t] for t in first if t < narrow)
+
+
+def nest(depth: int) -> str:
+    """A JSON schema `depth` objects deep, as text."""
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+def test_hostile_nesting_is_an_error_never_a_crash(tmp_path, tiny_llama):
+    from mlxcel.batch_files import read_batch_rows
+    from mlxcel.structured.matcher import Constraints
+    from mlxcel.tokenizer import load_tokenizer
+
+    # llguidance's own limit: the row's error, and the other rows run
+    path = tmp_path / "deep.jsonl"
+    rows = ['{"id": "deep", "prompt": "x", "constraint": {"json_schema": ' + nest(400) + "}}"]
+    path.write_text("\n".join([*rows, json.dumps({"id": "ok", "prompt": "y", "constraint": {"choice": CHOICES}})]))
+    cfg = validate_config(
+        {
+            "model": {"path": str(tiny_llama), "max_context": 256},
+            "template": {"kind": "none"},
+            "prompt": {"file": str(path)},
+            "decode": {"max_tokens": 8},
+        }
+    )
+    result = {r["id"]: r for r in run(cfg, tmp_path / "deep", stream=None, log=None).generations}
+    assert result["deep"]["finish_reason"] == "error" and "recursion limit" in result["deep"]["error"]
+    assert result["ok"]["text"] in CHOICES
+    # deeper than Python's own JSON reader goes: the line is named, not a traceback
+    path.write_text('{"id": "deep", "prompt": "x", "constraint": {"json_schema": ' + nest(3000) + "}}\n")
+    with pytest.raises(ConfigError, match="prompt.file line 1: nested too deeply to read"):
+        run(cfg, tmp_path / "deeper", stream=None, log=None)
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"custom_id": "x", "body": ' + nest(3000) + "}\n")
+    (row,) = read_batch_rows(batch, None, None)
+    assert "nested too deeply" in row.batch["error"]
+    # a schema built in Python past the recursion limit of our own code
+    constraints = Constraints(load_tokenizer(tiny_llama), 320, [2])
+    schema = {"type": "string"}
+    for _ in range(600):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ConstraintError, match="json_schema: nested too deeply to compile"):
+        constraints.compile({"json_schema": schema})

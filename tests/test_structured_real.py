@@ -112,3 +112,7 @@ def test_the_server_refuses_what_it_cannot_enforce(server, client):
     assert request_json(f"{server.url}/chat/completions", both)[0] == 400
     short = ask(client, "Where is Rome?", response_format=city_format(), max_tokens=3)
     assert short.choices[0].finish_reason == "length"
+    deep = '{"type": "object", "properties": {"a": ' * 3000 + "{}" + "}}" * 3000
+    body = '{"model": "smollm2", "messages": [], "response_format": ' + deep + "}"
+    status, reply, _ = request_json(f"{server.url}/chat/completions", raw=body.encode())
+    assert status == 400 and "nested too deeply" in reply["error"]["message"]

@@ -87,6 +87,8 @@ class ServeApp:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
 
     def check_model(self, name: str) -> None:
         if name not in self.model_aliases:

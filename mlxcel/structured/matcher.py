@@ -51,10 +51,13 @@ class Constraints:
 
     def compile(self, spec: dict) -> Constraint:
         """The spec's Constraint; a spec that does not compile raises ConstraintError (one line)."""
-        key = json.dumps(spec, sort_keys=True)
-        constraint = self.compiled.pop(key, None)
-        if constraint is None:
-            constraint = self.bind(spec, compile_grammar(spec))
+        try:
+            key = json.dumps(spec, sort_keys=True)
+            constraint = self.compiled.pop(key, None)
+            if constraint is None:
+                constraint = self.bind(spec, compile_grammar(spec))
+        except RecursionError:  # (a hostile schema hundreds of levels deep)
+            raise ConstraintError("nested too deeply to compile", describe_spec(spec)) from None
         self.compiled[key] = constraint  # (the most recently used last)
         if len(self.compiled) > CACHED_CONSTRAINTS:
             self.compiled.popitem(last=False)

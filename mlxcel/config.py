@@ -258,9 +258,8 @@ class DecodeConfig(Group):
     kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # store the KV cache quantized (full-attention layers)
     kv_group_size: Literal[32, 64, 128] = 64  # must divide the model's head_dim
     step: Literal["auto", "eager", "segmented", "compiled"] = "auto"  # how a decode step runs; env: MLXCEL_DECODE_STEP
-    constraint: ConstraintConfig | None = (
-        None  # structured output: what every answer must match (rows may set their own)
-    )
+    # structured output: what every answer must match (rows may set their own)
+    constraint: ConstraintConfig | None = None
 
     @field_validator("stop_strings")
     @classmethod

@@ -356,3 +356,14 @@ def test_hostile_nesting_is_an_error_never_a_crash(tmp_path, tiny_llama):
         schema = {"type": "object", "properties": {"a": schema}}
     with pytest.raises(ConstraintError, match="json_schema: nested too deeply to compile"):
         constraints.compile({"json_schema": schema})
+
+
+def test_masks_on_a_thread_give_the_same_tokens(tmp_path, tiny_llama, monkeypatch):
+    """The work-in-progress order ($MLXCEL_MASKS_ON_THREAD=1) draws what the shipped one does."""
+    from mlxcel.engine import scheduler
+
+    rows = make_rows(1)
+    default, _ = run_job(tmp_path, tiny_llama, rows, "default")
+    monkeypatch.setattr(scheduler, "MASKS_ON_THREAD", True)
+    threaded, _ = run_job(tmp_path, tiny_llama, rows, "threaded")
+    assert {k: r["token_ids"] for k, r in threaded.items()} == {k: r["token_ids"] for k, r in default.items()}

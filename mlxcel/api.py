@@ -160,11 +160,11 @@ def make_on_token(streams: list[TextStream]):
 
 def read_constraint(constraint: dict | None) -> dict | None:
     """A constraint in decode.constraint's shape, or OpenAI's response_format (it has a "type")."""
-    from mlxcel.structured.spec import check_spec, read_response_format
+    from mlxcel.structured.spec import read_spec
 
-    if constraint is None:
-        return None
-    return read_response_format(constraint) if "type" in constraint else check_spec(constraint)
+    if isinstance(constraint, dict) and "type" in constraint:
+        return read_spec(response_format=constraint)
+    return read_spec(constraint)
 
 
 def is_conversation(value: object) -> bool:

@@ -407,29 +407,21 @@ class PromptRow(Group):
 
     _check_prompt = field_validator("prompt")(_check_not_blank)
 
-    @field_validator("constraint")
-    @classmethod
-    def _check_constraint(cls, value: dict | None) -> dict | None:
-        from mlxcel.structured.spec import ConstraintError, check_spec
+    @model_validator(mode="after")
+    def _check_constraint(self) -> PromptRow:
+        from mlxcel.structured.spec import ConstraintError
 
         try:
-            return None if value is None else check_spec(value)
+            self.to_constraint()
         except ConstraintError as exc:
-            raise reject(str(exc)) from None
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, value: dict | None) -> dict | None:
-        from mlxcel.structured.spec import ConstraintError, read_response_format
-
-        try:
-            return None if value is None else read_response_format(value)
-        except ConstraintError as exc:
-            raise reject(str(exc)) from None
+            raise reject(exc.reason, exc.key, NO_VALUE) from None
+        return self
 
     def to_constraint(self) -> dict | None:
         """The row's own spec (structured.spec), from `constraint` or `response_format`."""
-        return self.constraint or self.response_format
+        from mlxcel.structured.spec import read_spec
+
+        return read_spec(self.constraint, self.response_format)
 
     @field_validator("id")
     @classmethod
@@ -440,8 +432,6 @@ class PromptRow(Group):
 
     @model_validator(mode="after")
     def _check_one_source(self) -> PromptRow:
-        if self.constraint is not None and self.response_format is not None:
-            raise reject("give 'constraint' or 'response_format', not both", "response_format", NO_VALUE)
         if (self.prompt is None) == (not self.messages):
             raise reject(
                 "each row needs exactly one of 'prompt' (text) or 'messages' (a conversation)", "prompt", NO_VALUE

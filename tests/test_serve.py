@@ -152,7 +152,7 @@ def test_images_need_a_vision_model_and_are_never_fetched(server, client):
         ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools", "unsupported"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
-            "response_format",
+            "response_format.type",
             "json",
         ),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "messages[0]"),

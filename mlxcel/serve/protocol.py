@@ -162,19 +162,13 @@ def parse_request(kind: type[SamplingFields], data: Any) -> SamplingFields:
 def read_constraint(request: SamplingFields) -> dict | None:
     """The request's structured output spec (mlxcel.structured.spec): a chat's response_format, or
     `mlxcel.constraint` (either endpoint; the shape of decode.constraint). None: the server's."""
-    from mlxcel.structured.spec import ConstraintError, check_spec, read_response_format
+    from mlxcel.structured.spec import ConstraintError, read_spec
 
     own = (request.mlxcel or {}).get("constraint")
-    response_format = getattr(request, "response_format", None)
-    if own is not None and response_format is not None:
-        raise ApiError(400, "give response_format or mlxcel.constraint, not both", "mlxcel.constraint")
     try:
-        if own is not None:
-            return check_spec(own, "mlxcel.constraint")
-        return read_response_format(response_format) if response_format is not None else None
+        return read_spec(own, getattr(request, "response_format", None), "mlxcel.constraint")
     except ConstraintError as exc:
-        param = exc.key or ("mlxcel.constraint" if own is not None else "response_format")
-        raise ApiError(400, str(exc), param) from None
+        raise ApiError(400, str(exc), exc.key) from None
 
 
 def check_unsupported(request: SamplingFields) -> None:

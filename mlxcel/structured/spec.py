@@ -35,20 +35,31 @@ def read_response_format(value: object) -> dict | None:
     """OpenAI's `response_format` as a spec; None for {"type": "text"} (no constraint)."""
     if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMAT_TYPES:
         got = value.get("type") if isinstance(value, dict) else value
-        raise ConstraintError(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)} (got {got!r})")
+        legal = ", ".join(RESPONSE_FORMAT_TYPES)
+        raise ConstraintError(f"must be one of {legal} (got {got!r})", "response_format.type")
     kind = value["type"]
     extra = sorted(set(value) - {"type", kind})
     if extra:
-        raise ConstraintError(f"response_format has unknown keys {extra} for type {kind!r}")
+        raise ConstraintError(f"unknown keys {extra} for type {kind!r}", "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
         return {"json_schema": dict(JSON_OBJECT_SCHEMA)}
     body = value.get("json_schema")
     if not isinstance(body, dict) or not isinstance(body.get("schema", {}), dict):
-        raise ConstraintError('response_format.json_schema must be an object: {"name": ..., "schema": {...}}')
+        raise ConstraintError('must be an object: {"name": ..., "schema": {...}}', "response_format.json_schema")
     # (name, description and strict are OpenAI's bookkeeping: the schema is always enforced here)
     return {"json_schema": body.get("schema", {})}
+
+
+def read_spec(constraint: object = None, response_format: object = None, where: str = "constraint") -> dict | None:
+    """A row's or a request's spec from either shape, never both: `constraint` as decode.constraint
+    writes it (named `where`), or OpenAI's `response_format`. None: neither (the job's applies)."""
+    if constraint is not None and response_format is not None:
+        raise ConstraintError(f"give {where} or response_format, not both", where)
+    if constraint is not None:
+        return check_spec(constraint, where)
+    return read_response_format(response_format) if response_format is not None else None
 
 
 def check_spec(value: object, where: str = "constraint") -> dict:

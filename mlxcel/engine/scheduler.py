@@ -53,11 +53,6 @@ KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by d
 PIECES_PER_STEP = 8
 IDLE_PIECES_PER_STEP = 4
 MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer distinct shapes below it cost little)
-# Structured output, work in progress (issue 21's batch-32 H200 target): $MLXCEL_MASKS_ON_THREAD=1
-# reads the last draw before queueing the forward pass and computes the masks on a thread while the
-# forward is encoded (docs/benchmarks.md, "Structured output"). Off until measured on a GPU; on the
-# 2-core CPU (SmolLM2, batch 8) 0.92 against 0.99 of free throughput, one run each.
-MASKS_ON_THREAD = os.environ.get("MLXCEL_MASKS_ON_THREAD", "0") == "1"
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
 
@@ -429,21 +424,11 @@ class BatchScheduler:
                     # Structured output: this step's masks need the last step's tokens. The forward
                     # pass goes to the device first; the host reads the last draw and computes the
                     # masks while it runs, then queues the draw (no lookahead for these batches).
-                    if MASKS_ON_THREAD:
-                        # WIP (not measured on a GPU): read first, compute the masks on a thread
-                        # (llguidance releases the GIL) while this thread encodes the forward pass
-                        while inflight:
-                            ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
-                            draws_read += 1
-                        pending_masks = self.start_masks(batch.rows, request)
-                        submit(logits_parts, state)
-                        bitmask = self.join_masks(pending_masks, state)
-                    else:
-                        submit(logits_parts, state)
-                        while inflight:
-                            ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
-                            draws_read += 1
-                        bitmask = self.compute_masks(batch.rows, request, state)
+                    submit(logits_parts, state)
+                    while inflight:
+                        ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
+                        draws_read += 1
+                    bitmask = self.compute_masks(batch.rows, request, state)
                 logits = logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts)
                 draw = sampler.sample(logits, bitmask)
                 submit(draw.arrays() + sampler.state_arrays(), state)
@@ -510,20 +495,6 @@ class BatchScheduler:
             row.result.finish_reason = "cancelled"
             if on_row_done is not None:
                 on_row_done(row.index, row.result)
-
-    def start_masks(self, rows: list[Row], request: GenerationRequest):
-        matchers = [row.matcher if row.result.finish_reason is None else None for row in rows]
-        if not hasattr(self, "mask_pool"):
-            from concurrent.futures import ThreadPoolExecutor
-
-            self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="mlxcel-masks")
-        return time.perf_counter(), self.mask_pool.submit(request.constraints.fill_masks, matchers)
-
-    def join_masks(self, pending, state: ScheduleState) -> mx.array:
-        began, future = pending
-        masks = mx.array(future.result())
-        state.mask_seconds += time.perf_counter() - began
-        return masks
 
     def compute_masks(self, rows: list[Row], request: GenerationRequest, state: ScheduleState) -> mx.array:
         """[B, ceil(V / 32)] structured output's bitmasks for a draw over `rows` (batch order);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
@@ -114,31 +115,20 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         cached_tokens=sum(r.cached_tokens for r in results),
         rows_adopted=sum(1 for r in results if r.cached_tokens),
         prompt_cache=getattr(state, "prompt_cache", None),
-        constraint_kinds=count_constraint_kinds(state.request.rows),
+        constraint_kinds=dict(Counter(r.constraint.kind for r in state.request.rows if r.constraint is not None)),
         constraints_satisfied=sum(1 for r in results if r.constraint_satisfied),
         mask_ms=1000 * getattr(state, "mask_seconds", 0.0),
     )
 
 
-def count_constraint_kinds(rows) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for row in rows:
-        if row.constraint is not None:
-            kinds[row.constraint.kind] = kinds.get(row.constraint.kind, 0) + 1
-    return kinds
-
-
 def summarize_constraints(batches: list[BatchStats]) -> dict:
-    kinds: dict[str, int] = {}
-    for b in batches:
-        for kind, count in b.constraint_kinds.items():
-            kinds[kind] = kinds.get(kind, 0) + count
+    kinds = sum((Counter(b.constraint_kinds) for b in batches), Counter())
     if not kinds:
         return {}
     return {
-        "rows": sum(kinds.values()),
+        "rows": kinds.total(),
         "satisfied": sum(b.constraints_satisfied for b in batches),
-        "kinds": kinds,
+        "kinds": dict(kinds),
         "mask_ms": round(sum(b.mask_ms for b in batches), 3),
     }
 

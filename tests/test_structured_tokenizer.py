@@ -8,7 +8,6 @@ never be allowed.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from mlxcel.errors import MlxcelError
 from mlxcel.structured.tokenizer import make_ll_tokenizer
 from mlxcel.tokenizer import load_tokenizer
-from tests.helpers import find_smollm2_gguf, load_smollm2, make_hf_folder
+from tests.helpers import find_package_file, find_smollm2_gguf, load_smollm2, make_hf_folder
 
 SPM_DATA = Path(__file__).parent / "data" / "sentencepiece"
 PADDING = 13  # extra logits rows past the vocabulary
@@ -34,14 +33,6 @@ TEXTS = [
 # Leading spaces allowed: a dummy-prefix tokenizer encodes a text's first word with its space.
 REGEX = r" *Año [0-9]+: [^ ]+ [^ ]+ ok"
 MATCHING = "Año 2024: 日本語 😀 ok"
-
-
-def find_package_file(package: str, relative: str) -> Path | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    return path if path.is_file() else None
 
 
 def copy_into(folder: Path, source: Path, name: str | None = None) -> Path:

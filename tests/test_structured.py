@@ -132,6 +132,8 @@ def test_json_object_gives_a_json_object(tmp_path, tiny_llama):
             assert isinstance(json.loads(row["text"]), dict)
         else:  # free-form objects have no bound: a random model may run out of tokens
             assert row["finish_reason"] == "length" and row["constraint_satisfied"] is False
+    assert all(row["text"].startswith("{") for row in got.values())
+    assert any(row["finish_reason"] == "stop" for row in got.values())  # (rows 0-2 close at once: "{}")
 
 
 def test_a_row_whose_constraint_does_not_compile_is_an_error_row(tmp_path, tiny_llama):
@@ -241,7 +243,7 @@ def test_batch_file_lines_carry_their_response_format(tmp_path):
     )
     rows = read_batch_rows(path, None, SamplerConfig())
     assert rows[0].constraint == {"json_schema": SCHEMA} and rows[1].constraint == {"json_schema": {"type": "object"}}
-    assert "response_format.type must be one of" in rows[2].batch["error"]
+    assert "response_format.type: must be one of" in rows[2].batch["error"]
 
 
 def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama):
@@ -358,12 +360,18 @@ def test_hostile_nesting_is_an_error_never_a_crash(tmp_path, tiny_llama):
         constraints.compile({"json_schema": schema})
 
 
-def test_masks_on_a_thread_give_the_same_tokens(tmp_path, tiny_llama, monkeypatch):
-    """The work-in-progress order ($MLXCEL_MASKS_ON_THREAD=1) draws what the shipped one does."""
-    from mlxcel.engine import scheduler
+def test_a_rows_bad_constraint_names_its_line_and_key():
+    from mlxcel.config import PromptConfig
+    from mlxcel.jobs import check_rows
 
-    rows = make_rows(1)
-    default, _ = run_job(tmp_path, tiny_llama, rows, "default")
-    monkeypatch.setattr(scheduler, "MASKS_ON_THREAD", True)
-    threaded, _ = run_job(tmp_path, tiny_llama, rows, "threaded")
-    assert {k: r["token_ids"] for k, r in threaded.items()} == {k: r["token_ids"] for k, r in default.items()}
+    prompt = PromptConfig.model_validate({"text": "x"})
+    cases = [
+        ({"constraint": {"choice": []}}, "line 3: constraint.choice: must be a non-empty list"),
+        ({"constraint": {"regex": "a"}, "response_format": {"type": "json_object"}}, "line 3: constraint: give"),
+        ({"response_format": {"type": "xml"}}, "line 3: response_format.type: must be one of"),
+    ]
+    for extra, fragment in cases:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_rows([(3, {"prompt": "a", **extra})], prompt, "prompt.file=rows.jsonl")
+    (row,) = check_rows([(1, {"prompt": "a", "response_format": json_format(SCHEMA)})], prompt, "prompt.file=r.jsonl")
+    assert row.constraint == {"json_schema": SCHEMA}

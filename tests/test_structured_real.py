@@ -73,6 +73,7 @@ def test_the_server_enforces_response_format_streamed_or_not(client):
     stream = ask(client, "Where is the Eiffel Tower?", response_format=city_format(), stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
     obj = ask(client, "Describe a cat as JSON.", response_format={"type": "json_object"}, max_tokens=60)
+    assert obj.choices[0].message.content.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
     done = client.completions.create(

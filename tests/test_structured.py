@@ -109,6 +109,26 @@ def test_mixed_constraints_share_a_batch_and_every_answer_matches(tmp_path, tiny
     assert {k: r["token_ids"] for k, r in again.items()} == {k: r["token_ids"] for k, r in got.items()}
 
 
+def test_masks_on_a_thread_give_the_tokens_of_masks_after_the_forward(tmp_path, tiny_llama, monkeypatch):
+    """The two orders of a constrained step (engine.scheduler.THREADED_MASK_ROWS) draw alike."""
+    import mlxcel.engine.scheduler as scheduler
+
+    rows = make_rows(2)
+    outcomes, threaded_steps = {}, []
+    advance = scheduler.advance_matchers
+    monkeypatch.setattr(scheduler, "advance_matchers", lambda *a: threaded_steps.append(1) or advance(*a))
+    for threaded_rows in (1, 10**6):
+        monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
+        got, _ = run_job(tmp_path, tiny_llama, rows, f"threaded-{threaded_rows}")
+        assert len(threaded_steps) > 50 if threaded_rows == 1 else not threaded_steps
+        threaded_steps.clear()
+        outcomes[threaded_rows] = {
+            k: (r["token_ids"], r["finish_reason"], r.get("constraint_satisfied")) for k, r in got.items()
+        }
+    assert outcomes[1] == outcomes[10**6]
+    assert sum(satisfied is True for _, _, satisfied in outcomes[1].values()) == 10
+
+
 def test_the_job_constraint_applies_to_rows_without_their_own(tmp_path, tiny_llama):
     rows = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y", "constraint": {"choice": CHOICES}}]
     got, _ = run_job(tmp_path, tiny_llama, rows, "job", decode={"constraint": {"regex": DATE}})
@@ -246,9 +266,11 @@ def test_batch_file_lines_carry_their_response_format(tmp_path):
     assert "response_format.type: must be one of" in rows[2].batch["error"]
 
 
-def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama):
+@pytest.mark.parametrize("threaded_rows", [1, 10**6], ids=["masks-on-a-thread", "masks-after-the-forward"])
+def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch, threaded_rows):
     """A server's shape: constrained and free rows arrive while others decode, one constrained
     row is cancelled mid-answer; every other row gets the tokens it gets alone."""
+    import mlxcel.engine.scheduler as scheduler
     from mlxcel.checkpoints.loader import load_model
     from mlxcel.engine import GenerationRequest, RowRequest
     from mlxcel.engine.scheduler import BatchScheduler
@@ -257,6 +279,7 @@ def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama):
     from mlxcel.tokenizer import load_tokenizer
     from tests.helpers import ScriptedFeed, make_token_prompts
 
+    monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
     model = load_model(str(tiny_llama), dtype="float32").model
     tokenizer = load_tokenizer(tiny_llama)
     constraints = Constraints(tokenizer, model.args.vocab_size, [2])
@@ -269,12 +292,10 @@ def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama):
         return RowRequest(prompts[i], row_id=i, max_tokens=60, constraint=constraint)
 
     def run(feed_or_rows):
-        scheduler = BatchScheduler(model, 512, 3, kv_budget_bytes=50_000_000)
+        engine = BatchScheduler(model, 512, 3, kv_budget_bytes=50_000_000)
         request = GenerationRequest([], chain, max_tokens=60, stop_token_ids=frozenset([2]), constraints=constraints)
         results = {}
-        steps = scheduler.steps(
-            request, lambda r, t: True, lambda r, res: results.__setitem__(r, res), feed=feed_or_rows
-        )
+        steps = engine.steps(request, lambda r, t: True, lambda r, res: results.__setitem__(r, res), feed=feed_or_rows)
         for _ in steps:
             pass
         return results

@@ -117,6 +117,7 @@ def run_point(model, schema: dict | None, constraints, prompts: list[list[int]],
         "wall_s": wall,
         "host_ms_per_iteration": state.host_ms_per_iteration,
         "mask_ms_per_step": 1000 * state.mask_seconds / max(1, state.decode_steps),
+        "mask_wait_ms_per_step": 1000 * state.mask_wait_seconds / max(1, state.decode_steps),
         "tokens": [r.token_ids for r in state.results],
     }
 

@@ -513,6 +513,16 @@ class PromptConfig(Group):
         return [{"role": "system", "content": self.system}, *messages]
 
 
+class RayConfig(Group):
+    """runner.backend=ray: where the job's workers run (docs/scaleout.md)."""
+
+    address: str | None = None  # None: a local cluster for this job; "auto": the running one; "ray://HOST:10001"
+    workers: PositiveInt = 1  # actors, each loading the model once and running the scheduler
+    cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
+    gpus_per_worker: Annotated[float, Field(ge=0)] = 0.0
+    start_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # workers not started by then: an error naming what is missing
+
+
 class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
@@ -526,6 +536,8 @@ class RunnerConfig(Group):
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
     progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise
+    backend: Literal["local", "ray"] = "local"  # ray: a JSONL job's rows across Ray workers (runner.ray)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @field_validator("name")
     @classmethod

@@ -70,7 +70,9 @@ def run(
         select_device(cfg.runner.device)
         report["environment"] = read_environment()
         outputs.write_config(cfg.resolved_dict())
-        pipeline = Pipeline.load(cfg, load_weights=not cfg.runner.dry_run, log=log, keep_weights=keep_weights)  # 3
+        # (on Ray the workers load the weights; this process needs the tokenizer and template)
+        weights = not cfg.runner.dry_run and cfg.runner.backend == "local"
+        pipeline = Pipeline.load(cfg, load_weights=weights, log=log, keep_weights=keep_weights)  # 3
         report["model"] = describe_model(pipeline)
         report["sampler_chain"] = cfg.sampler.effective_chain()
         if cfg.runner.dry_run:
@@ -160,7 +162,8 @@ def run_job(
     if done:
         report["sessions"] = earlier
         say(log, f"resuming: {len(samples) - len(pending)} row(s) already written, {len(pending)} to go")
-    prepared = pipeline.prepare(pending)
+    # (on Ray each worker renders and tokenizes the rows it gets)
+    prepared = pipeline.prepare(pending) if cfg.runner.backend == "local" else []
     finish_reasons: dict[str, int] = {}
     generations: list[dict] = []
     batches = []
@@ -174,11 +177,16 @@ def run_job(
 
     for failed in (p for p in prepared if p.error):
         record(make_error_row(failed))
-    runnable = [p for p in prepared if not p.error]
-    streaming = len(samples) == 1 and stream is not None
+    runnable = [p for p in prepared if not p.error] if cfg.runner.backend == "local" else pending
+    streaming = len(samples) == 1 and stream is not None and cfg.runner.backend == "local"
     progress = Progress(len(runnable), "off" if streaming else cfg.runner.progress, log)
     try:
-        for batch in pipeline.group_rows(runnable):
+        if cfg.runner.backend == "ray" and runnable:
+            from mlxcel.ray_jobs import run_on_ray
+
+            batches, report["ray"] = run_on_ray(cfg, runnable, record, progress, log)
+            report["backend"] = "ray"
+        for batch in pipeline.group_rows(runnable) if cfg.runner.backend == "local" else []:
             state = run_batch(
                 pipeline, batch, record, progress, stream if streaming else None, keep_partial=len(samples) == 1
             )

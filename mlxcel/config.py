@@ -520,7 +520,7 @@ class RayConfig(Group):
     workers: PositiveInt = 1  # actors, each loading the model once and running the scheduler
     cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
     gpus_per_worker: Annotated[float, Field(ge=0)] = 0.0
-    start_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # workers not started by then: an error naming what is missing
+    start_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # workers not started by then: an error naming why
 
 
 class RunnerConfig(Group):

@@ -123,7 +123,7 @@ class JobWorker:
             request = self.pipeline.make_request([])
             scheduler = self.pipeline.make_engine(request)
             if not isinstance(scheduler, BatchScheduler):
-                raise MlxcelError("runner.backend=ray needs the scheduler, and this model runs on the batch engine only")
+                raise MlxcelError("runner.backend=ray needs the scheduler; this model runs on the batch engine only")
             self.ready.set()
             for state in scheduler.steps(request, self.on_token, self.on_row_done, feed=self):
                 self.state = state
@@ -207,6 +207,7 @@ def connect(ray, settings: RayConfig, log: TextIO | None) -> bool:
     where = settings.address or "a local cluster"
     say(log, f"ray: connecting to {where}")
     try:
+        check_reachable(settings.address)  # (Ray itself retries an address that does not answer for minutes)
         ray.init(
             address=settings.address,
             runtime_env=runtime_env,
@@ -224,6 +225,17 @@ def connect(ray, settings: RayConfig, log: TextIO | None) -> bool:
             )
         ) from None
     return True
+
+
+def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
+    """Open and close a TCP connection to a HOST:PORT or ray://HOST:PORT address."""
+    if not address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        pass
 
 
 def first_line(exc: BaseException) -> str:
@@ -301,9 +313,8 @@ def run_on_ray(
         workers = start_workers(ray, cfg, log)
         began = time.perf_counter()
         deaths = hand_out(ray, workers, samples, cfg.runner.max_rows * QUEUED_ROWS_PER_SLOT, record, progress, log)
-        closing = {h: h.close.remote() for h in workers}
         batches, figures = [], []
-        for handle, ref in closing.items():
+        for ref in [h.close.remote() for h in workers]:
             worker_figures, stats, worker_now = ray.get(ref)
             if stats is not None:  # its first token on this process's clock (for the job's ttft)
                 stats.first_token_at = time.perf_counter() - (worker_now - stats.first_token_at)

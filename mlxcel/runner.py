@@ -162,8 +162,9 @@ def run_job(
     if done:
         report["sessions"] = earlier
         say(log, f"resuming: {len(samples) - len(pending)} row(s) already written, {len(pending)} to go")
+    local = cfg.runner.backend == "local"
     # (on Ray each worker renders and tokenizes the rows it gets)
-    prepared = pipeline.prepare(pending) if cfg.runner.backend == "local" else []
+    prepared = pipeline.prepare(pending) if local else []
     finish_reasons: dict[str, int] = {}
     generations: list[dict] = []
     batches = []
@@ -177,16 +178,16 @@ def run_job(
 
     for failed in (p for p in prepared if p.error):
         record(make_error_row(failed))
-    runnable = [p for p in prepared if not p.error] if cfg.runner.backend == "local" else pending
-    streaming = len(samples) == 1 and stream is not None and cfg.runner.backend == "local"
+    runnable = [p for p in prepared if not p.error] if local else pending
+    streaming = len(samples) == 1 and stream is not None and local
     progress = Progress(len(runnable), "off" if streaming else cfg.runner.progress, log)
     try:
-        if cfg.runner.backend == "ray" and runnable:
+        if not local and runnable:
             from mlxcel.ray_jobs import run_on_ray
 
             batches, report["ray"] = run_on_ray(cfg, runnable, record, progress, log)
             report["backend"] = "ray"
-        for batch in pipeline.group_rows(runnable) if cfg.runner.backend == "local" else []:
+        for batch in pipeline.group_rows(runnable) if local else []:
             state = run_batch(
                 pipeline, batch, record, progress, stream if streaming else None, keep_partial=len(samples) == 1
             )

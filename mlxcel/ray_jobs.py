@@ -39,8 +39,8 @@ class JobWorker:
     """A worker's body: a Ray actor in run_on_ray, a plain object in tests. MLX's streams belong
     to the thread that made them, so the model is loaded on the loop's own thread."""
 
-    def __init__(self, cfg: RunConfig, name: str):
-        self.cfg, self.name = cfg, name
+    def __init__(self, cfg: RunConfig, name: str, warm_up: list[Sample] = ()):
+        self.cfg, self.name, self.warm_up = cfg, name, list(warm_up)
         self.inbox: queue.Queue = queue.Queue()  # lists of Samples; None: no more rows
         self.finished: queue.Queue = queue.Queue()  # generation rows as they end
         self.rows: dict[int, tuple] = {}  # scheduler index -> (PreparedSample, TextStream, RowRequest)
@@ -48,7 +48,7 @@ class JobWorker:
         self.next_index = 0
         self.state = None
         self.failure: BaseException | None = None
-        self.load_s = 0.0
+        self.load_s = self.warm_up_s = 0.0
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self.run, name=f"mlxcel-{name}", daemon=True)
         self.thread.start()
@@ -65,6 +65,7 @@ class JobWorker:
             "device": str(mx.default_device()),
             "blas": describe_blas(),
             "load_s": round(self.load_s, 3),
+            **({"warm_up_s": round(self.warm_up_s, 3)} if self.warm_up else {}),
         }
 
     def add(self, samples: list[Sample]) -> None:
@@ -120,6 +121,11 @@ class JobWorker:
             select_device(self.cfg.runner.device)
             self.pipeline = Pipeline.load(self.cfg, log=None)
             self.load_s = time.perf_counter() - began
+            if self.warm_up:  # (a benchmark's: first-call costs, JIT, the allocator, before the timed job)
+                began = time.perf_counter()
+                self.pipeline.generate([p for p in self.pipeline.prepare(self.warm_up) if not p.error])
+                self.warm_up_s = time.perf_counter() - began
+                mx.reset_peak_memory()
             request = self.pipeline.make_request([])
             scheduler = self.pipeline.make_engine(request)
             if not isinstance(scheduler, BatchScheduler):
@@ -262,8 +268,9 @@ def check_resources(ray, settings: RayConfig) -> None:
         )
 
 
-def start_workers(ray, cfg: RunConfig, log: TextIO | None) -> dict:
-    """{actor: its description} for the workers that started within runner.ray.start_timeout_s."""
+def start_workers(ray, cfg: RunConfig, log: TextIO | None, warm_up: list[Sample] = ()) -> dict:
+    """{actor: its description} for the workers that started (and ran `warm_up`) within
+    runner.ray.start_timeout_s."""
     settings = cfg.runner.ray
     actor = ray.remote(JobWorker)
     handles = [
@@ -272,7 +279,7 @@ def start_workers(ray, cfg: RunConfig, log: TextIO | None) -> dict:
             num_gpus=settings.gpus_per_worker,
             max_concurrency=4,  # take() waits while add() comes in
             max_restarts=0,
-        ).remote(cfg, f"worker-{i}")
+        ).remote(cfg, f"worker-{i}", warm_up)
         for i in range(settings.workers)
     ]
     say(log, f"ray: starting {settings.workers} worker(s), each loading the model")
@@ -301,18 +308,23 @@ def start_workers(ray, cfg: RunConfig, log: TextIO | None) -> dict:
 
 
 def run_on_ray(
-    cfg: RunConfig, samples: list[Sample], record: Callable[[dict], None], progress, log: TextIO | None
+    cfg: RunConfig,
+    samples: list[Sample],
+    record: Callable[[dict], None],
+    progress,
+    log: TextIO | None,
+    warm_up: list[Sample] = (),
 ) -> tuple[list[BatchStats], dict]:
     """Run `samples` on the workers, `record`ing each row as it comes back; (each worker's
-    BatchStats, the report's `ray` section)."""
+    BatchStats, the report's `ray` section). Each worker first runs `warm_up` (untimed, unrecorded)."""
     ray = import_ray()
     started_here = connect(ray, cfg.runner.ray, log)
     workers: dict = {}
     try:
         check_resources(ray, cfg.runner.ray)
-        workers = start_workers(ray, cfg, log)
+        workers = start_workers(ray, cfg, log, warm_up)
         began = time.perf_counter()
-        deaths = hand_out(ray, workers, samples, cfg.runner.max_rows * QUEUED_ROWS_PER_SLOT, record, progress, log)
+        deaths = hand_out(ray, workers, samples, cfg.runner.max_rows, record, progress, log)
         batches, figures = [], []
         for ref in [h.close.remote() for h in workers]:
             worker_figures, stats, worker_now = ray.get(ref)
@@ -338,17 +350,21 @@ def run_on_ray(
             ray.shutdown()
 
 
-def hand_out(ray, workers: dict, samples: list[Sample], depth: int, record, progress, log) -> list[dict]:
-    """The driver's loop: keep each worker `depth` rows deep, record what comes back, and give
-    the rows of a worker that died to the others. Returns the deaths."""
+def hand_out(ray, workers: dict, samples: list[Sample], max_rows: int, record, progress, log) -> list[dict]:
+    """The driver's loop: keep each worker fed, record what comes back, and give the rows of a
+    worker that died to the others. Returns the deaths.
+
+    A worker holds its max_rows running rows plus as many again waiting (so its scheduler never
+    waits on the driver), but never more than a fair share of what is left: a small job or a
+    job's tail is spread over every worker, not queued behind the first."""
     waiting = deque(samples)
     held: dict = {h: {} for h in workers}  # worker -> {sample key: Sample} sent, not yet back
     takes: dict = {}  # pending take() -> worker
     deaths: list[dict] = []
 
-    def top_up(handle) -> None:
+    def top_up(handle, limit: int) -> None:
         chunk = []
-        while waiting and len(held[handle]) < depth:
+        while waiting and len(held[handle]) < min(limit, max_rows * QUEUED_ROWS_PER_SLOT):
             sample = waiting.popleft()
             held[handle][sample.key] = sample
             chunk.append(sample)
@@ -357,8 +373,12 @@ def hand_out(ray, workers: dict, samples: list[Sample], depth: int, record, prog
         if held[handle] and handle not in takes.values():
             takes[handle.take.remote()] = handle
 
+    def fair_share() -> int:
+        return -(-len(waiting) // len(workers))  # (rounded up)
+
+    first_share = fair_share()
     for handle in workers:
-        top_up(handle)
+        top_up(handle, first_share)
     while takes:
         ready, _ = ray.wait(list(takes), num_returns=1)
         handle = takes.pop(ready[0])
@@ -376,11 +396,11 @@ def hand_out(ray, workers: dict, samples: list[Sample], depth: int, record, prog
                     "rerun with runner.resume=true to finish the job"
                 ) from None
             for other in workers:
-                top_up(other)
+                top_up(other, max_rows + fair_share())
             continue
         for row in rows:
             if held[handle].pop((str(row["id"]), row["sample"]), None) is not None:  # (once, whatever happens)
                 record(row)
                 progress.update(rows=1, tokens=row.get("generated_tokens", 0))
-        top_up(handle)
+        top_up(handle, max_rows + fair_share())
     return deaths

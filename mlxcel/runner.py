@@ -199,7 +199,9 @@ def run_job(
             rows = list({id(s.row): s.row for s in samples}.values())
             answered = write_batch_output(outputs.dir, rows, outputs.read_rows(), pipeline.tokenizer)
             report["batch_output"] = {"requests": len(rows), "answered": answered}
-    stats = make_generation_stats(batches, prepare_start, finish_reasons)
+    workers = report.get("ray", {}).get("workers", [])  # (side by side, each with its own memory)
+    peak = max((w.get("peak_memory_gb", 0.0) for w in workers), default=0.0) if not local else None
+    stats = make_generation_stats(batches, prepare_start, finish_reasons, side_by_side=not local, peak_memory_gb=peak)
     report.update(stats.to_dict())
     errors = [row for row in generations if row["finish_reason"] == "error"]
     if errors and len(errors) == len(generations):  # nothing ran: the job itself failed

@@ -134,10 +134,18 @@ def summarize_constraints(batches: list[BatchStats]) -> dict:
 
 
 def make_generation_stats(
-    batches: list[BatchStats], prepare_start: float, finish_reasons: dict[str, int]
+    batches: list[BatchStats],
+    prepare_start: float,
+    finish_reasons: dict[str, int],
+    side_by_side: bool = False,
+    peak_memory_gb: float | None = None,
 ) -> GenerationStats:
-    prefill_ms = sum(b.prefill_time_ms for b in batches)
-    decode_ms = sum(b.decode_time_ms for b in batches)
+    """The job's figures from its batches: run one after another (a local job), or `side_by_side`
+    (Ray workers), whose times overlap, so the job's are the longest batch's, not their sum.
+    `peak_memory_gb`: where the memory was not this process's (the workers' largest peak)."""
+    combine = max if side_by_side else sum
+    prefill_ms = combine([b.prefill_time_ms for b in batches] or [0.0])
+    decode_ms = combine([b.decode_time_ms for b in batches] or [0.0])
     prompt_tokens = sum(b.prompt_tokens for b in batches)
     after_first = sum(b.tokens_after_first for b in batches)
     return GenerationStats(
@@ -147,8 +155,8 @@ def make_generation_stats(
         decode_time_ms=round(decode_ms, 3),
         prefill_tok_per_sec=round(prompt_tokens / prefill_ms * 1000, 3) if prefill_ms > 0 else 0.0,
         decode_tok_per_sec=round(after_first / decode_ms * 1000, 3) if decode_ms > 0 and after_first else 0.0,
-        ttft_ms=round((batches[0].first_token_at - prepare_start) * 1000, 3) if batches else 0.0,
-        peak_memory_gb=round(mx.get_peak_memory() / 1e9, 4),
+        ttft_ms=round((min(b.first_token_at for b in batches) - prepare_start) * 1000, 3) if batches else 0.0,
+        peak_memory_gb=round(mx.get_peak_memory() / 1e9 if peak_memory_gb is None else peak_memory_gb, 4),
         visual_tokens=sum(b.visual_tokens for b in batches),
         image_preprocess_ms=round(sum(b.image_preprocess_ms for b in batches), 3),
         vision_encode_ms=round(sum(b.vision_encode_ms for b in batches), 3),

@@ -70,6 +70,34 @@ def test_a_job_on_two_workers_equals_the_local_run(tmp_path, tiny_llama, cluster
     assert len(workers) == 2 and sum(w["rows"] for w in workers) == len(rows)
     assert all(w["rows"] > 0 for w in workers)  # handed out to both
     assert stats["generated_tokens"] == sum(len(r["token_ids"]) for r in local.values())
+    # the workers ran side by side: the job's times are the longest worker's, not their sum
+    assert stats["decode_time_ms"] == max(b["decode_time_ms"] for b in stats["batches"])
+    assert stats["peak_memory_gb"] == max(w["peak_memory_gb"] for w in workers) > 0
+
+
+def test_a_small_job_is_spread_over_every_worker(tmp_path, tiny_llama, cluster):
+    # 3 rows fit one worker's queue (2 x max_rows): a fair share sends some to the other too
+    remote, stats, _ = run_job(tmp_path, tiny_llama, make_rows(3), "small", backend="ray", ray={"workers": 2})
+    assert len(remote) == 3 and sorted(w["rows"] for w in stats["ray"]["workers"]) == [1, 2]
+
+
+def test_the_jobs_bench_runs_on_ray_workers(tmp_path, tiny_llama, cluster, capsys):
+    from mlxcel.bench import jobs
+
+    out = tmp_path / "bench.json"
+    argv = ["--models", str(tiny_llama), "--rows", "6", "--prompt-tokens", "3,12", "--output-tokens", "1,6"]
+    argv += ["--max-rows", "2", "--dtype", "float32", "--work-dir", str(tmp_path), "--json", str(out)]
+    assert jobs.main([*argv, "--backend", "ray", "--workers", "1,2"]) == 0
+    printed = capsys.readouterr().out
+    (model,) = json.loads(out.read_text())["models"]
+    one, two = model["ray"]
+    assert (one["workers"], two["workers"]) == (1, 2) and len(two["worker_figures"]) == 2
+    expected = sum(json.loads(out.read_text())["job"]["output_lengths"])
+    for run in (one, two):
+        assert run["metrics"]["generated_tokens"] == expected and run["metrics"]["gen_tok_s"] > 0
+        assert sum(f["rows"] for f in run["worker_figures"]) == 6
+        assert all(0 < f["occupancy"] <= 2 and f["warm_up_s"] > 0 for f in run["worker_figures"])
+    assert "6/6 rows the same with 1, 2 worker(s)" in printed and "0 rows off their output length" in printed
 
 
 def test_a_worker_killed_mid_job_has_its_rows_run_on_the_other(tmp_path, tiny_llama, cluster, monkeypatch):
@@ -77,7 +105,7 @@ def test_a_worker_killed_mid_job_has_its_rows_run_on_the_other(tmp_path, tiny_ll
 
     hand_out = ray_jobs.hand_out
 
-    def kill_after_three_rows(ray_module, workers, samples, depth, record, progress, log):
+    def kill_after_three_rows(ray_module, workers, samples, max_rows, record, progress, log):
         victim = next(h for h, d in workers.items() if d["name"] == "worker-0")
         written = []
 
@@ -87,7 +115,7 @@ def test_a_worker_killed_mid_job_has_its_rows_run_on_the_other(tmp_path, tiny_ll
             if len(written) == 3:
                 ray_module.kill(victim)
 
-        return hand_out(ray_module, workers, samples, depth, record_then_kill, progress, log)
+        return hand_out(ray_module, workers, samples, max_rows, record_then_kill, progress, log)
 
     monkeypatch.setattr(ray_jobs, "hand_out", kill_after_three_rows)
     rows = make_rows(16)

@@ -55,6 +55,7 @@ from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_check
 from mlxcel.bench.harness import align_columns, compare_token_ids, explain_ratios, format_value, log
 from mlxcel.bench.peers import ENGINES, count_weight_bytes, load_peer, synchronize_streams
 from mlxcel.checkpoints.loader import pick_dtype
+from mlxcel.config import RunConfig
 from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.pipeline import Pipeline, PreparedSample
@@ -114,6 +115,7 @@ class ModelResult:
     job: Job
     runs: dict[str, JobRun]
     uniform: JobRun | None = None  # mlxcel on the rows at their mean lengths (--uniform)
+    ray: list | None = None  # --backend ray: a jobs_ray.RayRun per worker count
 
     @property
     def has_both(self) -> bool:
@@ -142,6 +144,15 @@ class ModelResult:
                 f"{self.model} mlxcel peak memory, ragged / uniform at the mean lengths: {ragged / 1e9:.3f} / "
                 f"{uniform / 1e9:.3f} GB = {ragged / uniform:.2f}"
             )
+        if self.ray:
+            from mlxcel.bench.jobs_ray import describe_agreement
+
+            lines += [
+                f"{self.model} ray, {run.workers} worker(s): {run.count_wrong_lengths(self.job)} rows off their "
+                "output length"
+                for run in self.ray
+            ]
+            lines.append(describe_agreement(self.model, self.ray))
         if self.has_both:
             first = self.find_first_difference()
             detail = "" if first == "agree" else f"; first: {first}"
@@ -166,6 +177,7 @@ class ModelResult:
             "uniform": None
             if self.uniform is None
             else {**self.uniform.metrics(), "scheduler": self.uniform.scheduler},
+            "ray": None if self.ray is None else [run.to_dict() for run in self.ray],
         }
 
 
@@ -193,9 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-rows", type=int, help="rows decoding at once: mlxcel's runner.max_rows, mlx-lm's completion batch size"
     )
     parser.add_argument("--seed", type=int, default=0, help="draws the rows' lengths and token ids")
-    parser.add_argument(
-        "--engines", type=parse_engines, default=list(ENGINES), help="comma-separated, run in this order"
-    )
+    parser.add_argument("--engines", type=parse_engines, help="comma-separated, run in this order (default: both)")
     parser.add_argument("--json", type=Path, help="also write the job, every engine's metrics and per-row TTFTs here")
     parser.add_argument(
         "--uniform",
@@ -210,8 +220,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="mlxcel with runner.prompt_cache=false (the job's rows share no prefix: what the cache costs)",
     )
+    ray = parser.add_argument_group("on Ray workers (mlxcel.bench.jobs_ray; needs the ray extra)")
+    ray.add_argument(
+        "--backend", choices=("local", "ray"), default="local", help="ray: mlxcel's runner.backend=ray, no mlx-lm"
+    )
+    ray.add_argument("--workers", type=parse_ints, default=[1], help="worker counts, comma-separated, each run in turn")
+    ray.add_argument("--address", help="a running cluster's address (default: start a local one)")
+    ray.add_argument("--cpus-per-worker", type=float, default=1.0, help="runner.ray.cpus_per_worker")
+    ray.add_argument(
+        "--gpus-per-worker", type=float, help="runner.ray.gpus_per_worker (default: 1 where MLX has a GPU, else 0)"
+    )
     add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
+    if args.backend == "ray":
+        if args.engines and "mlx-lm" in args.engines:
+            parser.error("--backend ray runs mlxcel only: mlx-lm has no Ray path (drop --engines or give mlxcel)")
+        args.engines = ["mlxcel"]
+        if args.gpus_per_worker is None:
+            args.gpus_per_worker = 1.0 if mx.default_device() == mx.gpu else 0.0
+    args.engines = args.engines or list(ENGINES)
     models, rows, prompt_tokens, output_tokens, max_rows = (
         GPU_DEFAULTS if mx.default_device() == mx.gpu else CPU_DEFAULTS
     )
@@ -304,21 +331,26 @@ class DiscardedOutputs:
         pass
 
 
-def load_mlxcel(
-    folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True
-) -> TokenIdPipeline:
+def compose_config(
+    folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True, **runner
+) -> RunConfig:
     """Composed as mlxcel-run composes a config (conf/ defaults: greedy sampler), plus the job's settings."""
-    cfg = load_config(
+    return load_config(
         {
             "model": {"path": str(folder), "dtype": dtype_name(dtype)},
             "tokenizer": {"path": str(tokenizer_dir), "kind": "hf"},
             "template": {"kind": "none"},
             "decode": {"ignore_eos": True},  # each row's max_tokens is its output length
             "prompt": {"text": "unused: the rows are token ids"},
-            "runner": {"max_rows": max_rows, "progress": "log", "prompt_cache": prompt_cache},
+            "runner": {"max_rows": max_rows, "progress": "log", "prompt_cache": prompt_cache, **runner},
         }
     )
-    return TokenIdPipeline.load(cfg)
+
+
+def load_mlxcel(
+    folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True
+) -> TokenIdPipeline:
+    return TokenIdPipeline.load(compose_config(folder, tokenizer_dir, dtype, max_rows, prompt_cache))
 
 
 def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
@@ -407,17 +439,21 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
     config = json.loads((folder / "config.json").read_text())
     vocab_size, special_ids = config["vocab_size"], read_special_ids(config)
     tokenizer_dir = prepare_tokenizer(vocab_size, work_dir)
-    engines = {
-        name: load_engine(name, folder, tokenizer_dir, dtype, args.max_rows, not args.no_prompt_cache)
-        for name in args.engines
-    }
+    job = draw_job(args.rows, args.prompt_tokens, args.output_tokens, vocab_size, special_ids, args.seed)
     # JIT, allocator and first-call costs; a full decode batch, so a GPU traces that batch size here
     warm_up = draw_job(
         args.max_rows, (args.prompt_tokens[0],) * 2, (WARM_UP_OUTPUT,) * 2, vocab_size, special_ids, args.seed + 1
     )
+    if args.backend == "ray":
+        from mlxcel.bench.jobs_ray import bench_ray
+
+        return ModelResult(label, job, {}, ray=bench_ray(label, folder, tokenizer_dir, args, dtype, job, warm_up))
+    engines = {
+        name: load_engine(name, folder, tokenizer_dir, dtype, args.max_rows, not args.no_prompt_cache)
+        for name in args.engines
+    }
     for run, _ in engines.values():
         run(warm_up)
-    job = draw_job(args.rows, args.prompt_tokens, args.output_tokens, vocab_size, special_ids, args.seed)
     runs = {}
     for name, (run, weight_bytes) in engines.items():
         runs[name] = measure(run, job, weight_bytes)
@@ -478,6 +514,10 @@ def format_job(job: dict) -> str:
 
 
 def format_table(results: list[ModelResult]) -> str:
+    if any(result.ray for result in results):
+        from mlxcel.bench.jobs_ray import format_ray_table
+
+        return "\n\n".join(format_ray_table(result.model, result.ray) for result in results)
     header = ("model", "metric", *ENGINES, "ratio")
     lines = [header]
     for result in results:

@@ -22,10 +22,10 @@ import mlx.core as mx
 
 from mlxcel.blas import advise_api_blas
 from mlxcel.config import RunConfig, validate_config
+from mlxcel.devices import select_device
 from mlxcel.engine import RowResult
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.pipeline import Pipeline, PreparedSample
-from mlxcel.runner import select_device
 from mlxcel.stats import GenerationStats, make_generation_stats, measure_batch
 from mlxcel.tokenizer import TextStream
 

@@ -176,9 +176,10 @@ def read_line(prompt: str) -> str | None:
 def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
     from mlxcel.cli import compose_config
     from mlxcel.config import validate_config
+    from mlxcel.devices import select_device
     from mlxcel.outputs import RunOutputs, claim_run_folder, default_run_dir, release_run_folder, split_run_dir
     from mlxcel.pipeline import Pipeline
-    from mlxcel.runner import describe_model, order_report, select_device
+    from mlxcel.runner import describe_model, order_report
     from mlxcel.stats import format_stats_table, make_generation_stats, read_environment
 
     run_dir, overrides = split_run_dir(args)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 FREE_TEXT_KEYS = ("prompt.text", "prompt.system", "template.text")
 _FREE_TEXT = re.compile(r"^(\+{0,2})(" + "|".join(re.escape(k) for k in FREE_TEXT_KEYS) + r")=(.*)$", re.DOTALL)
 _STOP_STRINGS = re.compile(r"^\+{0,2}decode\.stop_strings=", re.DOTALL)
@@ -128,11 +129,13 @@ def use_recipe(args: list[str]) -> list[str]:
 def register_resolvers() -> None:
     """${mlxcel.recipes_dir:}: the folder of the shipped recipes, so a recipe can name its data
     files (recipes/data/...) wherever mlxcel is installed and wherever it is run from;
-    ${mlxcel.pid:}: this process's id, in default run folder names."""
+    ${mlxcel.pid:}: this process's id, in default run folder names (cached in the config, as
+    Hydra's ${now:} is: a launcher that runs jobs in other processes hands them the sweep folder
+    the first process named)."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("mlxcel.recipes_dir", lambda: str(find_recipes_dir()), replace=True)
-    OmegaConf.register_new_resolver("mlxcel.pid", lambda: str(os.getpid()), replace=True)  # default folder names
+    OmegaConf.register_new_resolver("mlxcel.pid", lambda: str(os.getpid()), replace=True, use_cache=True)
 
 
 PROMPT_INPUTS = ("prompt.file", "prompt.messages", "prompt.rows")
@@ -220,7 +223,12 @@ def run_job(cfg: Any) -> Any:
 
     # a sweep's jobs keep the weights loaded for the next job of this process that uses the same ones
     sweep = hydra_cfg.mode == RunMode.MULTIRUN
-    return runner.run(run_cfg, out_dir=out_dir, overrides=list(hydra_cfg.overrides.task), keep_weights=sweep)
+    # a launcher that runs the jobs side by side: each claims a GPU of its own
+    side_by_side = sweep and hydra_cfg.launcher.get("_target_") not in (None, BASIC_LAUNCHER)
+    sweep_job = (Path(hydra_cfg.runtime.cwd, hydra_cfg.sweep.dir), int(hydra_cfg.job.num)) if side_by_side else None
+    return runner.run(
+        run_cfg, out_dir=out_dir, overrides=list(hydra_cfg.overrides.task), keep_weights=sweep, sweep_job=sweep_job
+    )
 
 
 def read_job_config(cfg: Any) -> dict:
@@ -463,16 +471,25 @@ class SweepFailures:
         hydra_cfg = HydraConfig.get()
         self.failed.append(ex)
         self.sweep_dir = Path(hydra_cfg.runtime.cwd, hydra_cfg.sweep.dir).absolute()  # relative to the launch dir
+        # (a launcher that runs jobs in other processes hands the error back pickled, this with it)
+        ex.mlxcel_sweep_dir = str(self.sweep_dir)
         print(f"mlxcel: job {hydra_cfg.job.num} failed ({' '.join(hydra_cfg.overrides.task)}):", file=sys.stderr)
         report_error(ex, debug)
 
     def is_job_failure(self, ex: BaseException) -> bool:
-        return any(ex is failed for failed in self.failed)
+        return any(ex is failed for failed in self.failed) or hasattr(ex, "mlxcel_sweep_dir")
 
-    def report(self) -> int:
+    def report(self, ex: BaseException) -> int:
+        failed, jobs = len(self.failed), self.jobs
+        if not self.failed:  # the jobs ran in other processes (joblib, submitit, Ray): their summary counts
+            from mlxcel.sweep_summary import read_summary_rows
+
+            self.sweep_dir = Path(ex.mlxcel_sweep_dir)
+            rows = read_summary_rows(self.sweep_dir)
+            failed, jobs = sum(row.get("status") == "failed" for row in rows), len(rows)
         summary = self.sweep_dir / "summary.csv" if self.sweep_dir else None
         where = f"summary: {summary}" if summary and summary.is_file() else f"sweep folder: {self.sweep_dir}"
-        print(f"mlxcel: {len(self.failed)} of {self.jobs} jobs failed; {where}", file=sys.stderr)
+        print(f"mlxcel: {failed} of {jobs} jobs failed; {where}", file=sys.stderr)
         return 1
 
 
@@ -532,7 +549,7 @@ def main() -> None:
             raise failures[0]
     except (Exception, KeyboardInterrupt) as ex:
         if sweep.is_job_failure(ex):
-            sys.exit(sweep.report())
+            sys.exit(sweep.report(ex))
         for folder in claimed:  # ended before the run could say so (Ctrl-C in start-up): its status
             if folder.is_dir() and not (folder / STATS_FILE).exists():
                 write_failure_stats(folder, ex)

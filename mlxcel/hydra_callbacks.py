@@ -70,8 +70,9 @@ def add_job_row(config: DictConfig, job_return: Any, swept: list[str]) -> None:
         job_status=status.name.lower() if status is not None else None,
     )
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    sweep_summary.append_summary_row(sweep_dir, row)
-    sweep_summary.write_summary(sweep_dir)
+    with sweep_summary.lock_summary(sweep_dir):
+        sweep_summary.append_summary_row(sweep_dir, row)
+        sweep_summary.write_summary(sweep_dir)
 
 
 def find_sweep_dir(config: DictConfig) -> Path:

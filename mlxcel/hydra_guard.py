@@ -9,7 +9,9 @@ job and every process it starts. All of that comes from data: the command line, 
 `--config-dir`. So mlxcel-run composes the config as Hydra is about to (the same search path,
 primary config and overrides) and allows only what mlxcel ships and documents: its own callback,
 Hydra's basic launcher and sweeper, the standard logging handlers and formatters writing to the
-terminal or into the run folder (a log file's name must start with ${hydra.runtime.output_dir}/).
+terminal or into the run folder (a log file's name must start with ${hydra.runtime.output_dir}/),
+and the joblib, submitit and Ray launchers (docs/scaleout.md) without the settings of theirs that
+run shell lines, pass raw scheduler options or set up a Ray runtime environment.
 Anything else is a config error before Hydra creates a folder or imports a name. Hydra's own
 blocklist (a few builtins) misses `pathlib.Path.write_text` and the like, and does not look at
 logging configs at all.
@@ -25,7 +27,13 @@ from mlxcel.errors import ConfigError, ConfigIssue
 
 ALLOWED_TARGETS = {
     "callbacks": {"mlxcel.hydra_callbacks.SweepSummary"},
-    "launcher": {"hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
+    "launcher": {
+        "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+        "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+        "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher",
+    },
     "sweeper": {"hydra._internal.core_plugins.basic_sweeper.BasicSweeper"},
 }
 # logging.config.dictConfig's `class` values that may appear in hydra/job_logging, hydra/hydra_logging
@@ -38,6 +46,16 @@ ALLOWED_LOGGING_CLASSES = {
     "logging.handlers.TimedRotatingFileHandler",
 }
 ALLOWED_STREAMS = {"ext://sys.stdout", "ext://sys.stderr"}
+# The launchers' settings that are data only. submitit's `setup` (shell lines in the job script) and
+# `srun_args` run code; Ray's `runtime_env` installs packages, runs setup hooks and sets variables.
+REFUSED_LAUNCHER_KEYS = {
+    "setup": "runs these shell lines before each job",
+    "srun_args": "passes raw srun options (--export can set variables that load code)",
+}
+ALLOWED_SBATCH_PARAMETERS = {"mail-user", "mail-type", "reservation", "nodelist", "time", "gpus", "requeue", "licenses"}
+ALLOWED_RAY_INIT = {"address", "num_cpus", "num_gpus", "object_store_memory", "namespace", "include_dashboard"}
+ALLOWED_RAY_INIT |= {"logging_level", "log_to_driver"}
+ALLOWED_RAY_REMOTE = {"num_cpus", "num_gpus", "memory", "resources", "max_retries", "max_calls"}
 # Variables that make a process (or the interpreter) load code of someone's choosing.
 UNSAFE_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON", "BASH_ENV", "ENV", "PERL5", "NODE_OPTIONS", "RUBYOPT", "PATH")
 
@@ -61,6 +79,7 @@ def check_hydra_settings(args: list[str], conf_dir: Path):
         return None  # Hydra reports it itself, before it instantiates anything
     node = OmegaConf.to_container(cfg.hydra, resolve=False)
     check_targets(node)
+    check_launcher(node.get("launcher") or {})
     for key in ("job_logging", "hydra_logging"):
         check_logging(node.get(key) or {}, f"hydra.{key}")
     check_environment(node.get("job") or {})
@@ -127,6 +146,31 @@ def check_targets(node: dict, path: str = "hydra") -> None:
             for i, item in enumerate(value):
                 if isinstance(item, dict):
                     check_targets(item, f"{here}[{i}]")
+
+
+def check_launcher(launcher: dict) -> None:
+    """The joblib, submitit and Ray launchers' settings that are data, not code."""
+    for key, why in REFUSED_LAUNCHER_KEYS.items():
+        if launcher.get(key):
+            refuse(f"hydra.launcher.{key}", f"{why} (a config may not run code); set it in your cluster's profile")
+    for name in launcher.get("additional_parameters") or {}:
+        if name not in ALLOWED_SBATCH_PARAMETERS:
+            allowed = ", ".join(sorted(ALLOWED_SBATCH_PARAMETERS))
+            refuse(
+                f"hydra.launcher.additional_parameters.{name}",
+                f"a raw sbatch option; allowed: {allowed}, or the launcher's own keys (partition, account, gres, ...)",
+            )
+    folder = launcher.get("submitit_folder")
+    if folder is not None and not (str(folder).startswith("${hydra.sweep.dir}/") and ".." not in str(folder)):
+        refuse("hydra.launcher.submitit_folder", "goes in the sweep folder: ${hydra.sweep.dir}/.submitit/%j", folder)
+    ray = launcher.get("ray") or {}
+    for part, allowed in (("init", ALLOWED_RAY_INIT), ("remote", ALLOWED_RAY_REMOTE)):
+        for key in ray.get(part) or {}:
+            if key not in allowed:
+                why = "not allowed"
+                if key == "runtime_env":
+                    why = "installs packages, runs setup hooks and sets variables (a config may not run code)"
+                refuse(f"hydra.launcher.ray.{part}.{key}", f"{why}; allowed here: {', '.join(sorted(allowed))}")
 
 
 def check_logging(node: Any, path: str) -> None:

@@ -114,7 +114,7 @@ class JobWorker:
 
     # ---- the loop's thread ----
     def run(self) -> None:
-        from mlxcel.runner import select_device
+        from mlxcel.devices import select_device
 
         try:
             began = time.perf_counter()

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import mlx.core as mx
-
 from mlxcel.batch_files import write_batch_output
 from mlxcel.config import RunConfig
+from mlxcel.devices import claim_gpu, select_device
 from mlxcel.engine import RowResult
-from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
+from mlxcel.errors import MlxcelError
 from mlxcel.jobs import expand_samples, hash_row, hash_samples, input_files, load_job_rows
 from mlxcel.outputs import (
     HEADLINE_FIELDS,
@@ -57,7 +56,10 @@ def run(
     log: TextIO | None = sys.stderr,
     overrides: list[str] | None = None,
     keep_weights: bool = False,
+    sweep_job: tuple[Path, int] | None = None,
 ) -> RunResult:
+    """`sweep_job`: (sweep folder, job number) where a launcher runs a sweep's jobs side by side:
+    the job claims a GPU of its own (mlxcel.devices)."""
     # A refused start (another run's folder, a resume with another config, an input the run would
     # write over) leaves the folder as it was: no failure stats over another run's.
     samples = expand_samples(load_job_rows(cfg.prompt, cfg.sampler))  # 1
@@ -66,8 +68,12 @@ def run(
     )  # 2
     outputs = RunOutputs(out_dir)
     report: dict = {"status": "running", "overrides": list(overrides or [])}
+    claim = None
     try:
-        select_device(cfg.runner.device)
+        if sweep_job is not None and cfg.runner.backend == "local" and cfg.runner.device != "cpu":
+            claim = claim_gpu(*sweep_job)
+            report["gpu_claim"] = claim.describe() if claim else None
+        select_device(cfg.runner.device, claim)
         report["environment"] = read_environment()
         outputs.write_config(cfg.resolved_dict())
         # (on Ray the workers load the weights; this process needs the tokenizer and template)
@@ -83,17 +89,8 @@ def run(
         raise
     finally:
         release_run_folder(out_dir)
-
-
-def select_device(device: str) -> None:
-    if device == "cpu":
-        mx.set_default_device(mx.cpu)
-    elif device == "gpu":
-        if not mx.is_available(mx.gpu):
-            raise ConfigError(
-                ConfigIssue("runner.device", "no GPU backend is available in this MLX build; use auto or cpu", device)
-            )
-        mx.set_default_device(mx.gpu)
+        if claim is not None:
+            claim.release()
 
 
 def describe_model(pipeline: Pipeline) -> dict:

@@ -9,8 +9,11 @@ hands over plain data (the job's overrides already parsed into `params`).
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +101,15 @@ def describe_unchanged(rows: list[dict], swept: list[str]) -> str | None:
             f"{len(done)} jobs: their figures differ by noise only"
         )
     return None
+
+
+@contextmanager
+def lock_summary(sweep_dir: Path) -> Iterator[None]:
+    """One job at a time adds its row and rewrites the files: a launcher (joblib, submitit, Ray)
+    ends jobs in several processes at once."""
+    with open(Path(sweep_dir) / ".summary.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # (closing the file drops the lock)
 
 
 def append_summary_row(sweep_dir: Path, row: dict) -> None:

@@ -93,10 +93,10 @@ def test_the_jobs_bench_runs_on_ray_workers(tmp_path, tiny_llama, cluster, capsy
     one, two = model["ray"]
     assert (one["workers"], two["workers"]) == (1, 2) and len(two["worker_figures"]) == 2
     expected = sum(json.loads(out.read_text())["job"]["output_lengths"])
-    for run in (one, two):
-        assert run["metrics"]["generated_tokens"] == expected and run["metrics"]["gen_tok_s"] > 0
-        assert sum(f["rows"] for f in run["worker_figures"]) == 6
-        assert all(0 < f["occupancy"] <= 2 and f["warm_up_s"] > 0 for f in run["worker_figures"])
+    for result in (one, two):
+        assert result["metrics"]["generated_tokens"] == expected and result["metrics"]["gen_tok_s"] > 0
+        assert sum(f["rows"] for f in result["worker_figures"]) == 6
+        assert all(0 < f["occupancy"] <= 2 and f["warm_up_s"] > 0 for f in result["worker_figures"])
     assert "6/6 rows the same with 1, 2 worker(s)" in printed and "0 rows off their output length" in printed
 
 

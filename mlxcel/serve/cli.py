@@ -114,9 +114,10 @@ class Server:
         self.stopped_by: str | None = None
 
     def open(self) -> None:
+        from mlxcel.devices import select_device
         from mlxcel.outputs import RunOutputs, claim_run_folder
         from mlxcel.pipeline import Pipeline
-        from mlxcel.runner import describe_model, select_device
+        from mlxcel.runner import describe_model
         from mlxcel.serve.app import ServeApp, make_app
         from mlxcel.serve.engine import ServeEngine
         from mlxcel.serve.records import ServeRecords

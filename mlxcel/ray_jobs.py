@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -212,6 +213,7 @@ def connect(ray, settings: RayConfig, log: TextIO | None) -> bool:
     runtime_env = {"env_vars": describe_worker_environment(dict(os.environ))}
     where = settings.address or "a local cluster"
     say(log, f"ray: connecting to {where}")
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         check_reachable(settings.address)  # (Ray itself retries an address that does not answer for minutes)
         ray.init(
@@ -221,6 +223,10 @@ def connect(ray, settings: RayConfig, log: TextIO | None) -> bool:
             logging_level="ERROR",
             log_to_driver=False,
         )
+        # ray.init installs its own SIGTERM handler (exit 15 on the spot): keep the run's, which
+        # ends the job as Ctrl-C does, its rows kept and stats.json saying so
+        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
     except Exception as exc:  # ConnectionError, RuntimeError, ValueError: Ray's own words say which
         raise ConfigError(
             ConfigIssue(

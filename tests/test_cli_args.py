@@ -26,7 +26,7 @@ STUB = """
 import json, sys, types
 import mlxcel
 stub = types.ModuleType("mlxcel.runner")
-def run(cfg, out_dir, overrides=None, keep_weights=False):
+def run(cfg, out_dir, overrides=None, keep_weights=False, sweep_job=None):
     print(json.dumps({"text": cfg.prompt.text, "system": cfg.prompt.system, "template": cfg.template.text,
                       "out_dir": str(out_dir)}))
     return {"ok": True}
@@ -113,7 +113,7 @@ def stub_runner(monkeypatch, tmp_path):
     calls: list[tuple] = []
     effect: dict = {}
 
-    def run(cfg, out_dir, overrides=None, keep_weights=False):
+    def run(cfg, out_dir, overrides=None, keep_weights=False, sweep_job=None):
         calls.append((cfg, out_dir))
         effect["overrides"] = overrides
         if "raise" in effect:

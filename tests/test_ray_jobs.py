@@ -138,3 +138,54 @@ def test_a_cluster_that_cannot_be_reached_is_a_config_error(tmp_path, tiny_llama
         ray.shutdown()
     with pytest.raises(ConfigError, match="runner.ray.address: no Ray cluster could be reached"):
         run_job(tmp_path, tiny_llama, make_rows(2), "nowhere", backend="ray", ray={"address": "127.0.0.1:1"})
+
+
+def test_sigterm_to_the_driver_keeps_its_rows_and_a_resume_finishes_the_job(tmp_path, tiny_llama):
+    """mlxcel-run on Ray (its own local cluster) stopped by SIGTERM once rows are written: exit
+    143, the rows kept; runner.resume=true writes the others, every id once,
+    with the tokens of a local run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import REPO
+
+    rows = make_rows(10)
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_llama}", "model.max_context=256", "template=none", f"prompt.file={path}"]
+    args += ["decode.max_tokens=40", "sampler=temperature", "sampler.seed=3", "runner.max_rows=1"]
+    args += ["runner.backend=ray", "runner.ray.workers=1", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    generations = run_dir / "generations.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (generations.exists() and generations.read_text().count("\n") >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr.decode()[-2000:]
+    kept = read_rows(run_dir)
+    assert 2 <= len(kept) < len(rows)
+    assert json.loads((run_dir / "stats.json").read_text())["status"] == "interrupted"
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "mlxcel", *args, "runner.resume=true"], cwd=tmp_path, env=env, capture_output=True
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    ids = [r["id"] for r in read_rows(run_dir)]
+    assert sorted(ids) == sorted(r["id"] for r in rows)  # every id once
+    local_dir = tmp_path / "local"
+    local_args = [a for a in args if not a.startswith(("runner.backend", "runner.ray", "hydra.run.dir"))]
+    local = subprocess.run(
+        [sys.executable, "-m", "mlxcel", *local_args, f"hydra.run.dir={local_dir}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+    )
+    assert local.returncode == 0
+    tokens = {r["id"]: r["token_ids"] for r in read_rows(run_dir)}
+    assert tokens == {r["id"]: r["token_ids"] for r in read_rows(local_dir)}

@@ -120,7 +120,9 @@ def bench_ray(
                 "cpus_per_worker": args.cpus_per_worker,
                 "gpus_per_worker": args.gpus_per_worker,
             }
-            cfg = compose_config(folder, tokenizer_dir, dtype, args.max_rows, backend="ray", ray=settings)
+            cfg = compose_config(
+                folder, tokenizer_dir, dtype, args.max_rows, not args.no_prompt_cache, backend="ray", ray=settings
+            )
             started_here = connect(ray, cfg.runner.ray, sys.stderr) or started_here
             warm_up = make_samples(warm_up_job.prompts, warm_up_job.output_lengths, prefix="warm-up-")
             runs.append(run_workers(cfg, job, warm_up))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import mlx.core as mx
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
@@ -217,3 +218,25 @@ def test_the_segmented_decode_step_gives_the_eager_tokens(model, monkeypatch):
         r.token_ids for r in schedule(model, GREEDY, prompts, range(6), lengths, max_rows=3, chunk_size=16).results
     ] == eager
     assert used and set(used) == {"segmented"}  # the segmented step ran the decode steps
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_a_grown_pool_keeps_what_it_held(kv_bits):
+    """PageTable.grow adds blocks; each layer pads its pool at its next access, and the positions
+    written before read back as they were (plain and quantized pools)."""
+    from mlxcel.models.paged_cache import PageTable, make_paged_caches
+
+    table = PageTable(2, max_rows=2, max_positions=8 * BLOCK_SIZE, max_blocks=8)
+    (cache,) = make_paged_caches(1, table, kv_bits=kv_bits, kv_group_size=32)
+    first = mx.arange(2 * BLOCK_SIZE, dtype=mx.int32)
+    stored = [mx.random.normal((2 * BLOCK_SIZE, 2, 32), key=mx.random.key(i)) for i in range(2)]
+    if kv_bits:
+        stored = [p for x in stored for p in mx.quantize(x, group_size=32, bits=kv_bits)]
+    cache.write_positions(first, stored)
+    assert table.grow(5) and table.num_blocks == 8 and table.free_blocks == 8  # 2 -> 4 -> 8 (doubling)
+    assert not table.grow(9)  # past max_blocks
+    later = mx.arange(6 * BLOCK_SIZE, 8 * BLOCK_SIZE, dtype=mx.int32)
+    cache.write_positions(later, stored)  # into the new blocks
+    for index in (first, later):
+        for got, want in zip(cache.read_positions(index), stored):
+            assert mx.array_equal(got, want)

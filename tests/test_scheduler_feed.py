@@ -114,3 +114,31 @@ def test_cancelled_rows_end_where_they_are_and_free_their_slots(model):
     assert 0 < len(results[0].token_ids) < 30 and results[0].token_ids == expected_0[: len(results[0].token_ids)]
     assert tokens.get(0, []) == results[0].token_ids
     assert results[3].token_ids == run_alone(model, GREEDY, prompts[3], 3, 30).token_ids
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "prompt-cache"])
+def test_an_open_loops_pool_starts_small_and_grows_as_rows_need(model, monkeypatch, cached):
+    """From one block, the pool doubles as rows are admitted (a later row adopting a cached
+    prefix writes into blocks added after the prefix was cached); tokens are each row's alone."""
+    from mlxcel.engine import scheduler
+    from mlxcel.models.paged_cache import PageTable
+
+    monkeypatch.setattr(scheduler, "OPEN_POOL_POSITIONS", 1)
+    sizes = []
+    grow = PageTable.grow
+
+    def record_growth(table, needed):
+        sizes.append(table.num_blocks)
+        return grow(table, needed)
+
+    monkeypatch.setattr(PageTable, "grow", record_growth)
+    prompts = make_token_prompts(6, 9)
+    prompts[4] = prompts[0] + prompts[4]
+    lengths = [12, 30, 5, 25, 18, 9]
+    expected = [run_alone(model, GREEDY, p, 100 + i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
+    rows = [(100 + i, RowRequest(p, row_id=100 + i, max_tokens=m)) for i, (p, m) in enumerate(zip(prompts, lengths))]
+    feed = ScriptedFeed({0: rows[:1], 2: rows[1:3], 9: rows[3:]})
+    results, _ = run_feed(model, feed, prompt_cache=PromptCache(20_000_000) if cached else None)
+    assert {i: r.token_ids for i, r in results.items()} == {100 + i: e for i, e in enumerate(expected)}
+    assert sizes[0] == 1 and len(set(sizes)) > 2  # one block at first, then it grew more than once
+    assert max(sizes) <= 3 * 512 // 32  # never past max_rows rows of the whole context

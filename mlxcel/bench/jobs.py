@@ -226,6 +226,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ray.add_argument("--workers", type=parse_ints, default=[1], help="worker counts, comma-separated, each run in turn")
     ray.add_argument("--address", help="a running cluster's address (default: start a local one)")
+    ray.add_argument(
+        "--max-context",
+        type=int,
+        help="model.max_context (default: the checkpoint's); a worker's KV pool holds max-rows rows of it",
+    )
     ray.add_argument("--cpus-per-worker", type=float, default=1.0, help="runner.ray.cpus_per_worker")
     ray.add_argument(
         "--gpus-per-worker", type=float, help="runner.ray.gpus_per_worker (default: 1 where MLX has a GPU, else 0)"
@@ -332,12 +337,19 @@ class DiscardedOutputs:
 
 
 def compose_config(
-    folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True, **runner
+    folder: Path,
+    tokenizer_dir: Path,
+    dtype: mx.Dtype,
+    max_rows: int,
+    prompt_cache: bool = True,
+    max_context: int | None = None,
+    **runner,
 ) -> RunConfig:
     """Composed as mlxcel-run composes a config (conf/ defaults: greedy sampler), plus the job's settings."""
+    model = {"path": str(folder), "dtype": dtype_name(dtype)}
     return load_config(
         {
-            "model": {"path": str(folder), "dtype": dtype_name(dtype)},
+            "model": model if max_context is None else {**model, "max_context": max_context},
             "tokenizer": {"path": str(tokenizer_dir), "kind": "hf"},
             "template": {"kind": "none"},
             "decode": {"ignore_eos": True},  # each row's max_tokens is its output length

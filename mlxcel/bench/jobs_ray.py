@@ -121,7 +121,14 @@ def bench_ray(
                 "gpus_per_worker": args.gpus_per_worker,
             }
             cfg = compose_config(
-                folder, tokenizer_dir, dtype, args.max_rows, not args.no_prompt_cache, backend="ray", ray=settings
+                folder,
+                tokenizer_dir,
+                dtype,
+                args.max_rows,
+                not args.no_prompt_cache,
+                args.max_context,
+                backend="ray",
+                ray=settings,
             )
             started_here = connect(ray, cfg.runner.ray, sys.stderr) or started_here
             warm_up = make_samples(warm_up_job.prompts, warm_up_job.output_lengths, prefix="warm-up-")

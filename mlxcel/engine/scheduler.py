@@ -58,6 +58,7 @@ MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer dist
 # queueing the forward pass and compute the masks on a thread while it is encoded (H200, batch 32:
 # 0.87 of free throughput against 0.65 masks-after; batch 1: 0.74 against 0.86; docs/benchmarks.md)
 THREADED_MASK_ROWS = 8
+OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow as rows need: PageTable.grow)
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
 
@@ -272,7 +273,11 @@ class BatchScheduler:
         per_block = self.per_block
         num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
         kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
-        table = PageTable(num_blocks, self.max_rows, self.max_context + (request.tile_size or 0) + BLOCK_SIZE, *kernels)
+        most = num_blocks
+        if feed is not None and not kernels[0]:  # plain pools start small, grow as rows arrive (PageTable.grow)
+            num_blocks = min(num_blocks, count_blocks(OPEN_POOL_POSITIONS))
+        positions = self.max_context + (request.tile_size or 0) + BLOCK_SIZE
+        table = PageTable(num_blocks, self.max_rows, positions, *kernels, max_blocks=most)
         caches = make_paged_caches(
             len(self.model.model.layers), table, layer_windows(self.model), request.kv_bits, request.kv_group_size
         )
@@ -375,7 +380,7 @@ class BatchScheduler:
                     break
                 if reuse is not None and reuse.should_wait(row):
                     continue
-                if count_blocks(self.reserved_positions(row, request)) > table.free_blocks:
+                if not table.grow(count_blocks(self.reserved_positions(row, request))):
                     break
                 waiting.remove(row)
                 row.slot = free_slots.pop(0)

@@ -43,9 +43,17 @@ class PageTable:
     """The host side: which blocks each row slot owns and how many positions it holds."""
 
     def __init__(
-        self, num_blocks: int, max_rows: int, max_positions: int, in_place: bool = False, decode_kernel: bool = False
+        self,
+        num_blocks: int,
+        max_rows: int,
+        max_positions: int,
+        in_place: bool = False,
+        decode_kernel: bool = False,
+        max_blocks: int | None = None,
     ):
         self.num_blocks = num_blocks
+        # up to this many as rows need them (grow); the in-place kernels' pools keep their size
+        self.max_blocks = num_blocks if in_place or max_blocks is None else max(num_blocks, max_blocks)
         self.in_place = in_place  # the pools are written in place by paged_attention's kernels
         # the model's attention takes PagedMask objects: decode reads the blocks in place, prefill
         # pieces run at bucketed shapes
@@ -64,6 +72,23 @@ class PageTable:
     @property
     def free_blocks(self) -> int:
         return len(self.free)
+
+    def grow(self, needed: int) -> bool:
+        """Make `needed` blocks free by growing the pool (doubling, up to max_blocks); False if
+        it cannot. The layers pad their pools to the new size at their next access (fit). An open
+        feed's rows are unknown in advance: a pool sized for max_rows rows of the whole context
+        costs seconds of page faults on the CPU before the first token (3 GB for SmolLM2)."""
+        short = needed - len(self.free)
+        if short <= 0:
+            return True
+        size = self.num_blocks
+        while size - self.num_blocks < short and size < self.max_blocks:
+            size = min(self.max_blocks, size * 2)
+        if size - self.num_blocks < short:
+            return False
+        self.free += list(range(self.num_blocks, size))  # (higher than every block: still lowest first)
+        self.num_blocks = size
+        return True
 
     def reserve(self, slot: int, positions: int) -> None:
         """Give `slot` blocks for `positions` positions in all (the caller checked free_blocks)."""
@@ -288,10 +313,11 @@ class PagedKVCache:
         B, heads, L, _ = keys.shape
         if self.table.in_place:
             return self.write_in_place(step, keys, values)
+        size = self.table.num_blocks * BLOCK_SIZE
         if self.keys is None:
-            size = self.table.num_blocks * BLOCK_SIZE
             self.keys = mx.zeros((size, heads, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
+        self.keys, self.values = fit(self.keys, size), fit(self.values, size)
         new_keys = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
         new_values = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
         write = step.write
@@ -339,10 +365,11 @@ class PagedKVCache:
                 )
             paged_attention.write_positions(self.pool, keys, values, index)
             return
+        size = self.table.num_blocks * BLOCK_SIZE
         if self.keys is None:
-            size = self.table.num_blocks * BLOCK_SIZE
             self.keys = mx.zeros((size, *keys.shape[1:]), keys.dtype)
             self.values = mx.zeros((size, *values.shape[1:]), values.dtype)
+        self.keys, self.values = fit(self.keys, size), fit(self.values, size)
         self.keys[index] = keys
         self.values[index] = values
 
@@ -352,6 +379,12 @@ class PagedKVCache:
         if self.pool is not None:
             return [self.pool.done]
         return [] if self.keys is None else [self.keys, self.values]
+
+
+def fit(pool: mx.array, positions: int) -> mx.array:
+    """`pool` with zero positions added up to `positions` (after PageTable.grow)."""
+    extra = positions - pool.shape[0]
+    return pool if extra <= 0 else mx.concatenate([pool, mx.zeros((extra, *pool.shape[1:]), pool.dtype)])
 
 
 def gather_blocks(pool: mx.array, step: StepIndices, contiguous: bool = True) -> mx.array:
@@ -386,11 +419,12 @@ class QuantizedPagedKVCache(PagedKVCache):
             mx.quantize(x.transpose(0, 2, 1, 3).reshape(B * L, heads, D), group_size=self.group_size, bits=self.bits)
             for x in (keys, values)
         ]
+        size = self.table.num_blocks * BLOCK_SIZE
         if self.parts is None:
             check_head_dim(D, self.group_size)
             self.dtype = keys.dtype
-            size = self.table.num_blocks * BLOCK_SIZE
             self.parts = tuple(tuple(mx.zeros((size, *p.shape[1:]), p.dtype) for p in parts) for parts in new)
+        self.parts = tuple(tuple(fit(p, size) for p in parts) for parts in self.parts)
         for stored, written in zip(self.parts, new):
             for part, new_part in zip(stored, written):
                 part[step.write] = new_part
@@ -408,11 +442,12 @@ class QuantizedPagedKVCache(PagedKVCache):
         return [p[index] for parts in self.parts for p in parts]
 
     def write_positions(self, index: mx.array, stored: list[mx.array]) -> None:
+        size = self.table.num_blocks * BLOCK_SIZE
         if self.parts is None:
-            size = self.table.num_blocks * BLOCK_SIZE
             grouped = (stored[:3], stored[3:])
             self.parts = tuple(tuple(mx.zeros((size, *a.shape[1:]), a.dtype) for a in parts) for parts in grouped)
             self.dtype = stored[1].dtype  # the scales are in the model's dtype
+        self.parts = tuple(tuple(fit(p, size) for p in parts) for parts in self.parts)
         for part, value in zip([p for parts in self.parts for p in parts], stored):
             part[index] = value
 

@@ -100,3 +100,11 @@ def test_the_uniform_job_has_the_mean_lengths_and_the_peak_ratio_is_printed(tiny
         line.startswith(f"{tiny_llama.name} mlxcel peak memory, ragged / uniform") and line.endswith(f"= {ratio:.2f}")
         for line in lines
     ), lines
+
+
+def test_reruns_count_the_rows_that_repeat_their_token_ids(tiny_llama, tmp_path, capsys):
+    report, lines = run_tiny_job(tiny_llama, tmp_path, capsys, "mlxcel", "--reruns", "2")
+    (model,) = report["models"]
+    # greedy on the CPU in fp32: every row repeats exactly
+    assert model["reruns"] == f"{model['model']} mlxcel reruns: 5/5 rows drew the same token ids in all 3 runs"
+    assert model["reruns"] in lines

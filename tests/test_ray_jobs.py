@@ -189,4 +189,3 @@ def test_sigterm_to_the_driver_keeps_its_rows_and_a_resume_finishes_the_job(tmp_
     assert local.returncode == 0
     tokens = {r["id"]: r["token_ids"] for r in read_rows(run_dir)}
     assert tokens == {r["id"]: r["token_ids"] for r in read_rows(local_dir)}
-

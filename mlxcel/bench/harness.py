@@ -70,14 +70,16 @@ def make_prompts(batch: int, length: int, vocab_size: int, seed: int = 0) -> lis
     return rng.integers(low, vocab_size, size=(batch, length)).tolist()
 
 
-def compare_token_ids(ours: list[list[int]], theirs: list[list[int]]) -> str:
+def compare_token_ids(
+    ours: list[list[int]], theirs: list[list[int]], names: tuple[str, str] = ("mlxcel", "mlx-lm")
+) -> str:
     """'agree', or where the first row that differs first differs."""
     for row, (a, b) in enumerate(zip(ours, theirs)):
         if a != b:
             position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            mlxcel_id = a[position] if position < len(a) else None
-            mlx_lm_id = b[position] if position < len(b) else None
-            return f"row {row} differs at token {position} (mlxcel {mlxcel_id}, mlx-lm {mlx_lm_id})"
+            first = a[position] if position < len(a) else None
+            second = b[position] if position < len(b) else None
+            return f"row {row} differs at token {position} ({names[0]} {first}, {names[1]} {second})"
     return "agree"
 
 

@@ -115,6 +115,7 @@ class ModelResult:
     job: Job
     runs: dict[str, JobRun]
     uniform: JobRun | None = None  # mlxcel on the rows at their mean lengths (--uniform)
+    reruns: list[JobRun] | None = None  # mlxcel's job run again (--reruns): the same token ids?
     ray: list | None = None  # --backend ray: a jobs_ray.RayRun per worker count
 
     @property
@@ -144,6 +145,8 @@ class ModelResult:
                 f"{self.model} mlxcel peak memory, ragged / uniform at the mean lengths: {ragged / 1e9:.3f} / "
                 f"{uniform / 1e9:.3f} GB = {ragged / uniform:.2f}"
             )
+        if self.reruns:
+            lines.append(self.describe_reruns())
         if self.ray:
             from mlxcel.bench.jobs_ray import describe_agreement
 
@@ -162,6 +165,16 @@ class ModelResult:
             )
         return lines
 
+    def describe_reruns(self) -> str:
+        first = self.runs["mlxcel"].token_ids
+        same = sum(all(run.token_ids[i] == ids for run in self.reruns) for i, ids in enumerate(first))
+        differences = [compare_token_ids(first, run.token_ids, ("first run", "rerun")) for run in self.reruns]
+        detail = "".join(f"; rerun {k + 1}: {d}" for k, d in enumerate(differences) if d != "agree")
+        return (
+            f"{self.model} mlxcel reruns: {same}/{len(first)} rows drew the same token ids in all "
+            f"{len(self.reruns) + 1} runs{detail}"
+        )
+
     def to_dict(self) -> dict:
         return {
             "model": self.model,
@@ -178,6 +191,7 @@ class ModelResult:
             if self.uniform is None
             else {**self.uniform.metrics(), "scheduler": self.uniform.scheduler},
             "ray": None if self.ray is None else [run.to_dict() for run in self.ray],
+            "reruns": None if not self.reruns else self.describe_reruns(),
         }
 
 
@@ -214,6 +228,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "also run mlxcel on the same rows at their mean lengths (same ids, max rows) and print the ragged job's "
             "peak memory against it"
         ),
+    )
+    parser.add_argument(
+        "--reruns",
+        type=int,
+        default=0,
+        help="run mlxcel's job this many more times and count the rows whose token ids repeat exactly",
     )
     parser.add_argument(
         "--no-prompt-cache",
@@ -471,6 +491,10 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
         runs[name] = measure(run, job, weight_bytes)
         log(f"{label} {name}: {format_run(runs[name])}")
     result = ModelResult(label, job, runs)
+    if args.reruns and "mlxcel" in engines:
+        run, weight_bytes = engines["mlxcel"]
+        result.reruns = [measure(run, job, weight_bytes) for _ in range(args.reruns)]
+        log(f"{label} mlxcel: {result.describe_reruns()}")
     if args.uniform and "mlxcel" in engines:
         run, weight_bytes = engines["mlxcel"]
         result.uniform = measure(run, make_uniform(job), weight_bytes)

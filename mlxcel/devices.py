@@ -19,7 +19,7 @@ from typing import IO
 
 import mlx.core as mx
 
-from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 
 FAKE_GPU_COUNT = "MLXCEL_FAKE_GPU_COUNT"
 
@@ -45,6 +45,10 @@ def count_gpus() -> tuple[int, bool]:
     """(GPUs this process sees, whether the count is MLXCEL_FAKE_GPU_COUNT's)."""
     fake = os.environ.get(FAKE_GPU_COUNT)
     if fake:
+        if not fake.isdigit():
+            raise MlxcelError(
+                f"${FAKE_GPU_COUNT} must be a count of GPUs, like 2 (got {fake!r}); unset it to count the real ones"
+            )
         return int(fake), True
     return (mx.device_count(mx.gpu) if mx.is_available(mx.gpu) else 0), False
 

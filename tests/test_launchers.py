@@ -153,3 +153,11 @@ def test_a_failed_job_on_joblib_is_counted_and_the_others_run(tmp_path, tiny_lla
     assert stderr.splitlines()[-1] == f"mlxcel: 4 of 8 jobs failed; summary: {sweep / 'summary.csv'}"
     statuses = [row["status"] for row in read_summary(sweep)]
     assert statuses.count("failed") == 4 and statuses.count("completed") == 4
+
+
+def test_a_faked_gpu_count_that_is_not_a_count_is_an_error(tmp_path, monkeypatch):
+    from mlxcel.errors import MlxcelError
+
+    monkeypatch.setenv(FAKE_GPU_COUNT, "two")
+    with pytest.raises(MlxcelError, match="must be a count of GPUs"):
+        claim_gpu(tmp_path, 0)

@@ -109,6 +109,7 @@ class JobWorker:
                 busy_s=round(busy_s, 3),
                 generated_tok_per_sec=round(stats.generated_tokens / busy_s, 3) if busy_s > 0 else 0.0,
                 occupancy=round(stats.rows_decoding_sum / max(1, stats.decode_steps), 3),
+                host_ms_per_step=round(stats.host_ms / max(1, stats.iterations), 3),
                 peak_memory_gb=round(mx.get_peak_memory() / 1e9, 4),
             )
         return figures, stats, time.perf_counter()

@@ -167,7 +167,21 @@ def format_ray_table(label: str, runs: list[RayRun]) -> str:
                 f"{m['peak_gb']:.3f}",
             )
         )
-    workers = [("workers", "worker", "node", "device", "rows", "tokens", "busy s", "tok/s", "occupancy", "peak GB")]
+    workers = [
+        (
+            "workers",
+            "worker",
+            "node",
+            "device",
+            "rows",
+            "tokens",
+            "busy s",
+            "tok/s",
+            "occupancy",
+            "host ms/step",
+            "peak GB",
+        )
+    ]
     for run in runs:
         for f in run.figures:
             workers.append(
@@ -181,6 +195,7 @@ def format_ray_table(label: str, runs: list[RayRun]) -> str:
                     f"{f.get('busy_s', 0.0):.1f}",
                     f"{f.get('generated_tok_per_sec', 0.0):.1f}",
                     f"{f.get('occupancy', 0.0):.2f}",
+                    f"{f.get('host_ms_per_step', 0.0):.2f}",
                     f"{f.get('peak_memory_gb', 0.0):.3f}",
                 )
             )

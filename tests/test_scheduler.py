@@ -87,6 +87,27 @@ def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
     assert grouped > 0 and (padded > 0) == ragged
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
+def test_half_precision_schedules_equal_each_row_alone_on_the_cpu(tiny_llama, sampler, dtype):
+    """MLX's CPU kernels reduce in one order whatever the row count, so in bf16 and fp16 too a
+    row's tokens do not depend on what shares its batch or how its prompt is cut (on a GPU they
+    can: docs/jobs.md)."""
+    half = load_model(str(tiny_llama), dtype=dtype).model
+    prompts = make_token_prompts(0, 9)
+    lengths = [random.Random(i).randint(8, 40) for i in range(9)]
+    expected = [run_alone(half, sampler, p, i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
+    for seed in range(4):
+        rng = random.Random(seed)
+        order = rng.sample(range(9), 9)
+        max_rows, chunk = rng.choice([1, 2, 3, 9]), rng.choice([None, 1, 7, 32])
+        state = schedule(
+            half, sampler, [prompts[i] for i in order], order, [lengths[i] for i in order], max_rows, chunk
+        )
+        got = {order[k]: r.token_ids for k, r in enumerate(state.results)}
+        assert got == dict(enumerate(expected)), (seed, max_rows, chunk)
+
+
 def test_a_lone_rows_odd_piece_is_padded_and_exact(model):
     """Ragged prefill pads a lone row's piece to a power of two too (a new query length costs
     cuDNN a graph build); the padding is neither cached nor attended to."""

@@ -3,7 +3,7 @@ unpacked site-packages tree in one .tar.xz, for the lent GPU machine (no network
 
     python scripts/build_ray_kit.py --out .gpu/ray-2.60.0-cp312-kit.tar.xz
 
-and there (see ../shared/device/README.md for the MLX half):
+and there (docs/benchmarks.md, "Running on a GPU machine without a package registry", has the MLX half):
 
     tar -xJf .gpu/ray-2.60.0-cp312-kit.tar.xz -C .gpu/site && export PYTHONPATH=$PWD/.gpu/site:$PWD
 

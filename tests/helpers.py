@@ -368,6 +368,31 @@ def run_cli(tmp_path: Path, *args: str, env: dict | None = None, run: str = "run
     )
 
 
+def stop_cli_after_rows(
+    tmp_path: Path, args: list[str], run_dir: Path, rows: int, sig: int, env: dict | None = None
+) -> tuple[int, str]:
+    """mlxcel-run `args` in a subprocess, sent `sig` once run_dir's generations.jsonl holds `rows`
+    rows: (its exit code, its stderr)."""
+    import time
+
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", *args],
+        cwd=tmp_path,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    generations = run_dir / "generations.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (generations.exists() and generations.read_text().count("\n") >= rows):
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stderr
+
+
 def read_run(tmp_path: Path, run: str = "run") -> tuple[dict, list[dict], dict]:
     run_dir = tmp_path / run
     stats = json.loads((run_dir / "stats.json").read_text())

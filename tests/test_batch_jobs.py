@@ -184,13 +184,9 @@ def test_inline_rows_and_dry_run(tmp_path, tiny_llama):
 
 @pytest.mark.slow  # starts mlxcel-run (or Python) in a subprocess
 def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
 
-    from tests.helpers import REPO
+    from tests.helpers import stop_cli_after_rows
 
     rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": i, "prompt": f"row {i}"} for i in range(6)])
     run_dir = tmp_path / "run"
@@ -203,21 +199,9 @@ def test_ctrl_c_keeps_every_finished_row(tmp_path, tiny_llama):
         "runner.max_rows=1",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxcel", *args],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    code, stderr = stop_cli_after_rows(tmp_path, args, run_dir, 1, signal.SIGINT)
     generations = run_dir / "generations.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (generations.exists() and generations.read_text().count("\n") >= 1):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
+    assert code == 130, stderr
     rows = [json.loads(line) for line in generations.read_text().splitlines()]
     assert 1 <= len(rows) < 6 and all(len(r["token_ids"]) == 480 for r in rows)
     stats = json.loads((run_dir / "stats.json").read_text())

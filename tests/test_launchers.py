@@ -127,20 +127,17 @@ def test_a_joblib_sweep_runs_jobs_side_by_side_each_on_its_own_gpu(tmp_path, tin
 
 
 @pytest.mark.slow
-def test_a_submitit_local_sweep_gives_the_same_summary(tmp_path, tiny_llama, basic_sweep):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    sweep, _ = run_sweep(
-        tmp_path, tiny_llama, "submitit", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5"
-    )
-    assert read_summary(sweep) == read_summary(basic_sweep)
-
-
-@pytest.mark.slow
-def test_a_ray_launcher_sweep_gives_the_same_summary(tmp_path, tiny_llama, basic_sweep):
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
-    sweep, _ = run_sweep(
-        tmp_path, tiny_llama, "ray", "hydra/launcher=ray_cluster", "hydra.launcher.ray.init.num_cpus=2"
-    )
+@pytest.mark.parametrize(
+    ("plugin", "launcher"),
+    [
+        ("hydra_submitit_launcher", ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5"]),
+        ("hydra_ray_launcher", ["hydra/launcher=ray_cluster", "hydra.launcher.ray.init.num_cpus=2"]),
+    ],
+    ids=["submitit-local", "ray"],
+)
+def test_a_sweep_on_another_launcher_gives_the_same_summary(tmp_path, tiny_llama, basic_sweep, plugin, launcher):
+    pytest.importorskip(f"hydra_plugins.{plugin}")
+    sweep, _ = run_sweep(tmp_path, tiny_llama, plugin, *launcher)
     assert read_summary(sweep) == read_summary(basic_sweep)
 
 

@@ -147,9 +147,8 @@ def test_sigterm_to_the_driver_keeps_its_rows_and_a_resume_finishes_the_job(tmp_
     import signal
     import subprocess
     import sys
-    import time
 
-    from tests.helpers import REPO
+    from tests.helpers import REPO, stop_cli_after_rows
 
     rows = make_rows(10)
     path = write_rows(tmp_path / "rows.jsonl", rows)
@@ -158,16 +157,8 @@ def test_sigterm_to_the_driver_keeps_its_rows_and_a_resume_finishes_the_job(tmp_
     args += ["decode.max_tokens=40", "sampler=temperature", "sampler.seed=3", "runner.max_rows=1"]
     args += ["runner.backend=ray", "runner.ray.workers=1", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    generations = run_dir / "generations.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (generations.exists() and generations.read_text().count("\n") >= 2):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 143, stderr.decode()[-2000:]
+    code, stderr = stop_cli_after_rows(tmp_path, args, run_dir, 2, signal.SIGTERM, env)
+    assert code == 143, stderr[-2000:]
     kept = read_rows(run_dir)
     assert 2 <= len(kept) < len(rows)
     assert json.loads((run_dir / "stats.json").read_text())["status"] == "interrupted"

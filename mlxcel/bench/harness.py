@@ -83,6 +83,11 @@ def compare_token_ids(
     return "agree"
 
 
+def count_repeated_rows(first: list[list[int]], others: list[list[list[int]]]) -> int:
+    """Rows whose token ids in `first` are the same in every run of `others`."""
+    return sum(all(run[i] == ids for run in others) for i, ids in enumerate(first))
+
+
 def log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 

@@ -52,7 +52,14 @@ from mlxcel.bench.__main__ import (
     split_models,
 )
 from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
-from mlxcel.bench.harness import align_columns, compare_token_ids, explain_ratios, format_value, log
+from mlxcel.bench.harness import (
+    align_columns,
+    compare_token_ids,
+    count_repeated_rows,
+    explain_ratios,
+    format_value,
+    log,
+)
 from mlxcel.bench.peers import ENGINES, count_weight_bytes, load_peer, synchronize_streams
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.config import RunConfig
@@ -151,7 +158,7 @@ class ModelResult:
             from mlxcel.bench.jobs_ray import describe_agreement
 
             lines += [
-                f"{self.model} ray, {run.workers} worker(s): {run.count_wrong_lengths(self.job)} rows off their "
+                f"{self.model} ray, {run.workers} worker(s): {run.run.count_wrong_lengths(self.job)} rows off their "
                 "output length"
                 for run in self.ray
             ]
@@ -167,7 +174,7 @@ class ModelResult:
 
     def describe_reruns(self) -> str:
         first = self.runs["mlxcel"].token_ids
-        same = sum(all(run.token_ids[i] == ids for run in self.reruns) for i, ids in enumerate(first))
+        same = count_repeated_rows(first, [run.token_ids for run in self.reruns])
         differences = [compare_token_ids(first, run.token_ids, ("first run", "rerun")) for run in self.reruns]
         detail = "".join(f"; rerun {k + 1}: {d}" for k, d in enumerate(differences) if d != "agree")
         return (

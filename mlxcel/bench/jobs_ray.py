@@ -22,9 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from mlxcel.bench.harness import align_columns, log
+from mlxcel.bench.harness import align_columns, count_repeated_rows, log
+from mlxcel.bench.jobs import JobRun, compose_config, format_run
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.progress import Progress
 
@@ -32,30 +31,17 @@ from mlxcel.progress import Progress
 @dataclass
 class RayRun:
     workers: int
-    wall_s: float
-    ttft_s: list[float]  # per row, in job order
-    token_ids: list[list[int]]  # per row, in job order
+    run: JobRun  # the job as the driver saw it; peak_bytes: the largest worker's peak
     figures: list[dict]  # each worker's, as stats.json's ray.workers lists them
 
     def metrics(self) -> dict[str, float]:
-        generated = sum(map(len, self.token_ids))
-        return {
-            "generated_tokens": generated,
-            "gen_tok_s": generated / self.wall_s,
-            "ttft_p50_s": float(np.percentile(self.ttft_s, 50)),
-            "ttft_p95_s": float(np.percentile(self.ttft_s, 95)),
-            "wall_s": self.wall_s,
-            "peak_gb": max(f.get("peak_memory_gb", 0.0) for f in self.figures),
-        }
-
-    def count_wrong_lengths(self, job) -> int:
-        return sum(len(ids) != n for ids, n in zip(self.token_ids, job.output_lengths))
+        return self.run.metrics()
 
     def to_dict(self) -> dict:
         return {
             "workers": self.workers,
             "metrics": self.metrics(),
-            "ttft_s": self.ttft_s,
+            "ttft_s": self.run.ttft_s,
             "worker_figures": self.figures,
         }
 
@@ -97,16 +83,15 @@ def run_workers(cfg, job, warm_up) -> RayRun:
     if misread:
         raise RuntimeError(f"the word-level tokenizer did not read row {misread[0]}'s prompt back as its ids")
     ttft = [at - (row["latency_ms"] - row["ttft_ms"]) / 1000 - start for at, row in rows]
-    return RayRun(
-        cfg.runner.ray.workers, section["wall_s"], ttft, [row["token_ids"] for _, row in rows], section["workers"]
-    )
+    peak_bytes = int(max(f.get("peak_memory_gb", 0.0) for f in section["workers"]) * 1e9)
+    run = JobRun(section["wall_s"], ttft, [row["token_ids"] for _, row in rows], peak_bytes)
+    return RayRun(cfg.runner.ray.workers, run, section["workers"])
 
 
 def bench_ray(
     label: str, folder: Path, tokenizer_dir: Path, args: argparse.Namespace, dtype, job, warm_up_job
 ) -> list[RayRun]:
     """The job at each of args.workers counts, on one cluster."""
-    from mlxcel.bench.jobs import compose_config
     from mlxcel.ray_jobs import connect, import_ray
 
     ray = import_ray()
@@ -133,19 +118,11 @@ def bench_ray(
             started_here = connect(ray, cfg.runner.ray, sys.stderr) or started_here
             warm_up = make_samples(warm_up_job.prompts, warm_up_job.output_lengths, prefix="warm-up-")
             runs.append(run_workers(cfg, job, warm_up))
-            log(f"{label} ray, {count} worker(s): {format_ray_run(runs[-1])}")
+            log(f"{label} ray, {count} worker(s): {format_run(runs[-1].run)}")
     finally:
         if started_here:
             ray.shutdown()
     return runs
-
-
-def format_ray_run(run: RayRun) -> str:
-    m = run.metrics()
-    return (
-        f"{m['generated_tokens']} tokens in {m['wall_s']:.1f} s ({m['gen_tok_s']:.1f} tok/s), TTFT p50 "
-        f"{m['ttft_p50_s']:.2f} s p95 {m['ttft_p95_s']:.2f} s"
-    )
 
 
 def format_ray_table(label: str, runs: list[RayRun]) -> str:
@@ -203,7 +180,7 @@ def format_ray_table(label: str, runs: list[RayRun]) -> str:
 
 
 def describe_agreement(label: str, runs: list[RayRun]) -> str:
-    first = runs[0].token_ids
-    same = sum(all(run.token_ids[i] == ids for run in runs[1:]) for i, ids in enumerate(first))
-    counts = ", ".join(str(run.workers) for run in runs)
+    first = runs[0].run.token_ids
+    same = count_repeated_rows(first, [r.run.token_ids for r in runs[1:]])
+    counts = ", ".join(str(r.workers) for r in runs)
     return f"{label} token ids: {same}/{len(first)} rows the same with {counts} worker(s)"

@@ -142,3 +142,26 @@ def test_an_open_loops_pool_starts_small_and_grows_as_rows_need(model, monkeypat
     assert {i: r.token_ids for i, r in results.items()} == {100 + i: e for i, e in enumerate(expected)}
     assert sizes[0] == 1 and len(set(sizes)) > 2  # one block at first, then it grew more than once
     assert max(sizes) <= 3 * 512 // 32  # never past max_rows rows of the whole context
+
+
+def test_an_idle_wait_for_rows_counts_as_waiting_not_host_work(model):
+    """A worker or server blocked on its feed is not doing host work: host ms per step stays what
+    the steps cost, and the wait after the last row (before the feed closes) is not counted."""
+    import time
+
+    class SlowFeed(ScriptedFeed):
+        def poll(self, idle: bool):
+            if idle:
+                time.sleep(0.5)  # (a server waiting for its next request)
+            return super().poll(idle)
+
+    prompts = make_token_prompts(2, 8)
+    rows = [(100 + i, RowRequest(p, row_id=100 + i, max_tokens=4)) for i, p in enumerate(prompts[:2])]
+    feed = SlowFeed({0: rows[:1], 40: rows[1:]})  # idle polls before each row, none after the last
+    scheduler = BatchScheduler(model, 512, 2, kv_budget_bytes=50_000_000)
+    began = time.perf_counter()
+    for state in scheduler.steps(GenerationRequest([], GREEDY, max_tokens=64), lambda row, token: True, feed=feed):  # noqa: B007 (the last state)
+        pass
+    assert feed.idle_polls == 2 and time.perf_counter() - began >= 1.0
+    assert state.wait_seconds >= 1.0  # both waits came before rows
+    assert 0 < state.host_seconds < 0.5

@@ -361,7 +361,13 @@ class BatchScheduler:
         open_feed = feed is not None
         while waiting or prefilling or len(batch) or inflight or open_feed:
             if open_feed:
-                update = feed.poll(idle=not (waiting or prefilling or len(batch) or inflight))
+                idle = not (waiting or prefilling or len(batch) or inflight)
+                polled = time.perf_counter()
+                update = feed.poll(idle=idle)
+                # blocked until rows came: waiting, not host work (a wait that ends the loop comes
+                # after timings.end, the last read, so it is not counted)
+                if idle and update.rows:
+                    state.wait_seconds += time.perf_counter() - polled
                 open_feed = not update.closed
                 new = [self.make_row(index, r, request) for index, r in update.rows]
                 for row in self.check_rows(new, request, on_row_done):

@@ -537,6 +537,8 @@ class RunnerConfig(Group):
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
     progress: Literal["auto", "bar", "log", "off"] = "auto"  # auto: a bar on a terminal, log lines otherwise
     backend: Literal["local", "ray"] = "local"  # ray: a JSONL job's rows across Ray workers (runner.ray)
+    # each row's token ids equal the row run alone, whatever shares its batch, on every backend (docs/jobs.md)
+    batch_invariant: Bool = False
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @field_validator("name")

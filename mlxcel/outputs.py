@@ -279,7 +279,7 @@ def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], s
 def resolve_setting(key: str, value: Any) -> Any:
     """What a setting means on this machine, where its default changed its spelling:
     prefill.tile_size was null before `auto` (which is null here unless the GPU has Neural
-    Accelerators), and model.fuse and prompt.format were not keys, so a folder written before
+    Accelerators), and model.fuse, prompt.format and runner.batch_invariant were not keys, so a folder written before
     still resumes."""
     if key == "prefill.tile_size":
         from mlxcel.prefill_plan import choose_tile_size
@@ -289,6 +289,8 @@ def resolve_setting(key: str, value: Any) -> Any:
         return True  # folders written before model.fuse was a key fused (unless $MLXCEL_FUSE=0 said otherwise)
     if key == "prompt.format" and value is None:
         return "auto"  # folders written before prompt.format was a key read rows, as auto does for them
+    if key == "runner.batch_invariant" and value is None:
+        return False  # folders written before it was a key ran the default mode
     return value
 
 

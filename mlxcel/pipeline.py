@@ -419,6 +419,12 @@ class Pipeline:
                 prompt_cache=self.prompt_cache,
                 keep_answers=self.keep_answers,
                 snapshot_all=self.cfg.runner.prompt_cache_dir is not None,
+                batch_invariant=runner.batch_invariant,
+            )
+        if self.cfg.runner.batch_invariant:
+            raise MlxcelError(
+                f"runner.batch_invariant=true needs the continuous-batching scheduler, which does not run "
+                f"{self.header.arch} with these rows yet: set runner.batch_invariant=false"
             )
         return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined, decode_step=self.cfg.decode.step)
 

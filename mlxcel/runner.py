@@ -33,6 +33,7 @@ from mlxcel.pipeline import Pipeline, PreparedSample, say
 from mlxcel.progress import Progress
 from mlxcel.stats import (
     GenerationStats,
+    describe_reproducibility,
     describe_whole_job,
     format_stats_table,
     make_generation_stats,
@@ -153,6 +154,7 @@ def run_job(
 ) -> RunResult:
     cfg = pipeline.cfg
     report["stop_token_ids"] = sorted(pipeline.stop_ids)
+    report["reproducibility"] = describe_reproducibility(cfg.runner.batch_invariant)
     prepare_start = time.perf_counter()
     pending = [s for s in samples if s.key not in done]
     earlier = outputs.read_sessions() if done else []  # kept in the stats whatever happens now

@@ -291,3 +291,18 @@ def read_environment() -> dict:
         except Exception:  # device_info is backend-specific; its absence is not an error
             pass
     return env
+
+
+def describe_reproducibility(batch_invariant: bool) -> dict:
+    """What a rerun of this job can be expected to repeat (docs/jobs.md, "Reproducible")."""
+    on_gpu = mx.default_device() == mx.gpu
+    if batch_invariant:
+        holds = "each row's token ids equal the row run alone, whatever shares its batch or the chunk size"
+    elif on_gpu:
+        holds = (
+            "the same job and config on this machine gives the same token ids; a row's tokens can change "
+            "with what shares its batch (runner.batch_invariant=true keeps them)"
+        )
+    else:
+        holds = "each row's token ids equal the row run alone (MLX's CPU kernels keep one order whatever the rows)"
+    return {"batch_invariant": batch_invariant, "device": str(mx.default_device()), "holds": holds}

@@ -124,6 +124,9 @@ class ModelResult:
     uniform: JobRun | None = None  # mlxcel on the rows at their mean lengths (--uniform)
     reruns: list[JobRun] | None = None  # mlxcel's job run again (--reruns): the same token ids?
     ray: list | None = None  # --backend ray: a jobs_ray.RayRun per worker count
+    # --batch-invariant: mlxcel with runner.batch_invariant=true at --max-rows, then at INVARIANT_CHECK_SHARE of it
+    invariant: list[JobRun] | None = None
+    invariant_rows: list[int] | None = None
 
     @property
     def has_both(self) -> bool:
@@ -154,6 +157,8 @@ class ModelResult:
             )
         if self.reruns:
             lines.append(self.describe_reruns())
+        if self.invariant:
+            lines += self.describe_invariant()
         if self.ray:
             from mlxcel.bench.jobs_ray import describe_agreement
 
@@ -182,6 +187,30 @@ class ModelResult:
             f"{len(self.reruns) + 1} runs{detail}"
         )
 
+    def describe_invariant(self) -> list[str]:
+        """The mode's cost (the default mode's wall time over its own) and its check: the job at
+        two max_rows gives every row the same token ids."""
+        default, (first, *others) = self.runs["mlxcel"], self.invariant
+        ours, theirs = first.metrics(), default.metrics()
+        lines = [
+            f"{self.model} mlxcel batch-invariant, max_rows {self.invariant_rows[0]}: {format_run(first)}; "
+            f"{ours['wall_s'] / theirs['wall_s']:.2f}x the default mode's wall time "
+            f"({ours['gen_tok_s'] / theirs['gen_tok_s']:.2f}x its tok/s); "
+            f"{count_repeated_rows(default.token_ids, [first.token_ids])}/{len(first.token_ids)} rows have the "
+            "default mode's token ids"
+        ]
+        for rows, run in zip(self.invariant_rows[1:], others):
+            same = count_repeated_rows(first.token_ids, [run.token_ids])
+            detail = compare_token_ids(
+                first.token_ids, run.token_ids, (f"max_rows {self.invariant_rows[0]}", f"{rows}")
+            )
+            lines.append(
+                f"{self.model} mlxcel batch-invariant, max_rows {rows}: {same}/{len(first.token_ids)} rows drew the "
+                f"token ids they drew at max_rows {self.invariant_rows[0]}"
+                + ("" if detail == "agree" else f"; {detail}")
+            )
+        return lines
+
     def to_dict(self) -> dict:
         return {
             "model": self.model,
@@ -199,6 +228,14 @@ class ModelResult:
             else {**self.uniform.metrics(), "scheduler": self.uniform.scheduler},
             "ray": None if self.ray is None else [run.to_dict() for run in self.ray],
             "reruns": None if not self.reruns else self.describe_reruns(),
+            "batch_invariant": None
+            if not self.invariant
+            else {
+                "max_rows": self.invariant_rows,
+                "metrics": [run.metrics() for run in self.invariant],
+                "scheduler": [run.scheduler for run in self.invariant],
+                "checks": self.describe_invariant(),
+            },
         }
 
 
@@ -246,6 +283,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-prompt-cache",
         action="store_true",
         help="mlxcel with runner.prompt_cache=false (the job's rows share no prefix: what the cache costs)",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help=(
+            "also run mlxcel with runner.batch_invariant=true, at --max-rows and at a third of it: its cost against "
+            "the default mode, and whether every row drew the same token ids at both"
+        ),
     )
     ray = parser.add_argument_group("on Ray workers (mlxcel.bench.jobs_ray; needs the ray extra)")
     ray.add_argument(
@@ -387,9 +432,9 @@ def compose_config(
 
 
 def load_mlxcel(
-    folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True
+    folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True, **runner
 ) -> TokenIdPipeline:
-    return TokenIdPipeline.load(compose_config(folder, tokenizer_dir, dtype, max_rows, prompt_cache))
+    return TokenIdPipeline.load(compose_config(folder, tokenizer_dir, dtype, max_rows, prompt_cache, **runner))
 
 
 def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
@@ -502,6 +547,16 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
         run, weight_bytes = engines["mlxcel"]
         result.reruns = [measure(run, job, weight_bytes) for _ in range(args.reruns)]
         log(f"{label} mlxcel: {result.describe_reruns()}")
+    if args.batch_invariant and "mlxcel" in engines:
+        result.invariant_rows = [args.max_rows, max(1, args.max_rows // 3)]
+        result.invariant = []
+        for rows in result.invariant_rows:
+            pipeline = load_mlxcel(folder, tokenizer_dir, dtype, rows, not args.no_prompt_cache, batch_invariant=True)
+            run_mlxcel(pipeline, warm_up)
+            result.invariant.append(measure(partial(run_mlxcel, pipeline), job, engines["mlxcel"][1]))
+            log(f"{label} mlxcel batch-invariant, max_rows {rows}: {format_run(result.invariant[-1])}")
+            del pipeline
+        log("\n".join(result.describe_invariant()))
     if args.uniform and "mlxcel" in engines:
         run, weight_bytes = engines["mlxcel"]
         result.uniform = measure(run, make_uniform(job), weight_bytes)

@@ -36,8 +36,10 @@ from mlxcel.engine.engine import OnRowDone, OnToken, apply_token, check_prompt, 
 from mlxcel.engine.prefix_reuse import PrefixReuse
 from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
+from mlxcel.errors import MlxcelError
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
+from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
@@ -58,6 +60,10 @@ MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer dist
 # queueing the forward pass and compute the masks on a thread while it is encoded (H200, batch 32:
 # 0.87 of free throughput against 0.65 masks-after; batch 1: 0.74 against 0.86; docs/benchmarks.md)
 THREADED_MASK_ROWS = 8
+# Batch-invariant mode: a row's prompt is prefilled in pieces that end on multiples of this, one
+# row a call, whatever the chunk size, budget or history boundary: its pieces are the row's own
+# (a multiple of invariant.ROWS, and of paged_cache.ALIGNED_START for cuDNN's causal fast path)
+INVARIANT_PIECE = 512
 OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow as rows need: PageTable.grow)
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
@@ -216,8 +222,14 @@ class BatchScheduler:
         prompt_cache: PromptCache | None = None,
         keep_answers: bool = False,
         snapshot_all: bool = False,
+        batch_invariant: bool = False,
     ):
         self.model = model
+        # each row's tokens as it alone would draw them, whatever shares its batch (docs/jobs.md)
+        self.batch_invariant = batch_invariant
+        if batch_invariant and (problem := find_invariance_problem(model)):
+            raise MlxcelError(f"runner.batch_invariant=true cannot run {type(model).__module__}: {problem}")
+        set_batch_invariant(model, batch_invariant)
         self.prompt_cache = prompt_cache
         self.keep_answers = keep_answers  # snapshot finished rows' answers too (a chat's next turn starts with them)
         # every prompt into the cache, not only what this job's rows share (a chat, a cache folder)
@@ -229,11 +241,12 @@ class BatchScheduler:
         self.pipeline = pipeline
         self.pinned_chunk = chunk_size  # None: 2048 idle, 512 while rows decode
         # the batch engine's step for small decode batches
-        self.segmented = choose_decode_step(model, decode_step) == "segmented"
+        self.segmented = choose_decode_step(model, decode_step) == "segmented" and not batch_invariant
         # pieces of several rows in one padded call (group_ragged); None: where the kernels run.
         # $MLXCEL_RAGGED_PREFILL=0 turns it off (each row's piece in a call of its own), to compare.
         self._mask_worker: ThreadPoolExecutor | None = None  # structured output's masks (advance_matchers)
-        self.ragged_prefill: bool | None = False if os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0" else None
+        ragged_off = os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0" or batch_invariant
+        self.ragged_prefill: bool | None = False if ragged_off else None
 
     def generate(
         self,
@@ -277,7 +290,9 @@ class BatchScheduler:
         if feed is not None and not kernels[0]:  # plain pools start small, grow as rows arrive (PageTable.grow)
             num_blocks = min(num_blocks, count_blocks(OPEN_POOL_POSITIONS))
         positions = self.max_context + (request.tile_size or 0) + BLOCK_SIZE
-        table = PageTable(num_blocks, self.max_rows, positions, *kernels, max_blocks=most)
+        table = PageTable(
+            num_blocks, self.max_rows, positions, *kernels, max_blocks=most, invariant=self.batch_invariant
+        )
         caches = make_paged_caches(
             len(self.model.model.layers), table, layer_windows(self.model), request.kv_bits, request.kv_group_size
         )
@@ -287,6 +302,8 @@ class BatchScheduler:
             # (rounding to cuDNN's aligned starts where the kernels run was slower on the H200: more
             # tokens to compute for a mask-free piece; docs/benchmarks.md)
             align = (self.pinned_chunk or request.chunk_size) if request.kv_bits else 1
+            if self.batch_invariant:  # an adopted prefix ends where the row's own piece would
+                align = INVARIANT_PIECE
             self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, runnable, align, self.snapshot_all)
         try:
             for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done, feed):
@@ -407,6 +424,8 @@ class BatchScheduler:
                 # a later piece attends to the earlier ones' quantized keys, so where pieces end
                 # changes a row's tokens: with kv_bits they are the row's own, as in the batch engine
                 piece = self.pinned_chunk or request.chunk_size
+            if self.batch_invariant:
+                piece = INVARIANT_PIECE
             budget = (PIECES_PER_STEP if len(batch) else IDLE_PIECES_PER_STEP) * piece
             while prefilling and budget > 0:
                 if budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):
@@ -638,6 +657,8 @@ class BatchScheduler:
         boundary = row.request.history_tokens
         span_end = boundary if start < boundary < total else total
         size = min(span_end - start, budget)
+        if self.batch_invariant:  # the row's own pieces: ending on multiples of INVARIANT_PIECE, never padded
+            tile, size = None, min(total, (start // INVARIANT_PIECE + 1) * INVARIANT_PIECE) - start
         if row.request.images is not None and getattr(self.model, "prefill_in_one_piece", False):
             size = total - start  # an image block must not be cut between pieces: the whole prompt at once
         if tile and size < span_end - start:
@@ -661,7 +682,7 @@ class BatchScheduler:
         plan = self.plan_piece(head, min(piece, budget), request)
         start, end, pad = plan
         group = [head]
-        if head.request.images is None and end > start:
+        if head.request.images is None and end > start and not self.batch_invariant:  # (invariant: a row a call)
             for row in list(prefilling)[1:]:
                 if row.request.images is not None or (len(group) + 1) * (end - start + pad) > budget:
                     break

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxcel.models import gemma, llama
+from mlxcel.models.paged_cache import PagedRows
 from mlxcel.models.rotating_cache import SlidingWindowLayers, read_layer_windows
 
 REQUIRED_KEYS = llama.REQUIRED_KEYS
@@ -60,6 +61,8 @@ class Attention(llama.Attention):
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any) -> mx.array:
         """The fused kernel takes no soft-cap: scores by hand, grouped by KV head, softmax in fp32."""
+        if isinstance(mask, PagedRows):  # batch-invariant decode: one row at a time, through this method
+            return mask.attend(q, k, v, self.scale, dense=self.attend)
         if not self.softcap:
             return super().attend(q, k, v, mask)
         B, n_heads, L, D = q.shape

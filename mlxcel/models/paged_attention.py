@@ -237,18 +237,20 @@ def paged_decode_attention(
     scale: float,
     block_size: int,
     window: int = 0,
+    one_split: bool = False,
 ) -> mx.array:
     """Store each row's new key and value in the pool, and attend its one new query over its
     positions (the new one included).
 
     q [B, H, 1, D]; new_keys, new_values [B, KVH, 1, D]; block_table [B, TW] int32; lengths [B]
     int32 (positions in the row, the new one included); longest: the most positions a row
-    attends to (host); window: a sliding window's size (0: every position). Returns [B, H, 1, D]
-    in q's dtype."""
+    attends to (host); window: a sliding window's size (0: every position); one_split: each row's
+    positions in one block (batch-invariant mode: the split then depends on the row alone, and
+    the kernel normalizes it itself). Returns [B, H, 1, D] in q's dtype."""
     B, H, _, D = q.shape
     kv_heads = pool.keys.shape[1]
     group = H // kv_heads
-    split_len = choose_split_length(B, kv_heads, longest)
+    split_len = -(-longest // THREADS) * THREADS if one_split else choose_split_length(B, kv_heads, longest)
     splits = -(-longest // split_len)
     inputs = [
         q.reshape(B, H, D),

@@ -50,8 +50,11 @@ class PageTable:
         in_place: bool = False,
         decode_kernel: bool = False,
         max_blocks: int | None = None,
+        invariant: bool = False,
     ):
         self.num_blocks = num_blocks
+        # batch-invariant mode: each row's attention is computed as it would be alone (StepIndices)
+        self.invariant = invariant
         # up to this many as rows need them (grow); the in-place kernels' pools keep their size
         self.max_blocks = num_blocks if in_place or max_blocks is None else max(num_blocks, max_blocks)
         self.in_place = in_place  # the pools are written in place by paged_attention's kernels
@@ -138,12 +141,18 @@ class StepIndices:
             raise RuntimeError("a row would write past its reserved blocks")
         blocks = table.table[slots, : int(count_blocks(ends.max()))]  # the columns any row reaches
         positions = starts - self.leads + table.shifts[slots]  # a lead's padding sits just before the row's tokens
-        self.rope_offset: int | mx.array = int(positions[0]) if len(slots) == 1 else mx.array(positions)
+        # (batch-invariant: the array form even for one row, so a row alone takes the kernel it takes in a batch)
+        one = len(slots) == 1 and not table.invariant
+        self.rope_offset: int | mx.array = int(positions[0]) if one else mx.array(positions)
         self.ends, self.blocks = ends, blocks
         self.masks: dict = {}  # window (None: full attention) -> that kind of layer's mask
         self.decode_kernel = new_tokens == 1 and table.decode_kernel
+        self.invariant = table.invariant
         if self.decode_kernel:
             return  # the kernel finds each row's new position itself
+        # batch-invariant decode on a GPU without the decode kernel: each row attends in a call of its
+        # own over exactly its positions (a GPU's attention splits the keys by the batch's shape)
+        self.per_row = table.invariant and new_tokens == 1 and mx.default_device() == mx.gpu
         new_pos = np.maximum(
             starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0
         )  # [B, L]; leads are never written
@@ -197,7 +206,11 @@ class StepIndices:
         ends, new_tokens = self.ends, self.new_tokens
         if self.decode_kernel:
             longest = int(ends.max()) if window is None else min(int(ends.max()), window)
-            return PagedDecode(mx.array(self.blocks), mx.array(ends.astype(np.int32)), longest, window or 0)
+            return PagedDecode(
+                mx.array(self.blocks), mx.array(ends.astype(np.int32)), longest, window or 0, self.invariant
+            )
+        if self.per_row and self.image_blocks is None:
+            return PagedRows(ends.tolist(), window)
         if self.exact and (window is None or ends[0] <= window) and self.image_blocks is None:
             return None
         if self.aligned and (window is None or ends.max() <= window) and self.image_blocks is None:
@@ -257,8 +270,9 @@ class PagedDecode(PagedMask):
     attention gets the step's new keys and values back from update_and_fetch, which also names
     its layer's pool here (`layer`), gets this from attention_mask, and calls attend."""
 
-    def __init__(self, block_table: mx.array, lengths: mx.array, longest: int, window: int = 0):
+    def __init__(self, block_table: mx.array, lengths: mx.array, longest: int, window: int = 0, one_split=False):
         self.block_table, self.lengths, self.longest, self.window = block_table, lengths, longest, window
+        self.one_split = one_split  # batch-invariant: every row's positions in one split, whatever the batch
         self.layer = None  # the PoolLayer of the layer whose attention runs now
 
     def attend(self, q: mx.array, new_keys: mx.array, new_values: mx.array, scale: float) -> mx.array:
@@ -275,7 +289,29 @@ class PagedDecode(PagedMask):
             scale,
             BLOCK_SIZE,
             self.window,
+            self.one_split,
         )
+
+
+class PagedRows(PagedMask):
+    """Batch-invariant decode attention on the plain path: each row's one query attends over
+    exactly its own positions (the last `window` of them in a sliding-window layer), in a call of
+    its own, so the keys' split is the row's alone. `dense(q, k, v, mask)`: the family's own
+    attention where it has one (Gemma 2's soft-capped scores)."""
+
+    def __init__(self, ends: list[int], window: int | None):
+        self.ends, self.window = ends, window
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, dense=None) -> mx.array:
+        outs = []
+        for b, end in enumerate(self.ends):
+            first = max(0, end - self.window) if self.window else 0
+            qb, kb, vb = q[b : b + 1], k[b : b + 1, :, first:end], v[b : b + 1, :, first:end]
+            if dense is not None:
+                outs.append(dense(qb, kb, vb, None))
+            else:
+                outs.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
 
 def flat_positions(blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -1,0 +1,102 @@
+"""Batch-invariant matmuls (runner.batch_invariant): a row's numbers do not depend on what shares
+its forward call.
+
+A GPU's matmul picks its kernel, tiling and split of the reduction by the shape, the number of
+rows included: on the H200 in bf16 a one-row matmul never gives the bits the same row gets among
+others, and the MLP's down projection (8192 -> 2048) changes kernel above 100 rows
+(`python -m mlxcel.bench.invariance`, docs/benchmarks.md). Here every matmul of the language
+model runs at one row count: its rows are padded to a multiple of ROWS and each ROWS-row slice
+is a call of its own, so a row meets the same kernel alone as among 255 others, at any position
+of its slice (a tiled matmul computes every row of a tile the same way). The CPU's BLAS keeps one
+reduction order whatever the row count (checked by the same bench and the tests), so there the
+layers stay as they are.
+
+The layers are switched in place by class (`set_batch_invariant`): parameter names, isinstance
+checks and the loaded weights stay as they are, and a sweep's next job can switch them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ROWS = 64  # every matmul's row count in batch-invariant mode (a decode step's rows, a prefill piece's tokens)
+
+
+def pads_matmuls() -> bool:
+    """Where matmuls must be padded to ROWS rows: on a GPU (CUDA, Metal), not on the CPU."""
+    return mx.default_device() == mx.gpu
+
+
+def run_in_slices(call: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+    """`call` (a matmul over the last axis) on x's rows, ROWS rows a call, padded with zeros."""
+    *lead, width = x.shape
+    flat = x.reshape(-1, width)
+    rows = flat.shape[0]
+    padded = -(-rows // ROWS) * ROWS
+    if padded != rows:
+        flat = mx.pad(flat, [(0, padded - rows), (0, 0)])
+    parts = [call(flat[start : start + ROWS]) for start in range(0, padded, ROWS)]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    return out[:rows].reshape(*lead, out.shape[-1])
+
+
+class InvariantLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        return run_in_slices(super().__call__, x)
+
+
+class InvariantQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        return run_in_slices(super().__call__, x)
+
+
+class InvariantEmbedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:  # a tied vocabulary head
+        return run_in_slices(super().as_linear, x)
+
+
+class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return run_in_slices(super().as_linear, x)
+
+
+INVARIANT = {
+    nn.Linear: InvariantLinear,
+    nn.QuantizedLinear: InvariantQuantizedLinear,
+    nn.Embedding: InvariantEmbedding,
+    nn.QuantizedEmbedding: InvariantQuantizedEmbedding,
+}
+PLAIN = {invariant: plain for plain, invariant in INVARIANT.items()}
+
+
+def language_modules(model) -> list[nn.Module]:
+    """The modules a generated token runs through: the text backbone and the vocabulary head (a
+    vision tower runs once per row, on that row's images alone)."""
+    modules = list(model.model.modules())
+    if "lm_head" in model:
+        modules += list(model.lm_head.modules())
+    return modules
+
+
+def set_batch_invariant(model, on: bool) -> None:
+    """Switch the language model's matmuls to ROWS-row calls (`on`, where pads_matmuls) or back."""
+    swap = INVARIANT if on and pads_matmuls() else PLAIN
+    for module in language_modules(model):
+        cls = swap.get(type(module))
+        if cls is not None:
+            module.__class__ = cls
+
+
+def find_invariance_problem(model) -> str | None:
+    """Why `model` cannot run batch-invariant, or None. Mixture-of-experts layers group a step's
+    tokens by expert across rows; a per-row adapter (Phi-4-multimodal's vision LoRA) adds low-rank
+    matmuls over the whole batch."""
+    if hasattr(model, "lora_control"):
+        return "its vision LoRA adds matmuls over the whole batch (Phi-4-multimodal)"
+    kinds = {type(m).__name__ for m in language_modules(model)}
+    if any("Switch" in kind for kind in kinds):
+        return "its mixture-of-experts layers group tokens by expert across rows"
+    return None

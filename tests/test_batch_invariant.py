@@ -200,3 +200,41 @@ def test_the_run_records_its_mode_and_a_resume_keeps_it(tmp_path, tiny_llama):
     assert stats["reproducibility"]["batch_invariant"] is True and "alone" in stats["reproducibility"]["holds"]
     resumed = run_cli(tmp_path, *common, "runner.batch_invariant=false", "runner.resume=true")
     assert resumed.returncode == 2 and "runner.batch_invariant" in resumed.stderr
+
+
+@pytest.fixture(scope="module")
+def gemma2_folder(tmp_path_factory):
+    if ON_GPU:
+        pytest.skip("the GPU's own path runs there (test_rows_equal_each_row_alone_in_batches_of_1_to_64)")
+    from tests.family_fixtures import make_family_checkpoint
+
+    return make_family_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2")
+
+
+@pytest.mark.parametrize("case", ["llama", "llama-kv4", "gemma2"])
+def test_the_gpus_path_on_the_cpu_gives_each_rows_own_tokens(case, folders, gemma2_folder, monkeypatch):
+    """The GPU's strategy forced on the CPU (64-row matmul slices, decode attention row by row,
+    Gemma 2's soft-capped attention and sliding windows through it, a quantized KV pool): each
+    row's tokens in batches equal the default mode's row alone, so the padding and slicing
+    change no value (the CPU's BLAS gives every row count the same bits)."""
+    folder = gemma2_folder if case == "gemma2" else folders["float32"]
+    model = load_model(str(folder), dtype="float32").model
+    kv_bits = 4 if case == "llama-kv4" else None
+    vocab = 300 if case == "gemma2" else SHAPE["vocab_size"]
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice([3, 30, 90, 600]))] for _ in range(8)]
+    max_tokens = [rng.randint(3, 20) for _ in range(8)]
+
+    def run(rows, max_rows, invariant_mode):
+        requests = [RowRequest(prompts[i], row_id=i, max_tokens=max_tokens[i]) for i in rows]
+        scheduler = BatchScheduler(model, CONTEXT, max_rows, batch_invariant=invariant_mode)
+        state = scheduler.generate(
+            GenerationRequest(requests, SEEDED, max_tokens=64, kv_bits=kv_bits, kv_group_size=32)
+        )
+        return {i: r.token_ids for i, r in zip(rows, state.results)}
+
+    alone = {i: run([i], 1, False)[i] for i in range(8)}
+    monkeypatch.setattr(invariant, "pads_matmuls", lambda: True)
+    for max_rows in (8, 3):
+        assert run(list(range(8)), max_rows, True) == alone
+    assert type(model.model.layers[0].mlp.down_proj) is invariant.InvariantLinear

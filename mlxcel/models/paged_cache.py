@@ -22,6 +22,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.models import invariant
+
 BLOCK_SIZE = 32  # positions per block: small enough to waste < 1 block per row, large enough to index cheaply
 # On CUDA, MLX runs prefill attention in cuDNN, which builds a graph (tens of ms on an H200) for every
 # new query and key length; a ragged job's pieces would build one each. There a piece's queries are
@@ -152,7 +154,7 @@ class StepIndices:
             return  # the kernel finds each row's new position itself
         # batch-invariant decode on a GPU without the decode kernel: each row attends in a call of its
         # own over exactly its positions (a GPU's attention splits the keys by the batch's shape)
-        self.per_row = table.invariant and new_tokens == 1 and mx.default_device() == mx.gpu
+        self.per_row = table.invariant and new_tokens == 1 and invariant.pads_matmuls()
         new_pos = np.maximum(
             starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0
         )  # [B, L]; leads are never written

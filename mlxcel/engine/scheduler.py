@@ -39,7 +39,7 @@ from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowReque
 from mlxcel.errors import MlxcelError
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
-from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant
+from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant, sliced_matmuls
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
@@ -638,7 +638,10 @@ class BatchScheduler:
     def step_rows(self, table: PageTable, caches: list, slots: np.ndarray, tokens: mx.array) -> mx.array:
         self.set_adapter_rows(table, slots, prefill=False)
         table.begin(slots, 1)
-        if len(slots) <= SEGMENTED_ROWS and self.segmented:
+        if self.batch_invariant:  # rows meet in the step's matmuls: ROWS rows a call (models/invariant.py)
+            with sliced_matmuls():
+                logits = self.model(tokens[:, None], caches)[:, -1, :]
+        elif len(slots) <= SEGMENTED_ROWS and self.segmented:
             # few rows: the host's per-op cost bounds a step, as in the batch engine; each batch
             # size is traced once, so only small batches (where the ragged tail lives) use it
             logits = get_decoder(self.model, "segmented")(tokens, caches)

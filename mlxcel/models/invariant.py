@@ -5,9 +5,11 @@ A GPU's matmul picks its kernel, tiling and split of the reduction by the shape,
 rows included: on the H200 in bf16 a one-row matmul never gives the bits the same row gets among
 others, and the MLP's down projection (8192 -> 2048) changes kernel above 100 rows
 (`python -m mlxcel.bench.invariance`, docs/benchmarks.md). Here every matmul of the language
-model runs at one row count: its rows are padded to a multiple of ROWS and each ROWS-row slice
-is a call of its own, so a row meets the same kernel alone as among 255 others, at any position
-of its slice (a tiled matmul computes every row of a tile the same way). The CPU's BLAS keeps one
+model runs at one row count where rows meet, in a decode step: its rows are padded to a multiple
+of ROWS and each ROWS-row slice is a call of its own, so a row meets the same kernel alone as
+among 255 others, at any position of its slice (a tiled matmul computes every row of a tile the
+same way). A prefill call needs no slicing: in this mode it holds one row's own piece, whose
+shape is the row's alone (engine/scheduler.py, INVARIANT_PIECE). The CPU's BLAS keeps one
 reduction order whatever the row count (checked by the same bench and the tests), so there the
 layers stay as they are.
 
@@ -17,12 +19,25 @@ checks and the loaded weights stay as they are, and a sweep's next job can switc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 
-ROWS = 64  # every matmul's row count in batch-invariant mode (a decode step's rows, a prefill piece's tokens)
+ROWS = 64  # every decode step's matmuls run at this row count in batch-invariant mode
+_slicing = False  # within sliced_matmuls: the switched layers run ROWS rows a call
+
+
+@contextmanager
+def sliced_matmuls() -> Iterator[None]:
+    """The switched layers slice their rows while the graph of a decode step is built."""
+    global _slicing
+    previous, _slicing = _slicing, True
+    try:
+        yield
+    finally:
+        _slicing = previous
 
 
 def pads_matmuls() -> bool:
@@ -45,22 +60,22 @@ def run_in_slices(call: Callable[[mx.array], mx.array], x: mx.array) -> mx.array
 
 class InvariantLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        return run_in_slices(super().__call__, x)
+        return run_in_slices(super().__call__, x) if _slicing else super().__call__(x)
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        return run_in_slices(super().__call__, x)
+        return run_in_slices(super().__call__, x) if _slicing else super().__call__(x)
 
 
 class InvariantEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:  # a tied vocabulary head
-        return run_in_slices(super().as_linear, x)
+        return run_in_slices(super().as_linear, x) if _slicing else super().as_linear(x)
 
 
 class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        return run_in_slices(super().as_linear, x)
+        return run_in_slices(super().as_linear, x) if _slicing else super().as_linear(x)
 
 
 INVARIANT = {

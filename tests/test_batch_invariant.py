@@ -83,7 +83,7 @@ def run_each_alone(model, sampler, prompts, max_tokens) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize("sampler", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_rows_equal_each_row_alone_in_batches_of_1_to_64(model, sampler):
-    prompts, max_tokens = make_rows(0, 64 if ON_GPU else 20)
+    prompts, max_tokens = make_rows(0, 64 if ON_GPU else 14)
     alone = run_each_alone(model, sampler, prompts, max_tokens)
     n = len(prompts)
     for seed, max_rows in enumerate([n, 7, 2]):
@@ -97,6 +97,7 @@ def test_rows_equal_each_row_alone_in_batches_of_1_to_64(model, sampler):
         assert not differ, f"max_rows {max_rows}, chunk {chunk}: rows {differ} differ from each row alone"
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the CPU's default mode gives each row's own tokens (test_scheduler.py)")
 def test_the_default_mode_on_a_gpu_is_what_the_mode_fixes(model):
     """Not an assertion on the default mode (kernels may happen to agree): the figure that shows
     what batch invariance changes where it matters, printed for the device tool's log."""
@@ -141,9 +142,9 @@ def test_an_adopted_prefix_gives_the_tokens_the_row_computes_alone(model):
 
 
 def test_reruns_of_the_default_mode_repeat_their_tokens(model):
-    prompts, max_tokens = make_rows(3, 24)
+    prompts, max_tokens = make_rows(3, 24 if ON_GPU else 10)
     runs = [
-        schedule(model, SEEDED, prompts, list(range(24)), max_tokens, max_rows=8, invariant_mode=False)[0]
+        schedule(model, SEEDED, prompts, list(range(len(prompts))), max_tokens, max_rows=8, invariant_mode=False)[0]
         for _ in range(3)
     ]
     assert runs[0] == runs[1] == runs[2]

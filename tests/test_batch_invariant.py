@@ -23,8 +23,8 @@ from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import INVARIANT_PIECE, BatchScheduler
 from mlxcel.errors import MlxcelError
 from mlxcel.models import invariant
-from mlxcel.sampling import Sampler
-from tests.helpers import run_cli
+from mlxcel.sampling import Sampler, make_sampler_chain
+from tests.helpers import CHAINS, run_cli
 
 ON_GPU = mx.default_device() == mx.gpu
 GREEDY = Sampler("greedy")
@@ -81,8 +81,12 @@ def run_each_alone(model, sampler, prompts, max_tokens) -> dict[int, list[int]]:
     }
 
 
-@pytest.mark.parametrize("sampler", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampler", [GREEDY, SEEDED, "full"], ids=["greedy", "seeded", "full-chain"])
 def test_rows_equal_each_row_alone_in_batches_of_1_to_64(model, sampler):
+    """full-chain: every stage of the sampler chain (penalties, DRY, top-k/p, typical, min-p, XTC,
+    dynamic temperature), whose reductions run over each row's logits."""
+    if sampler == "full":
+        sampler = make_sampler_chain({"seed": 7, **CHAINS["full"]}, model.args.vocab_size)
     prompts, max_tokens = make_rows(0, 64 if ON_GPU else 14)
     alone = run_each_alone(model, sampler, prompts, max_tokens)
     n = len(prompts)

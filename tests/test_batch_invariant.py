@@ -216,14 +216,17 @@ def gemma2_folder(tmp_path_factory):
     return make_family_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2")
 
 
-@pytest.mark.parametrize("case", ["llama", "llama-kv4", "gemma2"])
+@pytest.mark.parametrize("case", ["llama", "llama-kv4", "llama-q4", "gemma2"])
 def test_the_gpus_path_on_the_cpu_gives_each_rows_own_tokens(case, folders, gemma2_folder, monkeypatch):
     """The GPU's strategy forced on the CPU (64-row matmul slices, decode attention row by row,
-    Gemma 2's soft-capped attention and sliding windows through it, a quantized KV pool): each
+    Gemma 2's soft-capped attention and sliding windows through it, a quantized KV pool, 4-bit
+    weights with a quantized tied head): each
     row's tokens in batches equal the default mode's row alone, so the padding and slicing
     change no value (the CPU's BLAS gives every row count the same bits)."""
     folder = gemma2_folder if case == "gemma2" else folders["float32"]
     model = load_model(str(folder), dtype="float32").model
+    if case == "llama-q4":
+        nn.quantize(model, group_size=32, bits=4)
     kv_bits = 4 if case == "llama-kv4" else None
     vocab = 300 if case == "gemma2" else SHAPE["vocab_size"]
     rng = random.Random(9)
@@ -242,4 +245,9 @@ def test_the_gpus_path_on_the_cpu_gives_each_rows_own_tokens(case, folders, gemm
     monkeypatch.setattr(invariant, "pads_matmuls", lambda: True)
     for max_rows in (8, 3):
         assert run(list(range(8)), max_rows, True) == alone
-    assert type(model.model.layers[0].mlp.down_proj) is invariant.InvariantLinear
+    switched = (invariant.InvariantQuantizedLinear, invariant.InvariantQuantizedEmbedding)
+    if case != "llama-q4":
+        switched = (invariant.InvariantLinear, invariant.InvariantEmbedding)
+    assert type(model.model.layers[0].mlp.down_proj) is switched[0]
+    if case != "gemma2":  # (a tied head: the embedding is the vocabulary's matmul)
+        assert type(model.model.embed_tokens) is switched[1]

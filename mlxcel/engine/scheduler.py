@@ -228,7 +228,10 @@ class BatchScheduler:
         # each row's tokens as it alone would draw them, whatever shares its batch (docs/jobs.md)
         self.batch_invariant = batch_invariant
         if batch_invariant and (problem := find_invariance_problem(model)):
-            raise MlxcelError(f"runner.batch_invariant=true cannot run {type(model).__module__}: {problem}")
+            family = type(model).__module__.rsplit(".", 1)[-1]
+            raise MlxcelError(
+                f"runner.batch_invariant=true cannot run {family}: {problem}; set runner.batch_invariant=false"
+            )
         set_batch_invariant(model, batch_invariant)
         self.prompt_cache = prompt_cache
         self.keep_answers = keep_answers  # snapshot finished rows' answers too (a chat's next turn starts with them)

@@ -56,7 +56,8 @@ def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
         (1, 32, 8, 64, 3000, 1000),
     ],
 )
-def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest, window):
+@pytest.mark.parametrize("one_split", [False, True], ids=["splits", "one-split"])
+def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest, window, one_split):
     rng = np.random.default_rng(rows)
     lengths = rng.integers(1, longest + 1, size=rows).astype(np.int32)
     lengths[0] = longest
@@ -74,7 +75,17 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
     scale = head_dim**-0.5
     attended = min(longest, window) if window else longest
     got = paged_attention.paged_decode_attention(
-        q, new_keys, new_values, pool, mx.array(blocks), mx.array(lengths), attended, scale, BLOCK_SIZE, window
+        q,
+        new_keys,
+        new_values,
+        pool,
+        mx.array(blocks),
+        mx.array(lengths),
+        attended,
+        scale,
+        BLOCK_SIZE,
+        window,
+        one_split,
     )
     # the reference: each row's new key and value at its last position, then gather + mask
     last = mx.array(flat_positions(blocks, (lengths - 1)[:, None])[:, 0])
@@ -85,6 +96,42 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), atol=tolerance, rtol=tolerance)
     mx.eval(pool.done)  # the kernel stored the new positions in the pool, in place
     assert mx.array_equal(pool.keys, keys) and mx.array_equal(pool.values, values)
+
+
+def test_one_split_gives_each_row_the_bits_it_has_alone():
+    """Batch-invariant mode: with every row's positions in one split, a row's output does not
+    depend on how many rows share the call (the split a batch of one would take differs)."""
+    rng = np.random.default_rng(7)
+    rows, heads, kv_heads, head_dim = 64, 32, 8, 64
+    lengths = rng.integers(1, 3000, size=rows).astype(np.int32)
+    width = -(-int(lengths.max()) // BLOCK_SIZE)
+    blocks = rng.permutation(rows * width).reshape(rows, width).astype(np.int32)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    keys = normal(rows * width * BLOCK_SIZE, kv_heads, head_dim)
+    pool = filled_pool(keys, keys * 0.5)
+    q, new_keys, new_values = (normal(rows, n, 1, head_dim) for n in (heads, kv_heads, kv_heads))
+
+    def attend(picked, one_split=True):
+        return paged_attention.paged_decode_attention(
+            q[picked],
+            new_keys[picked],
+            new_values[picked],
+            pool,
+            mx.array(blocks[picked]),
+            mx.array(lengths[picked]),
+            int(lengths[picked].max()),
+            head_dim**-0.5,
+            BLOCK_SIZE,
+            0,
+            one_split,
+        )
+
+    together = attend(np.arange(rows))
+    for row in (0, 17, 63):
+        assert mx.array_equal(attend(np.array([row]))[0], together[row]), row
 
 
 @pytest.mark.parametrize("leads", [(0, 0, 0), (2, 0, 4)])

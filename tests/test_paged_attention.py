@@ -115,6 +115,7 @@ def test_one_split_gives_each_row_the_bits_it_has_alone():
     q, new_keys, new_values = (normal(rows, n, 1, head_dim) for n in (heads, kv_heads, kv_heads))
 
     def attend(picked, one_split=True):
+        index = mx.array(picked.astype(np.int32))
         return paged_attention.paged_decode_attention(
             q[picked],
             new_keys[picked],

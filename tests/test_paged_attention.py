@@ -114,12 +114,12 @@ def test_one_split_gives_each_row_the_bits_it_has_alone():
     pool = filled_pool(keys, keys * 0.5)
     q, new_keys, new_values = (normal(rows, n, 1, head_dim) for n in (heads, kv_heads, kv_heads))
 
-    def attend(picked, one_split=True):
+    def attend(picked):
         index = mx.array(picked.astype(np.int32))
         return paged_attention.paged_decode_attention(
-            q[picked],
-            new_keys[picked],
-            new_values[picked],
+            q[index],
+            new_keys[index],
+            new_values[index],
             pool,
             mx.array(blocks[picked]),
             mx.array(lengths[picked]),
@@ -127,7 +127,7 @@ def test_one_split_gives_each_row_the_bits_it_has_alone():
             head_dim**-0.5,
             BLOCK_SIZE,
             0,
-            one_split,
+            True,
         )
 
     together = attend(np.arange(rows))

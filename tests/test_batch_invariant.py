@@ -251,3 +251,25 @@ def test_the_gpus_path_on_the_cpu_gives_each_rows_own_tokens(case, folders, gemm
     assert type(model.model.layers[0].mlp.down_proj) is switched[0]
     if case != "gemma2":  # (a tied head: the embedding is the vocabulary's matmul)
         assert type(model.model.embed_tokens) is switched[1]
+
+
+def test_rows_fed_while_the_loop_runs_get_their_own_tokens(folders, monkeypatch):
+    """A server's or Ray worker's open loop: rows arrive at different iterations, so what shares
+    their steps is timing; in batch-invariant mode (the GPU's path forced on the CPU) each row's
+    tokens are still the row's alone."""
+    from tests.helpers import ScriptedFeed
+
+    if ON_GPU:
+        pytest.skip("the forced path is the CPU's stand-in for a GPU")
+    model = load_model(str(folders["bfloat16"]), dtype="bfloat16").model
+    prompts, max_tokens = make_rows(4, 7)
+    alone = run_each_alone(model, SEEDED, prompts, max_tokens)
+    monkeypatch.setattr(invariant, "pads_matmuls", lambda: True)
+    rows = [(i, RowRequest(p, row_id=i, max_tokens=m)) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    results = {}
+    scheduler = BatchScheduler(model, CONTEXT, 3, batch_invariant=True)
+    feed = ScriptedFeed({0: rows[:2], 2: rows[2:4], 7: rows[4:6], 40: rows[6:]})
+    on_done = results.__setitem__
+    for _ in scheduler.steps(GenerationRequest([], SEEDED, max_tokens=64), lambda r, t: True, on_done, feed=feed):
+        pass
+    assert {i: r.token_ids for i, r in results.items()} == alone

@@ -154,7 +154,7 @@ def run_job(
 ) -> RunResult:
     cfg = pipeline.cfg
     report["stop_token_ids"] = sorted(pipeline.stop_ids)
-    report["reproducibility"] = describe_reproducibility(cfg.runner.batch_invariant)
+    report["reproducibility"] = describe_reproducibility(cfg.runner)
     prepare_start = time.perf_counter()
     pending = [s for s in samples if s.key not in done]
     earlier = outputs.read_sessions() if done else []  # kept in the stats whatever happens now

@@ -293,11 +293,19 @@ def read_environment() -> dict:
     return env
 
 
-def describe_reproducibility(batch_invariant: bool) -> dict:
-    """What a rerun of this job can be expected to repeat (docs/jobs.md, "Reproducible")."""
-    on_gpu = mx.default_device() == mx.gpu
+def describe_reproducibility(runner) -> dict:
+    """What a rerun of this job can be expected to repeat (docs/jobs.md, "Reproducible"), from its
+    runner config: the mode, and where the model runs (a Ray job's workers, not this process)."""
+    ray = runner.backend == "ray"
+    on_gpu = runner.ray.gpus_per_worker > 0 if ray else mx.default_device() == mx.gpu
+    batch_invariant = runner.batch_invariant
     if batch_invariant:
         holds = "each row's token ids equal the row run alone, whatever shares its batch or the chunk size"
+    elif on_gpu and ray:
+        holds = (
+            "which rows share a worker's batch depends on timing, and on a GPU a row's tokens can change with "
+            "what shares its batch: reruns can differ (runner.batch_invariant=true keeps them)"
+        )
     elif on_gpu:
         holds = (
             "the same job and config on this machine gives the same token ids; a row's tokens can change "
@@ -305,4 +313,4 @@ def describe_reproducibility(batch_invariant: bool) -> dict:
         )
     else:
         holds = "each row's token ids equal the row run alone (MLX's CPU kernels keep one order whatever the rows)"
-    return {"batch_invariant": batch_invariant, "device": str(mx.default_device()), "holds": holds}
+    return {"batch_invariant": batch_invariant, "gpu": on_gpu, "holds": holds}

@@ -126,8 +126,7 @@ def test_pieces_are_the_rows_own_whatever_the_chunk_size(model):
         assert all(p["rows"] == 1 and p["pad"] == 0 for p in pieces)
         for i, prompt in enumerate(prompts):
             ends = [p["end"] for p in pieces if p["row"] == i]
-            assert ends == [*range(INVARIANT_PIECE, len(prompt), INVARIANT_PIECE), len(prompt)][-len(ends) :]
-            assert ends[-1] == len(prompt)
+            assert ends == [*range(INVARIANT_PIECE, len(prompt), INVARIANT_PIECE), len(prompt)], (chunk, i)
 
 
 def test_an_adopted_prefix_gives_the_tokens_the_row_computes_alone(model):
@@ -273,3 +272,18 @@ def test_rows_fed_while_the_loop_runs_get_their_own_tokens(folders, monkeypatch)
     for _ in scheduler.steps(GenerationRequest([], SEEDED, max_tokens=64), lambda r, t: True, on_done, feed=feed):
         pass
     assert {i: r.token_ids for i, r in results.items()} == alone
+
+
+def test_stats_promise_what_each_mode_and_backend_holds():
+    from mlxcel.config import RunnerConfig
+    from mlxcel.stats import describe_reproducibility
+
+    def holds(**runner):
+        return describe_reproducibility(RunnerConfig.model_validate(runner))
+
+    assert "alone" in holds(batch_invariant=True)["holds"]
+    ray_gpu = holds(backend="ray", ray={"gpus_per_worker": 1})
+    assert ray_gpu["gpu"] is True and "reruns can differ" in ray_gpu["holds"]  # timing decides a worker's batch
+    assert "alone" in holds(backend="ray", ray={"gpus_per_worker": 1}, batch_invariant=True)["holds"]
+    local = holds()
+    assert local["gpu"] is ON_GPU and ("can change" in local["holds"]) is ON_GPU

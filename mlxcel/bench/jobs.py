@@ -124,7 +124,7 @@ class ModelResult:
     uniform: JobRun | None = None  # mlxcel on the rows at their mean lengths (--uniform)
     reruns: list[JobRun] | None = None  # mlxcel's job run again (--reruns): the same token ids?
     ray: list | None = None  # --backend ray: a jobs_ray.RayRun per worker count
-    # --batch-invariant: mlxcel with runner.batch_invariant=true at --max-rows, then at INVARIANT_CHECK_SHARE of it
+    # --batch-invariant: mlxcel with runner.batch_invariant=true at invariant_rows (--max-rows, then a third of it)
     invariant: list[JobRun] | None = None
     invariant_rows: list[int] | None = None
 

@@ -242,7 +242,8 @@ class BatchScheduler:
         self.max_rows = max_rows
         self.kv_budget_bytes = kv_budget_bytes or default_kv_budget_bytes()
         self.pipeline = pipeline
-        self.pinned_chunk = chunk_size  # None: 2048 idle, 512 while rows decode
+        # None: 2048 idle, 512 while rows decode; batch-invariant: the rows' own pieces (plan_piece)
+        self.pinned_chunk = INVARIANT_PIECE if batch_invariant else chunk_size
         # the batch engine's step for small decode batches
         self.segmented = choose_decode_step(model, decode_step) == "segmented" and not batch_invariant
         # pieces of several rows in one padded call (group_ragged); None: where the kernels run.
@@ -304,9 +305,8 @@ class BatchScheduler:
             # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
             # (rounding to cuDNN's aligned starts where the kernels run was slower on the H200: more
             # tokens to compute for a mask-free piece; docs/benchmarks.md)
-            align = (self.pinned_chunk or request.chunk_size) if request.kv_bits else 1
-            if self.batch_invariant:  # an adopted prefix ends where the row's own piece would
-                align = INVARIANT_PIECE
+            # (batch-invariant: an adopted prefix ends where the row's own piece would)
+            align = (self.pinned_chunk or request.chunk_size) if request.kv_bits or self.batch_invariant else 1
             self.reuse = PrefixReuse(self.prompt_cache, table, caches, self.model, runnable, align, self.snapshot_all)
         try:
             for _ in self.run_rows(state, deque(runnable), table, caches, request, on_token, on_row_done, feed):
@@ -427,8 +427,6 @@ class BatchScheduler:
                 # a later piece attends to the earlier ones' quantized keys, so where pieces end
                 # changes a row's tokens: with kv_bits they are the row's own, as in the batch engine
                 piece = self.pinned_chunk or request.chunk_size
-            if self.batch_invariant:
-                piece = INVARIANT_PIECE
             budget = (PIECES_PER_STEP if len(batch) else IDLE_PIECES_PER_STEP) * piece
             while prefilling and budget > 0:
                 if budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):

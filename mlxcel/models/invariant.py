@@ -111,7 +111,8 @@ def find_invariance_problem(model) -> str | None:
     matmuls over the whole batch."""
     if hasattr(model, "lora_control"):
         return "its vision LoRA adds matmuls over the whole batch (Phi-4-multimodal)"
-    kinds = {type(m).__name__ for m in language_modules(model)}
-    if any("Switch" in kind for kind in kinds):
+    from mlxcel.models.switch import QuantizedSwitchLinear, SwitchLinear
+
+    if any(isinstance(m, (SwitchLinear, QuantizedSwitchLinear)) for m in language_modules(model)):
         return "its mixture-of-experts layers group tokens by expert across rows"
     return None

@@ -150,11 +150,11 @@ class StepIndices:
         self.masks: dict = {}  # window (None: full attention) -> that kind of layer's mask
         self.decode_kernel = new_tokens == 1 and table.decode_kernel
         self.invariant = table.invariant
-        if self.decode_kernel:
-            return  # the kernel finds each row's new position itself
         # batch-invariant decode on a GPU without the decode kernel: each row attends in a call of its
         # own over exactly its positions (a GPU's attention splits the keys by the batch's shape)
-        self.per_row = table.invariant and new_tokens == 1 and invariant.pads_matmuls()
+        self.per_row = table.invariant and new_tokens == 1 and not self.decode_kernel and invariant.pads_matmuls()
+        if self.decode_kernel:
+            return  # the kernel finds each row's new position itself
         new_pos = np.maximum(
             starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0
         )  # [B, L]; leads are never written

@@ -109,71 +109,24 @@ def test_mixed_constraints_share_a_batch_and_every_answer_matches(tmp_path, tiny
     assert {k: r["token_ids"] for k, r in again.items()} == {k: r["token_ids"] for k, r in got.items()}
 
 
-def constrained_greedy_reference(
-    reference, matcher, words: int, prompt: list[int], max_tokens: int, eos: int
-) -> list[int]:
-    """transformers' forward pass, llguidance's own mask (its numpy fill, unpacked here), argmax:
-    a greedy constrained row that shares no code with the scheduler's loop, sampler or masks."""
-    import torch
-    from llguidance.numpy import fill_next_token_bitmask
-
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        while len(out) < max_tokens:
-            logits = reference(torch.tensor([ids])).logits[0, -1]
-            if matcher is not None:
-                mask = np.zeros((1, words), dtype=np.int32)
-                fill_next_token_bitmask(matcher, mask, 0)
-                allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: len(logits)].astype(bool)
-                logits[torch.from_numpy(~allowed)] = -float("inf")
-            token = int(torch.argmax(logits))
-            if token == eos:
-                break
-            if matcher is not None:
-                assert matcher.consume_token(token), matcher.get_error()
-            out.append(token)
-            ids.append(token)
-    return out
-
-
-@pytest.mark.parametrize("masks_ahead", [True, False], ids=["masks-ahead", "masks-after-the-forward"])
-def test_greedy_constrained_rows_equal_transformers_with_llguidances_masks(tiny_llama, monkeypatch, masks_ahead):
-    """Mixed constrained and free rows, greedy in one batch (with logprobs asked, which the masks-ahead
-    read takes on the scheduler's thread): each row's tokens are transformers' greedy tokens under
-    llguidance's mask for that row alone."""
+def test_masks_on_a_thread_give_the_tokens_of_masks_after_the_forward(tmp_path, tiny_llama, monkeypatch):
+    """The two orders of a constrained step (engine.scheduler.THREADED_MASK_ROWS) draw alike."""
     import mlxcel.engine.scheduler as scheduler
-    from mlxcel.checkpoints.loader import load_model
-    from mlxcel.engine import GenerationRequest, RowRequest
-    from mlxcel.engine.scheduler import BatchScheduler
-    from mlxcel.sampling import make_sampler_chain
-    from mlxcel.structured.matcher import Constraints
-    from mlxcel.tokenizer import load_tokenizer
-    from tests.helpers import load_reference, make_token_prompts
 
-    monkeypatch.setattr(scheduler, "MASKS_AHEAD", masks_ahead)
-    model = load_model(str(tiny_llama), dtype="float32").model
-    tokenizer = load_tokenizer(tiny_llama)
-    constraints = Constraints(tokenizer, model.args.vocab_size, [2])
-    specs = [{"json_schema": SCHEMA}, {"regex": DATE}, None, {"grammar": GBNF}, {"choice": CHOICES}, {"grammar": LARK}]
-    prompts = make_token_prompts(11, len(specs))
-    rows = [
-        RowRequest(prompt, row_id=i, max_tokens=40, constraint=constraints.compile(spec) if spec else None)
-        for i, (prompt, spec) in enumerate(zip(prompts, specs))
-    ]
-    chain = make_sampler_chain({"selector": {"kind": "greedy"}}, model.args.vocab_size)
-    request = GenerationRequest(
-        rows, chain, max_tokens=40, stop_token_ids=frozenset([2]), constraints=constraints, logprobs=2
-    )
-    results = BatchScheduler(model, 512, max_rows=4).generate(request).results
-    reference = load_reference(tiny_llama)
-    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
-        matcher = constraints.compile(spec).new_matcher() if spec else None
-        words = (constraints.ll_tokenizer.vocab_size + 31) // 32
-        expected = constrained_greedy_reference(reference, matcher, words, prompt, 40, eos=2)
-        assert results[i].token_ids == expected, (i, spec)
-        assert [entry["token"] for entry in results[i].logprobs] == expected
-        if spec is not None:
-            assert results[i].constraint_satisfied is (results[i].finish_reason == "stop"), i
+    rows = make_rows(2)
+    outcomes, threaded_steps = {}, []
+    advance = scheduler.advance_matchers
+    monkeypatch.setattr(scheduler, "advance_matchers", lambda *a: threaded_steps.append(1) or advance(*a))
+    for threaded_rows in (1, 10**6):
+        monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
+        got, _ = run_job(tmp_path, tiny_llama, rows, f"threaded-{threaded_rows}")
+        assert len(threaded_steps) > 50 if threaded_rows == 1 else not threaded_steps
+        threaded_steps.clear()
+        outcomes[threaded_rows] = {
+            k: (r["token_ids"], r["finish_reason"], r.get("constraint_satisfied")) for k, r in got.items()
+        }
+    assert outcomes[1] == outcomes[10**6]
+    assert sum(satisfied is True for _, _, satisfied in outcomes[1].values()) == 10
 
 
 def test_the_job_constraint_applies_to_rows_without_their_own(tmp_path, tiny_llama):
@@ -313,8 +266,8 @@ def test_batch_file_lines_carry_their_response_format(tmp_path):
     assert "response_format.type: must be one of" in rows[2].batch["error"]
 
 
-@pytest.mark.parametrize("masks_ahead", [True, False], ids=["masks-ahead", "masks-after-the-forward"])
-def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch, masks_ahead):
+@pytest.mark.parametrize("threaded_rows", [1, 10**6], ids=["masks-on-a-thread", "masks-after-the-forward"])
+def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch, threaded_rows):
     """A server's shape: constrained and free rows arrive while others decode, one constrained
     row is cancelled mid-answer; every other row gets the tokens it gets alone."""
     import mlxcel.engine.scheduler as scheduler
@@ -326,7 +279,7 @@ def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch,
     from mlxcel.tokenizer import load_tokenizer
     from tests.helpers import ScriptedFeed, make_token_prompts
 
-    monkeypatch.setattr(scheduler, "MASKS_AHEAD", masks_ahead)
+    monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
     model = load_model(str(tiny_llama), dtype="float32").model
     tokenizer = load_tokenizer(tiny_llama)
     constraints = Constraints(tokenizer, model.args.vocab_size, [2])

@@ -25,7 +25,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,11 +56,9 @@ KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by d
 PIECES_PER_STEP = 8
 IDLE_PIECES_PER_STEP = 4
 MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer distinct shapes below it cost little)
-# Structured output: a draw's masks need the last draw's tokens. MASKS_AHEAD: a thread waits for
-# them (a host copy made on the CPU stream, so no GPU wait leaves the scheduler's thread), advances
-# the matchers and computes the next masks while this thread builds and queues the forward pass;
-# else the forward pass is queued, then the last draw read and the masks computed here (probe).
-MASKS_AHEAD = True
+# Structured output: batches with at least this many constrained rows read the last draw before
+# queueing the forward pass and compute the masks on a thread while it is encoded (H200, batch 32:
+# 0.87 of free throughput against 0.65 masks-after; batch 1: 0.74 against 0.86; docs/benchmarks.md)
 THREADED_MASK_ROWS = 8
 # Batch-invariant mode: a row's prompt is prefilled in pieces that end on multiples of this, one
 # row a call, whatever the chunk size, budget or history boundary: its pieces are the row's own
@@ -113,7 +111,6 @@ class PendingDraw:
 
     draw: object
     rows: list[Row]
-    masking: Future | None = None  # structured output: the thread's work on this draw's tokens (advance_matchers)
 
 
 @dataclass
@@ -381,7 +378,6 @@ class BatchScheduler:
         draws_queued = draws_read = 0
         self.live: dict[int, Row] = {}  # a feed's rows by index, until they end
         self.cancelling: set[int] = set()  # decoding rows that end at their next token
-        self.ahead_masks: tuple[list[Row], mx.array] | None = None  # the mask thread's last masks, and their rows
         open_feed = feed is not None
         while waiting or prefilling or len(batch) or inflight or open_feed:
             if open_feed:
@@ -463,15 +459,7 @@ class BatchScheduler:
                 batch.join(joined)
                 bitmask, ended = None, []
                 constrained = sum(row.matcher is not None for row in batch.rows)
-                if constrained and MASKS_AHEAD:
-                    # the forward pass first; the masks were computed (or are being computed) on
-                    # the mask thread from the last draw's tokens, while it was built and queued
-                    submit(logits_parts, state)
-                    while inflight:
-                        ended += self.read_pending(inflight.popleft(), request, state, on_token, on_row_done)
-                        draws_read += 1
-                    bitmask = self.take_masks(batch.rows, request, state)
-                elif constrained >= THREADED_MASK_ROWS and len(inflight) == 1:
+                if constrained >= THREADED_MASK_ROWS and len(inflight) == 1:
                     # Structured output, many rows: this step's masks need the last step's tokens
                     # (no lookahead for these batches). Read them first; a thread advances the
                     # matchers and computes the masks (llguidance releases the GIL) while this one
@@ -483,7 +471,7 @@ class BatchScheduler:
                     )
                     submit(logits_parts, state)
                     waited = time.perf_counter()
-                    _, problems, _, masks, seconds = masking.result()
+                    problems, masks, seconds = masking.result()
                     state.mask_seconds += seconds
                     state.mask_wait_seconds += time.perf_counter() - waited
                     ended += self.read_draw(pending, request, state, on_token, on_row_done, host, problems)
@@ -500,9 +488,7 @@ class BatchScheduler:
                     bitmask = self.compute_masks(batch.rows, request, state)
                 logits = logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts)
                 draw = sampler.sample(logits, bitmask)
-                # (masks ahead: the tokens' host copy, on the CPU stream, for the mask thread to wait on)
-                host_copy = [mx.contiguous(draw.tokens, stream=mx.cpu)] if MASKS_AHEAD and constrained else []
-                submit(draw.arrays() + sampler.state_arrays() + host_copy, state)
+                submit(draw.arrays() + sampler.state_arrays(), state)
                 inflight.append(PendingDraw(draw, list(batch.rows)))
                 draws_queued += 1
                 batch.next_input = draw.tokens
@@ -513,14 +499,9 @@ class BatchScheduler:
                     leaving += self.keep(
                         batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
                     )
-                if host_copy and any(row.matcher is not None for row in batch.rows):
-                    pending = inflight[-1]
-                    pending.masking = self.mask_worker().submit(
-                        advance_matchers, pending, host_copy[0], list(batch.rows), request, self.cancelling
-                    )
             # 4. read the oldest draw (pipelined: one step behind), apply stop rules
             if inflight and (len(inflight) > 1 or not self.pipeline or not (len(batch) or prefilling)):
-                ended = self.read_pending(inflight.popleft(), request, state, on_token, on_row_done)
+                ended = self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
                 draws_read += 1
                 if ended and len(batch):
                     leaving += self.keep(
@@ -571,33 +552,6 @@ class BatchScheduler:
             row.result.finish_reason = "cancelled"
             if on_row_done is not None:
                 on_row_done(row.index, row.result)
-
-    def read_pending(
-        self, pending: PendingDraw, request: GenerationRequest, state: ScheduleState, on_token: OnToken, on_row_done
-    ) -> list[Row]:
-        """read_draw, through the mask thread when it has this draw's tokens (it has advanced the
-        matchers by them and computed the next masks: kept for take_masks)."""
-        if pending.masking is None:
-            return self.read_draw(pending, request, state, on_token, on_row_done)
-        waited = time.perf_counter()
-        tokens, problems, rows, masks, seconds = pending.masking.result()
-        state.mask_wait_seconds += time.perf_counter() - waited
-        state.mask_seconds += seconds
-        self.ahead_masks = (rows, masks)
-        logprobs = self.read_tokens(pending, state)[1] if pending.draw.has_logprobs else None
-        return self.read_draw(pending, request, state, on_token, on_row_done, (tokens, logprobs), problems)
-
-    def take_masks(self, rows: list[Row], request: GenerationRequest, state: ScheduleState) -> mx.array:
-        """The draw's masks over `rows`: the mask thread's where it computed them for these rows
-        (rows that joined since get theirs here), else computed now."""
-        ahead, self.ahead_masks = self.ahead_masks, None
-        if ahead is not None:
-            masked, masks = ahead
-            if len(masked) <= len(rows) and all(a is b for a, b in zip(masked, rows)):
-                if len(masked) == len(rows):
-                    return masks
-                return mx.concatenate([masks, self.compute_masks(rows[len(masked) :], request, state)])
-        return self.compute_masks(rows, request, state)
 
     def compute_masks(self, rows: list[Row], request: GenerationRequest, state: ScheduleState) -> mx.array:
         """[B, ceil(V / 32)] structured output's bitmasks for a draw over `rows` (batch order);
@@ -955,17 +909,11 @@ class BatchScheduler:
 
 
 def advance_matchers(
-    pending: PendingDraw, tokens, rows: list[Row], request: GenerationRequest, cancelling: set[int]
-) -> tuple:
+    pending: PendingDraw, tokens: list[int], rows: list[Row], request: GenerationRequest, cancelling: set[int]
+) -> tuple[dict[int, str | None], mx.array, float]:
     """Structured output's host work for one step, off the scheduler's thread: advance each live
     row's matcher by its token of `pending` (as read_draw would), then compute the next draw's
-    masks over `rows`. `tokens`: the draw's tokens, or their host copy on the CPU stream (waited
-    for here: mx.eval releases the GIL, and a CPU-stream array is safe to wait on from any thread).
-    Returns (the tokens; each advanced row's problem or None, by index; `rows`; the masks; seconds
-    of work once the tokens were there)."""
-    if isinstance(tokens, mx.array):
-        mx.eval(tokens)
-        tokens = tokens.tolist()
+    masks over `rows`. Returns (each advanced row's problem or None, by index; the masks; seconds)."""
     began = time.perf_counter()
     problems = {}
     for row, token in zip(pending.rows, tokens):
@@ -978,7 +926,7 @@ def advance_matchers(
     # the device array here too: made on the scheduler's thread it cost ~0.3 ms of its host time a
     # step at batch 32 on the H200 (ratio 0.84 -> 0.89, docs/benchmarks.md)
     masks = mx.array(request.constraints.fill_masks(matchers))
-    return tokens, problems, rows, masks, time.perf_counter() - began
+    return problems, masks, time.perf_counter() - began
 
 
 def submit(arrays: list, state: ScheduleState) -> None:

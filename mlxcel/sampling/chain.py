@@ -62,10 +62,6 @@ class Draw:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
 
-    @property
-    def has_logprobs(self) -> bool:
-        return self.logprobs is not None
-
     def to_host(self) -> tuple[list[int], list[dict] | None]:
         """(token ids, per row {logprob, top: [[id, logprob], ...]} or None): the sync point."""
         tokens = self.tokens.tolist()

@@ -175,10 +175,6 @@ class GroupedDraw:
     def arrays(self) -> list[mx.array]:
         return [self.tokens] + [a for d in self.draws for a in d.arrays()]
 
-    @property
-    def has_logprobs(self) -> bool:
-        return any(d.has_logprobs for d in self.draws)
-
     def to_host(self) -> tuple[list[int], list[dict | None] | None]:
         """(tokens, per row its logprobs or None; None when no group asked for them)."""
         tokens = self.tokens.tolist()

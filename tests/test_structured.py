@@ -129,6 +129,73 @@ def test_masks_on_a_thread_give_the_tokens_of_masks_after_the_forward(tmp_path, 
     assert sum(satisfied is True for _, _, satisfied in outcomes[1].values()) == 10
 
 
+def constrained_greedy_reference(
+    reference, matcher, words: int, prompt: list[int], max_tokens: int, eos: int
+) -> list[int]:
+    """transformers' forward pass, llguidance's own mask (its numpy fill, unpacked here), argmax:
+    a greedy constrained row that shares no code with the scheduler's loop, sampler or masks."""
+    import torch
+    from llguidance.numpy import fill_next_token_bitmask
+
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        while len(out) < max_tokens:
+            logits = reference(torch.tensor([ids])).logits[0, -1]
+            if matcher is not None:
+                mask = np.zeros((1, words), dtype=np.int32)
+                fill_next_token_bitmask(matcher, mask, 0)
+                allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: len(logits)].astype(bool)
+                logits[torch.from_numpy(~allowed)] = -float("inf")
+            token = int(torch.argmax(logits))
+            if token == eos:
+                break
+            if matcher is not None:
+                assert matcher.consume_token(token), matcher.get_error()
+            out.append(token)
+            ids.append(token)
+    return out
+
+
+@pytest.mark.parametrize("threaded_rows", [1, 10**6], ids=["masks-on-a-thread", "masks-after-the-forward"])
+def test_greedy_constrained_rows_equal_transformers_with_llguidances_masks(tiny_llama, monkeypatch, threaded_rows):
+    """Mixed constrained and free rows, greedy in one batch (logprobs asked), in both orders of a
+    constrained step (engine.scheduler.THREADED_MASK_ROWS): each row's tokens are transformers'
+    greedy tokens under llguidance's mask for that row alone."""
+    import mlxcel.engine.scheduler as scheduler
+    from mlxcel.checkpoints.loader import load_model
+    from mlxcel.engine import GenerationRequest, RowRequest
+    from mlxcel.engine.scheduler import BatchScheduler
+    from mlxcel.sampling import make_sampler_chain
+    from mlxcel.structured.matcher import Constraints
+    from mlxcel.tokenizer import load_tokenizer
+    from tests.helpers import load_reference, make_token_prompts
+
+    monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
+    model = load_model(str(tiny_llama), dtype="float32").model
+    tokenizer = load_tokenizer(tiny_llama)
+    constraints = Constraints(tokenizer, model.args.vocab_size, [2])
+    specs = [{"json_schema": SCHEMA}, {"regex": DATE}, None, {"grammar": GBNF}, {"choice": CHOICES}, {"grammar": LARK}]
+    prompts = make_token_prompts(11, len(specs))
+    rows = [
+        RowRequest(prompt, row_id=i, max_tokens=40, constraint=constraints.compile(spec) if spec else None)
+        for i, (prompt, spec) in enumerate(zip(prompts, specs))
+    ]
+    chain = make_sampler_chain({"selector": {"kind": "greedy"}}, model.args.vocab_size)
+    request = GenerationRequest(
+        rows, chain, max_tokens=40, stop_token_ids=frozenset([2]), constraints=constraints, logprobs=2
+    )
+    results = BatchScheduler(model, 512, max_rows=4).generate(request).results
+    reference = load_reference(tiny_llama)
+    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+        matcher = constraints.compile(spec).new_matcher() if spec else None
+        words = (constraints.ll_tokenizer.vocab_size + 31) // 32
+        expected = constrained_greedy_reference(reference, matcher, words, prompt, 40, eos=2)
+        assert results[i].token_ids == expected, (i, spec)
+        assert [entry["token"] for entry in results[i].logprobs] == expected
+        if spec is not None:
+            assert results[i].constraint_satisfied is (results[i].finish_reason == "stop"), i
+
+
 def test_the_job_constraint_applies_to_rows_without_their_own(tmp_path, tiny_llama):
     rows = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y", "constraint": {"choice": CHOICES}}]
     got, _ = run_job(tmp_path, tiny_llama, rows, "job", decode={"constraint": {"regex": DATE}})

@@ -406,6 +406,39 @@ def test_masks_fit_logits_narrower_than_the_tokenizer(tiny_llama):
     assert all(allowed[0][t] for t in first if t < narrow)
 
 
+def test_a_mask_buffer_is_written_in_place_and_read_for_the_batchs_rows(tiny_llama, monkeypatch):
+    """MaskBuffer (the loop's masks, no new device array a step): fewer rows than it holds, then a
+    step with other states, give the masks fill_masks makes fresh, under apply_token_bitmask; and
+    where the view is not the array's memory it makes a new array each time."""
+    from mlxcel.structured import matcher as matcher_module
+    from mlxcel.structured.matcher import Constraints, MaskBuffer
+    from mlxcel.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    vocab = tokenizer.vocab_size
+    constraints = Constraints(tokenizer, vocab, [2])
+    choice, date = (constraints.compile(spec).new_matcher() for spec in ({"choice": CHOICES}, {"regex": DATE}))
+    buffer = MaskBuffer(constraints, 4)
+    assert buffer.host is not None  # (the CPU: the view is the array's memory)
+
+    def check(matchers, buffer):
+        logits = mx.zeros((len(matchers), vocab))
+        got = np.array(apply_token_bitmask(logits, buffer.fill(matchers)))
+        want = np.array(apply_token_bitmask(logits, mx.array(constraints.fill_masks(matchers))))
+        np.testing.assert_array_equal(got, want)
+        return np.isfinite(got)
+
+    first = check([choice, None, date], buffer)
+    assert first[1].all() and not first[0].all() and not first[2].all()
+    assert date.consume_token(tokenizer.encode("2", add_special_tokens=False)[0])
+    second = check([date, choice], buffer)  # the same buffer, other rows in other states
+    assert not np.array_equal(second[0], first[2]) and np.array_equal(second[1], first[0])
+    monkeypatch.setattr(matcher_module, "host_writes_reach_device", lambda device: False)
+    fresh = MaskBuffer(constraints, 4)
+    assert fresh.host is None and fresh.fill([choice]) is not fresh.fill([choice])
+    check([choice], fresh)
+
+
 def nest(depth: int) -> str:
     """A JSON schema `depth` objects deep, as text."""
     return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth

@@ -45,7 +45,7 @@ from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
 from mlxcel.sampling.rows import GroupedRowsSampler
-from mlxcel.structured.matcher import consume_token, is_satisfied
+from mlxcel.structured.matcher import MaskBuffer, consume_token, is_satisfied
 from mlxcel.vision.stage import merge_embeddings
 
 KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
@@ -378,6 +378,7 @@ class BatchScheduler:
         draws_queued = draws_read = 0
         self.live: dict[int, Row] = {}  # a feed's rows by index, until they end
         self.cancelling: set[int] = set()  # decoding rows that end at their next token
+        self._mask_buffer: MaskBuffer | None = None  # structured output's masks, written in place
         open_feed = feed is not None
         while waiting or prefilling or len(batch) or inflight or open_feed:
             if open_feed:
@@ -467,7 +468,13 @@ class BatchScheduler:
                     pending = inflight.popleft()
                     host = self.read_tokens(pending, state)
                     masking = self.mask_worker().submit(
-                        advance_matchers, pending, host[0], batch.rows, request, self.cancelling
+                        advance_matchers,
+                        pending,
+                        host[0],
+                        batch.rows,
+                        request,
+                        self.cancelling,
+                        self.mask_buffer(request),
                     )
                     submit(logits_parts, state)
                     waited = time.perf_counter()
@@ -558,9 +565,17 @@ class BatchScheduler:
         rows without a constraint, or already finished (their draw is not read), allow every token."""
         began = time.perf_counter()
         matchers = [row.matcher if row.result.finish_reason is None else None for row in rows]
-        masks = mx.array(request.constraints.fill_masks(matchers))
+        masks = self.mask_buffer(request).fill(matchers)
         state.mask_seconds += time.perf_counter() - began
         return masks
+
+    def mask_buffer(self, request: GenerationRequest) -> MaskBuffer:
+        """The loop's MaskBuffer (made on the scheduler's thread, at the first constrained draw).
+        Every queued draw has been read whenever it is written: both orders of a constrained step
+        read them all first."""
+        if self._mask_buffer is None:
+            self._mask_buffer = MaskBuffer(request.constraints, self.max_rows)
+        return self._mask_buffer
 
     def keep(self, batch: DecodeBatch, mask: np.ndarray, sampler: GroupedRowsSampler, last_draw: int) -> list[Row]:
         """Only the rows where `mask` holds go on decoding; returns the others, which took part
@@ -909,7 +924,12 @@ class BatchScheduler:
 
 
 def advance_matchers(
-    pending: PendingDraw, tokens: list[int], rows: list[Row], request: GenerationRequest, cancelling: set[int]
+    pending: PendingDraw,
+    tokens: list[int],
+    rows: list[Row],
+    request: GenerationRequest,
+    cancelling: set[int],
+    buffer: MaskBuffer,
 ) -> tuple[dict[int, str | None], mx.array, float]:
     """Structured output's host work for one step, off the scheduler's thread: advance each live
     row's matcher by its token of `pending` (as read_draw would), then compute the next draw's
@@ -925,7 +945,7 @@ def advance_matchers(
     matchers = [row.matcher if alive else None for row, alive in zip(rows, live)]
     # the device array here too: made on the scheduler's thread it cost ~0.3 ms of its host time a
     # step at batch 32 on the H200 (ratio 0.84 -> 0.89, docs/benchmarks.md)
-    masks = mx.array(request.constraints.fill_masks(matchers))
+    masks = buffer.fill(matchers)
     return problems, masks, time.perf_counter() - began
 
 

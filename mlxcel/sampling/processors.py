@@ -67,13 +67,13 @@ NEG_INF_BITS = 0xFF800000  # float32 -inf
 
 def apply_token_bitmask(x: mx.array, bitmask: mx.array) -> mx.array:
     """Structured output's mask, before every stage: bit t of bitmask[b, t // 32] (int32,
-    llguidance's layout) allows token t of row b; the others become -inf. Plain MLX ops, so it
-    runs on every backend (llguidance's own MLX glue is a Metal kernel). The mask is added as a
-    bias of 0 or -inf (bits of float32 -inf times "not allowed"): MLX's CPU `where` over a
-    [32, 128k] batch took 16 ms against 4.5 ms for this (docs/benchmarks.md)."""
+    llguidance's layout; rows past the logits' are not read) allows token t of row b; the others
+    become -inf. Plain MLX ops, so it runs on every backend (llguidance's own MLX glue is a Metal
+    kernel). The mask is added as a bias of 0 or -inf (bits of float32 -inf times "not allowed"):
+    MLX's CPU `where` over a [32, 128k] batch took 16 ms against 4.5 ms for this (docs/benchmarks.md)."""
     # (the bit positions are made here: an array made at import belongs to the importing thread's
     # stream, and a server samples on its engine thread)
-    words = bitmask.view(mx.uint32)
+    words = bitmask[: x.shape[0]].view(mx.uint32)  # (a MaskBuffer has rows for the largest batch)
     allowed = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
     allowed = allowed.reshape(words.shape[0], -1)[:, : x.shape[-1]]
     bias = ((1 - allowed) * NEG_INF_BITS).view(mx.float32)

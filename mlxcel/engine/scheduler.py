@@ -918,11 +918,7 @@ class BatchScheduler:
 
 
 def advance_matchers(
-    pending: PendingDraw,
-    tokens: list[int],
-    rows: list[Row],
-    request: GenerationRequest,
-    cancelling: set[int],
+    pending: PendingDraw, tokens: list[int], rows: list[Row], request: GenerationRequest, cancelling: set[int]
 ) -> tuple[dict[int, str | None], mx.array, float]:
     """Structured output's host work for one step, off the scheduler's thread: advance each live
     row's matcher by its token of `pending` (as read_draw would), then compute the next draw's
@@ -937,8 +933,8 @@ def advance_matchers(
     live = [row.result.finish_reason is None and not problems.get(row.index) for row in rows]
     matchers = [row.matcher if alive else None for row, alive in zip(rows, live)]
     # the device array here too: made on the scheduler's thread it cost ~0.3 ms of its host time a
-    # step at batch 32 on the H200 (ratio 0.84 -> 0.89, docs/benchmarks.md)
-    # (a new array, not the loop's MaskBuffer: measured at batch 32 this way, 0.87-0.91 of free)
+    # step at batch 32 on the H200 (ratio 0.84 -> 0.89, docs/benchmarks.md); a new one, not the
+    # loop's MaskBuffer, as in the runs that met the batch-32 target (the buffer is unmeasured here)
     masks = mx.array(request.constraints.fill_masks(matchers))
     return problems, masks, time.perf_counter() - began
 

@@ -118,7 +118,9 @@ def test_64_clients_with_faults_get_answers_or_errors_and_nothing_leaks(tmp_path
         assert status == 200 and health == {"status": "ok"}
         mx.clear_cache()
         assert mx.get_active_memory() == active
-        assert abs(read_rss() - rss) <= 0.1 * rss, (read_rss(), rss)
+        # (growth only: the allocator handing pages back to the system is no leak; a run of .ci/run
+        # saw the resident set shrink 13% here)
+        assert read_rss() - rss <= 0.1 * rss, (read_rss(), rss)
         rows = [json.loads(line) for line in (server.run_dir / "generations.jsonl").read_text().splitlines()]
         assert sum(r["status"] == 429 for r in rows) >= outcomes["429"]
         print(f"outcomes {outcomes}; idle {idle_after:.2f} s after the last client")

@@ -433,7 +433,7 @@ def test_a_mask_buffer_is_written_in_place_and_read_for_the_batchs_rows(tiny_lla
     assert date.consume_token(tokenizer.encode("2", add_special_tokens=False)[0])
     second = check([date, choice], buffer)  # the same buffer, other rows in other states
     assert not np.array_equal(second[0], first[2]) and np.array_equal(second[1], first[0])
-    monkeypatch.setattr(matcher_module, "host_writes_reach_device", lambda device: False)
+    monkeypatch.setattr(matcher_module, "device_sees_host_writes", lambda array, view: False)
     fresh = MaskBuffer(constraints, 4)
     assert fresh.host is None and fresh.fill([choice]) is not fresh.fill([choice])
     check([choice], fresh)

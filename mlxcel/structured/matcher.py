@@ -76,19 +76,17 @@ class Constraints:
         """[B, ceil(V / 32)] int32 bitmasks in batch order: a row's allowed tokens, every bit set
         for rows without a matcher (or whose matcher is done: their draw is not read). `out`: the
         array to write them in (a MaskBuffer's host view)."""
-        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+        from llguidance.numpy import fill_next_token_bitmask_par
 
         # (as wide as llguidance's vocabulary: the tokenizer's when it is wider than the logits,
         # which apply_token_bitmask then cuts to the logits' width)
-        shape = (len(matchers), self.mask_words)
-        masks = np.full(shape, -1, dtype=np.int32) if out is None else out
-        if out is not None:
+        if out is None:
+            masks = np.full((len(matchers), self.mask_words), -1, dtype=np.int32)
+        else:
+            masks = out
             masks.fill(-1)
         work = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
-        if len(work) == 1:  # (the executor's hand-off to its threads costs more than one row's mask)
-            matcher, index = work[0]
-            fill_next_token_bitmask(matcher, masks, index)
-        elif work:
+        if work:
             if self._executor is None:
                 from llguidance import LLExecutor
 
@@ -103,11 +101,10 @@ class Constraints:
 
 class MaskBuffer:
     """A loop's masks in one device array the host writes in place, through a numpy view of its
-    memory (unified memory on Apple silicon and the CPU, CUDA's managed memory), so a step needs no
-    new device array: on the H200 making one cost ~0.1 ms of host time a step (an allocation while
-    the device is busy), a tenth of a batch-1 step. The caller writes it only when no queued draw
-    still reads it (the scheduler reads every queued draw before it computes the next masks).
-    Where the view is not the array's memory each step gets a new array instead."""
+    memory (unified memory on Apple silicon and the CPU, CUDA's managed memory), so a step makes
+    no new device array. The caller writes it only when no queued draw still reads it (the
+    scheduler reads every queued draw before it computes the next masks). Where the device does
+    not see the view's writes (checked on this array once) each step gets a new array instead."""
 
     def __init__(self, constraints: Constraints, rows: int):
         import mlx.core as mx
@@ -116,7 +113,7 @@ class MaskBuffer:
         self.array = mx.array(np.full((rows, constraints.mask_words), -1, dtype=np.int32))
         view = np.asarray(memoryview(self.array))
         shared = view.flags.writeable and view.shape == tuple(self.array.shape)
-        self.host = view if shared and host_writes_reach_device(str(mx.default_device())) else None
+        self.host = view if shared and device_sees_host_writes(self.array, view) else None
 
     def fill(self, matchers: list):
         """fill_masks for `matchers` (at most `rows`) as a device array: the buffer, its first rows
@@ -130,20 +127,22 @@ class MaskBuffer:
         return self.array
 
 
-@lru_cache
-def host_writes_reach_device(device: str) -> bool:
-    """Whether `device` reads what the host writes through an array's numpy view: checked once a
-    process, on a stream of its own so that the check waits for no queued work."""
+def device_sees_host_writes(array, view: np.ndarray) -> bool:
+    """Whether the device reads what the host writes through `view` (of `array`'s memory). Read on
+    a stream of its own, so the check waits for no queued work."""
     import mlx.core as mx
 
-    probe = mx.array(np.zeros(1, dtype=np.int32))
-    view = np.asarray(memoryview(probe))
-    if not view.flags.writeable:
-        return False
-    view[0] = 12345
-    with mx.stream(mx.new_stream(mx.default_device())):
-        seen = probe + 0
+    view.flat[0] = 12345
+    with mx.stream(side_stream(str(mx.default_device()))):
+        seen = array.reshape(-1)[0] + 0
     return seen.item() == 12345
+
+
+@lru_cache
+def side_stream(device: str):
+    import mlx.core as mx
+
+    return mx.new_stream(mx.default_device())
 
 
 def consume_token(matcher, token: int) -> str | None:

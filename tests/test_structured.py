@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import mlx.core as mx
@@ -433,6 +434,12 @@ def test_a_mask_buffer_is_written_in_place_and_read_for_the_batchs_rows(tiny_lla
     assert date.consume_token(tokenizer.encode("2", add_special_tokens=False)[0])
     second = check([date, choice], buffer)  # the same buffer, other rows in other states
     assert not np.array_equal(second[0], first[2]) and np.array_equal(second[1], first[0])
+    # a loop on another thread (a server's engine thread) checks its buffer on a stream of its own
+    built = []
+    thread = threading.Thread(target=lambda: built.append(MaskBuffer(constraints, 2).host is not None))
+    thread.start()
+    thread.join()
+    assert built == [True]
     monkeypatch.setattr(matcher_module, "device_sees_host_writes", lambda array, view: False)
     fresh = MaskBuffer(constraints, 4)
     assert fresh.host is None and fresh.fill([choice]) is not fresh.fill([choice])

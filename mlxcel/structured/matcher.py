@@ -10,8 +10,8 @@ chain applies them (sampling/processors.apply_token_bitmask).
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
-from functools import lru_cache
 
 import numpy as np
 
@@ -133,16 +133,23 @@ def device_sees_host_writes(array, view: np.ndarray) -> bool:
     import mlx.core as mx
 
     view.flat[0] = 12345
-    with mx.stream(side_stream(str(mx.default_device()))):
+    with mx.stream(side_stream()):
         seen = array.reshape(-1)[0] + 0
     return seen.item() == 12345
 
 
-@lru_cache
-def side_stream(device: str):
+def side_stream():
+    """This thread's stream for checks that must not wait for its queued work (MLX's streams
+    belong to the thread that made them: a server's engine thread makes its own)."""
     import mlx.core as mx
 
-    return mx.new_stream(mx.default_device())
+    stream = getattr(_thread_streams, "side", None)
+    if stream is None:
+        stream = _thread_streams.side = mx.new_stream(mx.default_device())
+    return stream
+
+
+_thread_streams = threading.local()
 
 
 def consume_token(matcher, token: int) -> str | None:

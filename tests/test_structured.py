@@ -110,24 +110,45 @@ def test_mixed_constraints_share_a_batch_and_every_answer_matches(tmp_path, tiny
     assert {k: r["token_ids"] for k, r in again.items()} == {k: r["token_ids"] for k, r in got.items()}
 
 
-def test_masks_on_a_thread_give_the_tokens_of_masks_after_the_forward(tmp_path, tiny_llama, monkeypatch):
-    """The two orders of a constrained step (engine.scheduler.THREADED_MASK_ROWS) draw alike."""
+# the orders of a constrained step for any number of rows (engine.scheduler: THREADED_MASK_ROWS,
+# FEW_ROWS_ORDER), as bench.structured names them
+ORDERS = {"split": (10**6, "split"), "masks-on-a-thread": (1, "split"), "masks-after-the-forward": (10**6, "after")}
+
+
+def set_order(monkeypatch, order: str) -> None:
+    import mlxcel.engine.scheduler as scheduler
+
+    threaded_rows, few_rows_order = ORDERS[order]
+    monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
+    monkeypatch.setattr(scheduler, "FEW_ROWS_ORDER", few_rows_order)
+
+
+def test_every_order_of_a_constrained_step_draws_alike(tmp_path, tiny_llama, monkeypatch):
+    """The orders of a constrained step draw the same tokens, and each runs the steps it claims:
+    split queues a first half and computes the masks on the thread, masks-on-a-thread only the
+    latter, masks-after neither."""
     import mlxcel.engine.scheduler as scheduler
 
     rows = make_rows(2)
-    outcomes, threaded_steps = {}, []
-    advance = scheduler.advance_matchers
-    monkeypatch.setattr(scheduler, "advance_matchers", lambda *a: threaded_steps.append(1) or advance(*a))
-    for threaded_rows in (1, 10**6):
-        monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
-        got, _ = run_job(tmp_path, tiny_llama, rows, f"threaded-{threaded_rows}")
-        assert len(threaded_steps) > 50 if threaded_rows == 1 else not threaded_steps
-        threaded_steps.clear()
-        outcomes[threaded_rows] = {
+    outcomes, calls = {}, {"advance": 0, "first_half": 0}
+    advance, first_half = scheduler.advance_matchers, scheduler.first_half
+
+    def count(name, function):
+        return lambda *a: calls.__setitem__(name, calls[name] + 1) or function(*a)
+
+    monkeypatch.setattr(scheduler, "advance_matchers", count("advance", advance))
+    monkeypatch.setattr(scheduler, "first_half", count("first_half", first_half))
+    for order in ORDERS:
+        set_order(monkeypatch, order)
+        got, _ = run_job(tmp_path, tiny_llama, rows, order)
+        assert calls["advance"] > 50 if order != "masks-after-the-forward" else calls["advance"] == 0, order
+        assert calls["first_half"] == (calls["advance"] if order == "split" else 0), order
+        calls.update(advance=0, first_half=0)
+        outcomes[order] = {
             k: (r["token_ids"], r["finish_reason"], r.get("constraint_satisfied")) for k, r in got.items()
         }
-    assert outcomes[1] == outcomes[10**6]
-    assert sum(satisfied is True for _, _, satisfied in outcomes[1].values()) == 10
+    assert outcomes["split"] == outcomes["masks-on-a-thread"] == outcomes["masks-after-the-forward"]
+    assert sum(satisfied is True for _, _, satisfied in outcomes["split"].values()) == 10
 
 
 def constrained_greedy_reference(
@@ -157,12 +178,14 @@ def constrained_greedy_reference(
     return out
 
 
-@pytest.mark.parametrize("threaded_rows", [1, 10**6], ids=["masks-on-a-thread", "masks-after-the-forward"])
-def test_greedy_constrained_rows_equal_transformers_with_llguidances_masks(tiny_llama, monkeypatch, threaded_rows):
-    """Mixed constrained and free rows, greedy in one batch (logprobs asked), in both orders of a
-    constrained step (engine.scheduler.THREADED_MASK_ROWS): each row's tokens are transformers'
-    greedy tokens under llguidance's mask for that row alone."""
-    import mlxcel.engine.scheduler as scheduler
+@pytest.mark.parametrize(
+    "order, decode_step",
+    [("split", "eager"), ("split", "segmented"), ("masks-on-a-thread", "eager"), ("masks-after-the-forward", "eager")],
+)
+def test_greedy_constrained_rows_equal_transformers_with_llguidances_masks(tiny_llama, monkeypatch, order, decode_step):
+    """Mixed constrained and free rows, greedy in one batch (logprobs asked), in every order of a
+    constrained step (ORDERS) and with the segmented decode step (the GPU's for few rows): each
+    row's tokens are transformers' greedy tokens under llguidance's mask for that row alone."""
     from mlxcel.checkpoints.loader import load_model
     from mlxcel.engine import GenerationRequest, RowRequest
     from mlxcel.engine.scheduler import BatchScheduler
@@ -171,7 +194,7 @@ def test_greedy_constrained_rows_equal_transformers_with_llguidances_masks(tiny_
     from mlxcel.tokenizer import load_tokenizer
     from tests.helpers import load_reference, make_token_prompts
 
-    monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
+    set_order(monkeypatch, order)
     model = load_model(str(tiny_llama), dtype="float32").model
     tokenizer = load_tokenizer(tiny_llama)
     constraints = Constraints(tokenizer, model.args.vocab_size, [2])
@@ -185,7 +208,7 @@ def test_greedy_constrained_rows_equal_transformers_with_llguidances_masks(tiny_
     request = GenerationRequest(
         rows, chain, max_tokens=40, stop_token_ids=frozenset([2]), constraints=constraints, logprobs=2
     )
-    results = BatchScheduler(model, 512, max_rows=4).generate(request).results
+    results = BatchScheduler(model, 512, max_rows=4, decode_step=decode_step).generate(request).results
     reference = load_reference(tiny_llama)
     for i, (prompt, spec) in enumerate(zip(prompts, specs)):
         matcher = constraints.compile(spec).new_matcher() if spec else None
@@ -334,11 +357,10 @@ def test_batch_file_lines_carry_their_response_format(tmp_path):
     assert "response_format.type: must be one of" in rows[2].batch["error"]
 
 
-@pytest.mark.parametrize("threaded_rows", [1, 10**6], ids=["masks-on-a-thread", "masks-after-the-forward"])
-def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch, threaded_rows):
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch, order):
     """A server's shape: constrained and free rows arrive while others decode, one constrained
     row is cancelled mid-answer; every other row gets the tokens it gets alone."""
-    import mlxcel.engine.scheduler as scheduler
     from mlxcel.checkpoints.loader import load_model
     from mlxcel.engine import GenerationRequest, RowRequest
     from mlxcel.engine.scheduler import BatchScheduler
@@ -347,7 +369,7 @@ def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch,
     from mlxcel.tokenizer import load_tokenizer
     from tests.helpers import ScriptedFeed, make_token_prompts
 
-    monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
+    set_order(monkeypatch, order)
     model = load_model(str(tiny_llama), dtype="float32").model
     tokenizer = load_tokenizer(tiny_llama)
     constraints = Constraints(tokenizer, model.args.vocab_size, [2])

@@ -2,7 +2,7 @@
 
     python -m mlxcel.bench.structured [--model llama-3.2-1b] [--batch-sizes 1,32] [--output-tokens 256]
                                       [--prompt-tokens 32] [--repeats 1] [--schemas records,records-maxlength]
-                                      [--json OUT.json]
+                                      [--orders split,thread,after] [--json OUT.json]
 
 The same rows run through the scheduler free (greedy, no EOS stop) and constrained to each of
 SCHEMAS: an array of 64 records (a string, a ranged integer, an enum) whose shortest answer is
@@ -17,6 +17,8 @@ stats.json's decode_tok_per_sec). Also printed: the host ms per scheduler iterat
 computation's ms per decode step (it overlaps the forward pass; only what it does not hide costs
 throughput). Every constrained token passed the matcher (a refused one would end its row in
 "error"), and each constrained run's tokens are checked to differ from the free run's.
+--orders runs each schema in each of the scheduler's orders of a constrained step (ORDERS), the
+runs interleaved, to compare them in one process.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment
 from mlxcel.bench.checkpoints import dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import align_columns, log
 from mlxcel.checkpoints.loader import load_model, pick_dtype
+from mlxcel.engine import scheduler as scheduler_module
 from mlxcel.engine.request import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler
 from mlxcel.sampling import Sampler
@@ -61,6 +64,10 @@ def make_schema(name: dict) -> dict:
     }
 
 
+# the scheduler's orders of a constrained step, as (THREADED_MASK_ROWS, FEW_ROWS_ORDER) there, for
+# any number of rows: its first half queued before the last draw is read, masks on a thread; the
+# last draw read first, masks on a thread; the masks on the scheduler's thread after the forward
+ORDERS = {"split": (10**6, "split"), "thread": (1, "split"), "after": (10**6, "after")}
 CL100K_SIZE = 100277  # cl100k's ids, special tokens included
 
 SCHEMAS = {
@@ -79,9 +86,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repeats", type=int, default=1, help="measured runs per point, interleaved across schemas (the best is kept)"
     )
     parser.add_argument("--schemas", default=",".join(SCHEMAS), help=f"comma-separated, of {', '.join(SCHEMAS)}")
+    parser.add_argument(
+        "--orders", help=f"comma-separated, of {', '.join(ORDERS)}: run each schema in each (default: the scheduler's)"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     add_checkpoint_arguments(parser)
     return parser.parse_args(argv)
+
+
+DEFAULT_ORDER = (scheduler_module.THREADED_MASK_ROWS, scheduler_module.FEW_ROWS_ORDER)
+
+
+def set_order(order: str | None) -> None:
+    """The scheduler's order of a constrained step (ORDERS; None: its own)."""
+    scheduler_module.THREADED_MASK_ROWS, scheduler_module.FEW_ROWS_ORDER = ORDERS[order] if order else DEFAULT_ORDER
 
 
 def load_byte_tokenizer(vocab_size: int):
@@ -95,7 +113,10 @@ def load_byte_tokenizer(vocab_size: int):
     return load_tokenizer(locate_embedded_model("smollm2")), "SmolLM2 (GGUF)"
 
 
-def run_point(model, schema: dict | None, constraints, prompts: list[list[int]], args, max_context: int) -> dict:
+def run_point(
+    model, schema: dict | None, constraints, prompts: list[list[int]], args, max_context: int, order: str | None
+) -> dict:
+    set_order(order)
     constraint = constraints.compile({"json_schema": schema}) if schema is not None else None
     rows = [
         RowRequest(prompt, row_id=i, max_tokens=args.output_tokens, constraint=constraint)
@@ -125,6 +146,9 @@ def run_point(model, schema: dict | None, constraints, prompts: list[list[int]],
 def main(argv: list[str] | None = None) -> None:
     reexec_with_openblas(sys.argv[1:] if argv is None else argv, "mlxcel.bench.structured")
     args = parse_args(argv)
+    unknown = set((args.orders or "").split(",")) - set(ORDERS) - {""}
+    if unknown:
+        raise SystemExit(f"--orders: {', '.join(sorted(unknown))} unknown; choose from {', '.join(ORDERS)}")
     dtype = pick_dtype(args.dtype)
     folder = prepare_checkpoint(args.model, args.work_dir.expanduser(), dtype)
     model = load_model(str(folder), dtype=dtype_name(dtype)).model
@@ -139,14 +163,17 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [
             rng.integers(100, tokenizer.vocab_size - 1000, size=args.prompt_tokens).tolist() for _ in range(batch)
         ]
-        runs = {"free": None, **{name: SCHEMAS[name] for name in args.schemas.split(",")}}
+        orders = args.orders.split(",") if args.orders else [None]
+        runs = {"free": (None, None)}
+        for name in args.schemas.split(","):
+            runs.update({name + (f"@{order}" if order else ""): (SCHEMAS[name], order) for order in orders})
         warm = argparse.Namespace(**{**vars(args), "output_tokens": 8})
-        for schema in runs.values():  # a warm-up of each (kernels, the grammar's lazy lexer) at this batch size
-            run_point(model, schema, constraints, prompts, warm, max_context)
+        for schema, order in runs.values():  # a warm-up of each (kernels, the grammar's lazy lexer) at this batch size
+            run_point(model, schema, constraints, prompts, warm, max_context, order)
         point = {}
         for _ in range(args.repeats):  # interleaved, so a drift in the device's speed reaches every run alike
-            for name, schema in runs.items():
-                run = run_point(model, schema, constraints, prompts, args, max_context)
+            for name, (schema, order) in runs.items():
+                run = run_point(model, schema, constraints, prompts, args, max_context, order)
                 log(f"batch {batch} {name}: {run['decode_tok_s']:.1f} tok/s")
                 if name not in point or run["decode_tok_s"] > point[name]["decode_tok_s"]:
                     point[name] = run

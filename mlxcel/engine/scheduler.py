@@ -56,10 +56,16 @@ KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by d
 PIECES_PER_STEP = 8
 IDLE_PIECES_PER_STEP = 4
 MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer distinct shapes below it cost little)
-# Structured output: batches with at least this many constrained rows read the last draw before
-# queueing the forward pass and compute the masks on a thread while it is encoded (H200, batch 32:
-# 0.87 of free throughput against 0.65 masks-after; batch 1: 0.74 against 0.86; docs/benchmarks.md)
+# Structured output: a constrained step's masks need the last step's tokens on the host, so these
+# batches keep no lookahead. With at least THREADED_MASK_ROWS constrained rows the last draw is read
+# first and a thread computes the masks while the forward pass is queued (H200, batch 32: 0.87 of
+# free throughput against 0.65 with masks after the forward). Fewer rows take FEW_ROWS_ORDER:
+# "after", the forward pass queued, then the masks on this thread (batch 1: 0.86-0.95); "split",
+# the forward pass's first half queued before the draw is read (the device runs it meanwhile, so
+# the read does not stall it), the masks on the thread while the second half is queued. Split is
+# not yet measured on a GPU (none was lent when it was written): bench.structured --orders.
 THREADED_MASK_ROWS = 8
+FEW_ROWS_ORDER = "split"
 # Batch-invariant mode: a row's prompt is prefilled in pieces that end on multiples of this, one
 # row a call, whatever the chunk size, budget or history boundary: its pieces are the row's own
 # (a multiple of invariant.ROWS, and of paged_cache.ALIGNED_START for cuDNN's causal fast path)
@@ -460,15 +466,20 @@ class BatchScheduler:
                 batch.join(joined)
                 bitmask, ended = None, []
                 constrained = sum(row.matcher is not None for row in batch.rows)
-                if constrained >= THREADED_MASK_ROWS and len(inflight) == 1:
-                    # Structured output, many rows: this step's masks need the last step's tokens
-                    # (no lookahead for these batches). Read them first; a thread advances the
-                    # matchers and computes the masks (llguidance releases the GIL) while this one
-                    # queues the forward pass, whose encoding is host work on a GPU.
+                order = "thread" if constrained >= THREADED_MASK_ROWS else FEW_ROWS_ORDER
+                if constrained and len(inflight) == 1 and order != "after":
+                    # Read the last step's tokens (split: once the forward pass's first half is
+                    # queued); a thread advances the matchers and computes the masks (llguidance
+                    # releases the GIL) while this one queues the forward pass, whose encoding is
+                    # host work on a GPU (MLX's async_eval releases the GIL too).
+                    if order == "split":
+                        submit(first_half(caches), state)
                     pending = inflight.popleft()
                     host = self.read_tokens(pending, state)
+                    # (split is for few rows: the loop's buffer, as the masks-after path writes)
+                    fill = self.mask_buffer(request).fill if order == "split" else None
                     masking = self.mask_worker().submit(
-                        advance_matchers, pending, host[0], batch.rows, request, self.cancelling
+                        advance_matchers, pending, host[0], batch.rows, request, self.cancelling, fill
                     )
                     submit(logits_parts, state)
                     waited = time.perf_counter()
@@ -479,9 +490,8 @@ class BatchScheduler:
                     draws_read += 1
                     bitmask = masks
                 elif constrained:
-                    # Few rows: their masks cost less than the device's latency for the last draw,
-                    # so the forward pass goes first; the host reads that draw and computes the
-                    # masks while it runs.
+                    # Masks after the forward pass (FEW_ROWS_ORDER "after", or no one draw to read
+                    # first): the host reads the queued draws and computes the masks while it runs.
                     submit(logits_parts, state)
                     while inflight:
                         ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
@@ -918,11 +928,17 @@ class BatchScheduler:
 
 
 def advance_matchers(
-    pending: PendingDraw, tokens: list[int], rows: list[Row], request: GenerationRequest, cancelling: set[int]
+    pending: PendingDraw,
+    tokens: list[int],
+    rows: list[Row],
+    request: GenerationRequest,
+    cancelling: set[int],
+    fill=None,
 ) -> tuple[dict[int, str | None], mx.array, float]:
     """Structured output's host work for one step, off the scheduler's thread: advance each live
     row's matcher by its token of `pending` (as read_draw would), then compute the next draw's
-    masks over `rows`. Returns (each advanced row's problem or None, by index; the masks; seconds)."""
+    masks over `rows` (with `fill`, a MaskBuffer's: every queued draw has been read). Returns (each
+    advanced row's problem or None, by index; the masks; seconds)."""
     began = time.perf_counter()
     problems = {}
     for row, token in zip(pending.rows, tokens):
@@ -935,8 +951,14 @@ def advance_matchers(
     # the device array here too: made on the scheduler's thread it cost ~0.3 ms of its host time a
     # step at batch 32 on the H200 (ratio 0.84 -> 0.89, docs/benchmarks.md); a new one, not the
     # loop's MaskBuffer, as in the runs that met the batch-32 target (the buffer is unmeasured here)
-    masks = mx.array(request.constraints.fill_masks(matchers))
+    masks = fill(matchers) if fill is not None else mx.array(request.constraints.fill_masks(matchers))
     return problems, masks, time.perf_counter() - began
+
+
+def first_half(caches: list) -> list[mx.array]:
+    """What evaluating the queued forward pass's first half means: the middle layer's cache, written
+    by every layer before it (each family's layers write their caches in order)."""
+    return caches[len(caches) // 2].state
 
 
 def submit(arrays: list, state: ScheduleState) -> None:

@@ -62,10 +62,11 @@ MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer dist
 # free throughput against 0.65 with masks after the forward). Fewer rows take FEW_ROWS_ORDER:
 # "after", the forward pass queued, then the masks on this thread (batch 1: 0.86-0.95); "split",
 # the forward pass's first half queued before the draw is read (the device runs it meanwhile, so
-# the read does not stall it), the masks on the thread while the second half is queued. Split is
-# not yet measured on a GPU (none was lent when it was written): bench.structured --orders.
+# the read does not stall it), the masks on the thread while the second half is queued, so they
+# leave the host's critical path. Split is not yet measured on a GPU (no device time was left when
+# it was written): `bench.structured --orders split,thread,after` compares them in one process.
 THREADED_MASK_ROWS = 8
-FEW_ROWS_ORDER = "split"
+FEW_ROWS_ORDER = "after"
 # Batch-invariant mode: a row's prompt is prefilled in pieces that end on multiples of this, one
 # row a call, whatever the chunk size, budget or history boundary: its pieces are the row's own
 # (a multiple of invariant.ROWS, and of paged_cache.ALIGNED_START for cuDNN's causal fast path)

@@ -102,7 +102,8 @@ class JobWorker:
             stats = measure_batch(self.state)
         figures = self.describe()
         if stats is not None:
-            busy_s = stats.prefill_time_ms / 1000 + stats.decode_time_ms / 1000
+            # (the loop's time from its first rows to its last token, less its waits for rows)
+            busy_s = stats.prefill_time_ms / 1000 + stats.decode_time_ms / 1000 - self.state.idle_seconds
             figures.update(
                 rows=stats.rows,
                 generated_tokens=stats.generated_tokens,

@@ -138,6 +138,8 @@ class ScheduleState:
     wait_seconds: float = 0.0  # the host blocked on the device (reading draws, queueing work); the rest is host work
     mask_seconds: float = 0.0  # structured output: computing the rows' token masks (overlaps the forward pass)
     mask_wait_seconds: float = 0.0  # structured output: waiting for the masks after queueing the forward pass
+    idle_seconds: float = 0.0  # an open loop blocked on its feed with no rows to run, after its first rows
+    fed: bool = False  # an open loop has had rows (its clock starts with the first)
 
     @property
     def host_seconds(self) -> float:
@@ -289,6 +291,7 @@ class BatchScheduler:
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
         self.per_block = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size) * BLOCK_SIZE
         runnable = self.check_rows(rows, request, on_row_done)
+        state.fed = bool(rows)
         if feed is None:
             # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
             sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
@@ -392,10 +395,17 @@ class BatchScheduler:
                 idle = not (waiting or prefilling or len(batch) or inflight)
                 polled = time.perf_counter()
                 update = feed.poll(idle=idle)
-                # blocked until rows came: waiting, not host work (a wait that ends the loop comes
-                # after timings.end, the last read, so it is not counted)
-                if idle and update.rows:
-                    state.wait_seconds += time.perf_counter() - polled
+                # blocked with nothing to run: not host work, nor the loop's busy time. Before its
+                # first rows the loop's clock has not started (a Ray worker waits there for the
+                # others to load); a wait that ends the loop comes after timings.end, the last read.
+                if idle and (update.rows or not update.closed):
+                    waited = time.perf_counter() - polled
+                    if not state.fed:
+                        state.timings.start += waited
+                    else:
+                        state.wait_seconds += waited
+                        state.idle_seconds += waited
+                state.fed = state.fed or bool(update.rows)
                 open_feed = not update.closed
                 new = [self.make_row(index, r, request) for index, r in update.rows]
                 for row in self.check_rows(new, request, on_row_done):

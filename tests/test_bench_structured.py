@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # (Python in a subprocess)
+
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "mlxcel.bench.structured", "--model", "smollm2", *args]

@@ -117,3 +117,37 @@ def test_the_server_refuses_what_it_cannot_enforce(server, client):
     body = '{"model": "smollm2", "messages": [], "response_format": ' + deep + "}"
     status, reply, _ = request_json(f"{server.url}/chat/completions", raw=body.encode())
     assert status == 400 and "nested too deeply" in reply["error"]["message"]
+
+
+def test_a_slow_compile_holds_up_no_answer_in_flight(server, client, monkeypatch):
+    """A request's constraint compiles on a worker thread, not the engine's: a schema that takes
+    1.5 s to compile leaves a streaming answer's tokens coming at their pace."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stream_beside_a_constrained_request() -> tuple[list[float], object]:
+        arrivals, constrained = [], None
+        with ThreadPoolExecutor(1) as pool:
+            for _ in ask(client, "Count from one to fifty in words.", max_tokens=40, stream=True):
+                arrivals.append(time.perf_counter())
+                if constrained is None:  # (once the free answer streams)
+                    constrained = pool.submit(ask, client, "Where is the Prado?", response_format=city_format())
+            return arrivals, constrained.result()
+
+    stream_beside_a_constrained_request()  # (first: the CPU's JIT compiles this batch's sampler shapes)
+    constraints = server.engine.pipeline.constraints
+    compile_spec, threads = constraints.compile, []
+
+    def slow_compile(spec):
+        threads.append(threading.current_thread().name)
+        time.sleep(1.5)
+        return compile_spec(spec)
+
+    monkeypatch.setattr(constraints, "compile", slow_compile)
+    arrivals, answer = stream_beside_a_constrained_request()
+    jsonschema.validate(json.loads(answer.choices[0].message.content), CITY)
+    assert threads and "mlxcel-engine" not in threads
+    assert len(arrivals) >= 20 and arrivals[-1] - arrivals[0] > 0.3
+    # (compiled on the engine thread, the stream stopped 1.9 s here)
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 1.0

@@ -59,6 +59,7 @@ class Job:
     disconnected: bool = False  # (the event loop's own flag: its reader stops)
     rows: list[int] = field(default_factory=list)  # scheduler row indices, while they run
     constraint: dict | None = None  # structured output: the request's spec (None: the server's decode.constraint)
+    compiled: Any = None  # that spec's Constraint, compiled on a request thread (app.compile_constraint)
 
     @property
     def row_count(self) -> int:
@@ -221,7 +222,7 @@ class ServeEngine:
         try:
             prompts = [self.prepare(job, prompt) for prompt in job.prompts]
             chain = self.pipeline.chain_for(job.sampler)
-            constraint = self.pipeline.constraint_for(job.constraint)
+            constraint = job.compiled or self.pipeline.constraint_for(job.constraint)
         except ConstraintError as exc:  # a schema or grammar that does not compile
             param = "response_format" if job.endpoint == "chat" else "mlxcel.constraint"
             self.release(job.row_count)

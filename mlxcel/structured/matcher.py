@@ -41,27 +41,35 @@ class Constraints:
         self.compiled: OrderedDict[str, Constraint] = OrderedDict()
         self._ll_tokenizer = None
         self._executor = None
+        # a server compiles on its request threads (serve/app.py), side by side; the cache and the
+        # tokenizer's first build are shared
+        self._lock = threading.Lock()
 
     @property
     def ll_tokenizer(self):
         if self._ll_tokenizer is None:
             from mlxcel.structured.tokenizer import make_ll_tokenizer
 
-            self._ll_tokenizer = make_ll_tokenizer(self.tokenizer, self.n_vocab, self.eos_token_ids)
+            with self._lock:
+                if self._ll_tokenizer is None:
+                    self._ll_tokenizer = make_ll_tokenizer(self.tokenizer, self.n_vocab, self.eos_token_ids)
         return self._ll_tokenizer
 
     def compile(self, spec: dict) -> Constraint:
         """The spec's Constraint; a spec that does not compile raises ConstraintError (one line)."""
         try:
             key = json.dumps(spec, sort_keys=True)
-            constraint = self.compiled.pop(key, None)
-            if constraint is None:
+            with self._lock:
+                constraint = self.compiled.get(key)
+            if constraint is None:  # (compiled outside the lock: other specs need not wait)
                 constraint = self.bind(spec, compile_grammar(spec))
         except RecursionError:  # (a hostile schema hundreds of levels deep)
             raise ConstraintError("nested too deeply to compile", describe_spec(spec)) from None
-        self.compiled[key] = constraint  # (the most recently used last)
-        if len(self.compiled) > CACHED_CONSTRAINTS:
-            self.compiled.popitem(last=False)
+        with self._lock:
+            self.compiled[key] = constraint
+            self.compiled.move_to_end(key)  # (the most recently used last)
+            if len(self.compiled) > CACHED_CONSTRAINTS:
+                self.compiled.popitem(last=False)
         return constraint
 
     def bind(self, spec: dict, grammar: str) -> Constraint:

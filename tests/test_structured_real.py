@@ -135,7 +135,7 @@ def test_a_slow_compile_holds_up_no_answer_in_flight(server, client, monkeypatch
                     constrained = pool.submit(ask, client, "Where is the Prado?", response_format=city_format())
             return arrivals, constrained.result()
 
-    stream_beside_a_constrained_request()  # (first: the CPU's JIT compiles this batch's sampler shapes)
+    stream_beside_a_constrained_request()  # (first: a cold server's first answer waits for its JIT compiles)
     constraints = server.engine.pipeline.constraints
     compile_spec, threads = constraints.compile, []
 

@@ -125,25 +125,29 @@ def set_order(monkeypatch, order: str) -> None:
 
 def test_every_order_of_a_constrained_step_draws_alike(tmp_path, tiny_llama, monkeypatch):
     """The orders of a constrained step draw the same tokens, and each runs the steps it claims:
-    split queues a first half and computes the masks on the thread, masks-on-a-thread only the
-    latter, masks-after neither."""
+    split queues a first half and advances the matchers on the mask thread, masks-on-a-thread only
+    the latter, masks-after advances them on the scheduler's thread."""
+    import threading
+
     import mlxcel.engine.scheduler as scheduler
 
     rows = make_rows(2)
-    outcomes, calls = {}, {"advance": 0, "first_half": 0}
+    outcomes, threads, halves = {}, [], []
     advance, first_half = scheduler.advance_matchers, scheduler.first_half
 
-    def count(name, function):
-        return lambda *a: calls.__setitem__(name, calls[name] + 1) or function(*a)
+    def counted_advance(*args):
+        threads.append(threading.current_thread().name.startswith("mlxcel-masks"))
+        return advance(*args)
 
-    monkeypatch.setattr(scheduler, "advance_matchers", count("advance", advance))
-    monkeypatch.setattr(scheduler, "first_half", count("first_half", first_half))
+    monkeypatch.setattr(scheduler, "advance_matchers", counted_advance)
+    monkeypatch.setattr(scheduler, "first_half", lambda caches: halves.append(1) or first_half(caches))
     for order in ORDERS:
         set_order(monkeypatch, order)
         got, _ = run_job(tmp_path, tiny_llama, rows, order)
-        assert calls["advance"] > 50 if order != "masks-after-the-forward" else calls["advance"] == 0, order
-        assert calls["first_half"] == (calls["advance"] if order == "split" else 0), order
-        calls.update(advance=0, first_half=0)
+        assert len(threads) > 50 and set(threads) == {order != "masks-after-the-forward"}, order
+        assert len(halves) == (len(threads) if order == "split" else 0), order
+        threads.clear()
+        halves.clear()
         outcomes[order] = {
             k: (r["token_ids"], r["finish_reason"], r.get("constraint_satisfied")) for k, r in got.items()
         }

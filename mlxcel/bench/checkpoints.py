@@ -4,6 +4,8 @@ mlx-lm read, so the two run the very same weights.
 - `smollm2`: the embedded SmolLM2-135M GGUF, dequantized into an HF folder (mlx-lm cannot read
   GGUF), with llama.cpp's Q/K row permutation undone so the usual (non-interleaved) RoPE applies.
 - `qwen2.5-0.5b`, `llama-3.2-1b`: random weights in those models' shapes, seeded.
+- `llama-16x64`: a random Llama of 16 layers 64 wide (SmolLM2's vocabulary): a step costs the
+  host's graph building like a 1B model's, little compute, so host-side orders show on a CPU.
 - any other value: a path to an HF folder; its config gets a top-level `rope_theta` (mlx-lm reads
   nothing else, transformers 5 writes it under `rope_parameters`) and its weights are linked.
 
@@ -25,7 +27,7 @@ from mlxcel.checkpoints.loader import resolve_model_path
 WEIGHTS_FILE = "model.safetensors"  # mlx-lm globs model*.safetensors
 INIT_STD = 0.02  # the usual init scale: logits spread enough that greedy ties are rare
 
-# Published shapes of the real models (their config.json), random weights.
+# Published shapes of the real models (their config.json), random weights; and one made-up shape.
 RANDOM_SHAPES = {
     "qwen2.5-0.5b": {
         "architectures": ["Qwen2ForCausalLM"],
@@ -61,6 +63,21 @@ RANDOM_SHAPES = {
             "original_max_position_embeddings": 8192,
             "rope_type": "llama3",
         },
+        "tie_word_embeddings": True,
+    },
+    "llama-16x64": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
         "tie_word_embeddings": True,
     },
 }

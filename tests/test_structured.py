@@ -110,13 +110,10 @@ def test_mixed_constraints_share_a_batch_and_every_answer_matches(tmp_path, tiny
     assert {k: r["token_ids"] for k, r in again.items()} == {k: r["token_ids"] for k, r in got.items()}
 
 
-# the orders of a constrained step for any number of rows (engine.scheduler: THREADED_MASK_ROWS,
-# FEW_ROWS_ORDER), as bench.structured names them
-ORDERS = {"split": (10**6, "split"), "masks-on-a-thread": (1, "split"), "masks-after-the-forward": (10**6, "after")}
-
-
 def set_order(monkeypatch, order: str) -> None:
+    """One of bench.structured's ORDERS of a constrained step, for any number of rows."""
     import mlxcel.engine.scheduler as scheduler
+    from mlxcel.bench.structured import ORDERS
 
     threaded_rows, few_rows_order = ORDERS[order]
     monkeypatch.setattr(scheduler, "THREADED_MASK_ROWS", threaded_rows)
@@ -125,8 +122,8 @@ def set_order(monkeypatch, order: str) -> None:
 
 def test_every_order_of_a_constrained_step_draws_alike(tmp_path, tiny_llama, monkeypatch):
     """The orders of a constrained step draw the same tokens, and each runs the steps it claims:
-    split queues a first half and advances the matchers on the mask thread, masks-on-a-thread only
-    the latter, masks-after advances them on the scheduler's thread."""
+    split queues a first half and advances the matchers on the mask thread, thread only the latter,
+    after advances them on the scheduler's thread."""
     import threading
 
     import mlxcel.engine.scheduler as scheduler
@@ -141,17 +138,17 @@ def test_every_order_of_a_constrained_step_draws_alike(tmp_path, tiny_llama, mon
 
     monkeypatch.setattr(scheduler, "advance_matchers", counted_advance)
     monkeypatch.setattr(scheduler, "first_half", lambda caches: halves.append(1) or first_half(caches))
-    for order in ORDERS:
+    for order in ("split", "thread", "after"):
         set_order(monkeypatch, order)
         got, _ = run_job(tmp_path, tiny_llama, rows, order)
-        assert len(threads) > 50 and set(threads) == {order != "masks-after-the-forward"}, order
+        assert len(threads) > 50 and set(threads) == {order != "after"}, order
         assert len(halves) == (len(threads) if order == "split" else 0), order
         threads.clear()
         halves.clear()
         outcomes[order] = {
             k: (r["token_ids"], r["finish_reason"], r.get("constraint_satisfied")) for k, r in got.items()
         }
-    assert outcomes["split"] == outcomes["masks-on-a-thread"] == outcomes["masks-after-the-forward"]
+    assert outcomes["split"] == outcomes["thread"] == outcomes["after"]
     assert sum(satisfied is True for _, _, satisfied in outcomes["split"].values()) == 10
 
 
@@ -184,11 +181,11 @@ def constrained_greedy_reference(
 
 @pytest.mark.parametrize(
     "order, decode_step",
-    [("split", "eager"), ("split", "segmented"), ("masks-on-a-thread", "eager"), ("masks-after-the-forward", "eager")],
+    [("split", "eager"), ("split", "segmented"), ("thread", "eager"), ("after", "eager")],
 )
 def test_greedy_constrained_rows_equal_transformers_with_llguidances_masks(tiny_llama, monkeypatch, order, decode_step):
     """Mixed constrained and free rows, greedy in one batch (logprobs asked), in every order of a
-    constrained step (ORDERS) and with the segmented decode step (the GPU's for few rows): each
+    constrained step and with the segmented decode step (the GPU's for few rows): each
     row's tokens are transformers' greedy tokens under llguidance's mask for that row alone."""
     from mlxcel.checkpoints.loader import load_model
     from mlxcel.engine import GenerationRequest, RowRequest
@@ -361,7 +358,7 @@ def test_batch_file_lines_carry_their_response_format(tmp_path):
     assert "response_format.type: must be one of" in rows[2].batch["error"]
 
 
-@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("order", ["split", "thread", "after"])
 def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch, order):
     """A server's shape: constrained and free rows arrive while others decode, one constrained
     row is cancelled mid-answer; every other row gets the tokens it gets alone."""

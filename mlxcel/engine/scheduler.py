@@ -140,7 +140,6 @@ class ScheduleState:
     mask_wait_seconds: float = 0.0  # structured output: waiting for the masks after queueing the forward pass
     idle_seconds: float = 0.0  # an open loop blocked on its feed with no rows to run, after its first rows
     draw_gap_seconds: float = 0.0  # structured output: from the forward pass queued to its draw queued
-    fed: bool = False  # an open loop has had rows (its clock starts with the first)
 
     @property
     def host_seconds(self) -> float:
@@ -292,7 +291,6 @@ class BatchScheduler:
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
         self.per_block = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size) * BLOCK_SIZE
         runnable = self.check_rows(rows, request, on_row_done)
-        state.fed = bool(rows)
         if feed is None:
             # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
             sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
@@ -391,6 +389,7 @@ class BatchScheduler:
         self.cancelling: set[int] = set()  # decoding rows that end at their next token
         self._mask_buffer: MaskBuffer | None = None  # structured output's masks, written in place
         open_feed = feed is not None
+        fed = bool(state.rows)  # an open loop's clock starts with its first rows
         while waiting or prefilling or len(batch) or inflight or open_feed:
             if open_feed:
                 idle = not (waiting or prefilling or len(batch) or inflight)
@@ -401,12 +400,12 @@ class BatchScheduler:
                 # others to load); a wait that ends the loop comes after timings.end, the last read.
                 if idle and (update.rows or not update.closed):
                     waited = time.perf_counter() - polled
-                    if not state.fed:
+                    if not fed:
                         state.timings.start += waited
                     else:
                         state.wait_seconds += waited
                         state.idle_seconds += waited
-                state.fed = state.fed or bool(update.rows)
+                fed = fed or bool(update.rows)
                 open_feed = not update.closed
                 new = [self.make_row(index, r, request) for index, r in update.rows]
                 for row in self.check_rows(new, request, on_row_done):
@@ -490,14 +489,14 @@ class BatchScheduler:
                         submit(first_half(caches), state)
                     elif order == "after":
                         submit(logits_parts, state)
+                        forward_queued = time.perf_counter()
                     pending = inflight.popleft()
                     host = self.read_tokens(pending, state)
-                    # (the loop's buffer is free: every queued draw has been read; the 8+ row
-                    # thread keeps a new array a step, as in the runs that met its target)
+                    # (the loop's buffer is free: every queued draw has been read; the thread order
+                    # makes a new array a step, as in the runs that met the batch-32 target)
                     fill = self.mask_buffer(request).fill if order != "thread" else None
                     advance = (pending, host[0], batch.rows, request, self.cancelling, fill)
                     if order == "after":
-                        forward_queued = time.perf_counter()
                         problems, bitmask, seconds = advance_matchers(*advance)
                     else:
                         masking = self.mask_worker().submit(advance_matchers, *advance)
@@ -599,9 +598,9 @@ class BatchScheduler:
         return masks
 
     def mask_buffer(self, request: GenerationRequest) -> MaskBuffer:
-        """The loop's MaskBuffer, for masks made after the forward pass is queued (few rows): every
-        queued draw has been read by then, so none still reads it (batch 1 on the H200: 0.95 of
-        free throughput against 0.87 with a new array a step, one lease, docs/benchmarks.md)."""
+        """The loop's MaskBuffer, for the after and split orders: their masks are made once every
+        queued draw has been read, so none still reads it (batch 1 on the H200, masks after: 0.95
+        of free throughput against 0.87 with a new array a step, one lease, docs/benchmarks.md)."""
         if self._mask_buffer is None:
             self._mask_buffer = MaskBuffer(request.constraints, self.max_rows)
         return self._mask_buffer
@@ -960,10 +959,10 @@ def advance_matchers(
     cancelling: set[int],
     fill=None,
 ) -> tuple[dict[int, str | None], mx.array, float]:
-    """Structured output's host work for one step, off the scheduler's thread: advance each live
-    row's matcher by its token of `pending` (as read_draw would), then compute the next draw's
-    masks over `rows` (with `fill`, a MaskBuffer's: every queued draw has been read). Returns (each
-    advanced row's problem or None, by index; the masks; seconds)."""
+    """Structured output's host work for one step (on the mask thread, or the scheduler's in the
+    after order): advance each live row's matcher by its token of `pending` (as read_draw would),
+    then compute the next draw's masks over `rows` with `fill` (the loop's MaskBuffer's), or as a
+    new device array. Returns (each advanced row's problem or None, by index; the masks; seconds)."""
     began = time.perf_counter()
     problems = {}
     for row, token in zip(pending.rows, tokens):
@@ -973,9 +972,8 @@ def advance_matchers(
     # (rows that end at this read have masks too: their next draw is not read)
     live = [row.result.finish_reason is None and not problems.get(row.index) for row in rows]
     matchers = [row.matcher if alive else None for row, alive in zip(rows, live)]
-    # the device array here too: made on the scheduler's thread it cost ~0.3 ms of its host time a
-    # step at batch 32 on the H200 (ratio 0.84 -> 0.89, docs/benchmarks.md); a new one, not the
-    # loop's MaskBuffer, as in the runs that met the batch-32 target (the buffer is unmeasured here)
+    # (the thread order's new device array is made here too: made on the scheduler's thread it cost
+    # ~0.3 ms of its host time a step at batch 32 on the H200, ratio 0.84 -> 0.89)
     masks = fill(matchers) if fill is not None else mx.array(request.constraints.fill_masks(matchers))
     return problems, masks, time.perf_counter() - began
 

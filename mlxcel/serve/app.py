@@ -143,10 +143,8 @@ class ServeApp:
                 stop=parsed.stop_strings(),
                 streaming=parsed.stream,
                 loop=asyncio.get_running_loop(),
-                constraint=read_constraint(parsed),
+                constraint=await self.compile_constraint(read_constraint(parsed), endpoint),
             )
-            if job.constraint is not None:
-                job.compiled = await self.compile_constraint(job)
             self.engine.submit(job)
         except ApiError as error:
             if images:
@@ -168,18 +166,20 @@ class ServeApp:
             if images:
                 shutil.rmtree(images, ignore_errors=True)
 
-    async def compile_constraint(self, job: Job):
-        """The request's constraint, compiled on a worker thread: a large schema or grammar takes
-        ~0.1 s, which on the engine thread would stall every answer in flight (and on the event
-        loop every request); one that does not compile is a 400 before the request takes a slot."""
+    async def compile_constraint(self, spec: dict | None, endpoint: str):
+        """The request's spec compiled, on a worker thread: a large schema or grammar takes ~0.1 s,
+        which on the engine thread would stall every answer in flight (and on the event loop every
+        request); one that does not compile is a 400 before the request takes a slot."""
         from starlette.concurrency import run_in_threadpool
 
         from mlxcel.structured.spec import ConstraintError
 
+        if spec is None:
+            return None
         try:
-            return await run_in_threadpool(self.engine.pipeline.constraints.compile, job.constraint)
+            return await run_in_threadpool(self.engine.pipeline.constraints.compile, spec)
         except ConstraintError as exc:
-            param = "response_format" if job.endpoint == "chat" else "mlxcel.constraint"
+            param = "response_format" if endpoint == "chat" else "mlxcel.constraint"
             raise ApiError(400, f"{param}: {exc}", param, code="invalid_constraint") from None
 
     def error_response(

@@ -21,7 +21,6 @@ from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.sampling.config import SamplerConfig
 from mlxcel.serve.protocol import ApiError, describe_logprobs
-from mlxcel.structured.spec import ConstraintError
 from mlxcel.template import PromptTokens
 from mlxcel.tokenizer import TextStream
 
@@ -58,8 +57,9 @@ class Job:
     cancelled: bool = False  # the client went away (set by the event loop, read here)
     disconnected: bool = False  # (the event loop's own flag: its reader stops)
     rows: list[int] = field(default_factory=list)  # scheduler row indices, while they run
-    constraint: dict | None = None  # structured output: the request's spec (None: the server's decode.constraint)
-    compiled: Any = None  # that spec's Constraint, compiled on a request thread (app.compile_constraint)
+    # structured output: the request's spec compiled (on a request thread: app.compile_constraint);
+    # None: the server's decode.constraint
+    constraint: Any = None
 
     @property
     def row_count(self) -> int:
@@ -222,12 +222,7 @@ class ServeEngine:
         try:
             prompts = [self.prepare(job, prompt) for prompt in job.prompts]
             chain = self.pipeline.chain_for(job.sampler)
-            constraint = job.compiled or self.pipeline.constraint_for(job.constraint)
-        except ConstraintError as exc:  # a schema or grammar that does not compile
-            param = "response_format" if job.endpoint == "chat" else "mlxcel.constraint"
-            self.release(job.row_count)
-            self.post(job, ("error", ApiError(400, f"{param}: {exc}", param, code="invalid_constraint")))
-            return []
+            constraint = job.constraint or self.pipeline.constraint
         except (MlxcelError, ApiError) as exc:
             error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), code="invalid_prompt")
             self.release(job.row_count)

@@ -17,6 +17,8 @@ from tests.vision_fixtures import assert_config_issues
 pytest.importorskip("transformers")
 import mlx.core as mx
 import torch
+import transformers
+from packaging.version import Version
 from transformers import Idefics3Config, Idefics3Processor, PreTrainedTokenizerFast, SmolVLMConfig, SmolVLMProcessor
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector as TorchConnector
@@ -283,21 +285,31 @@ def test_prompt_tokens_from_a_smolvlm_tokenizer_config():
 
 @pytest.mark.parametrize("merge_newlines", [True, False], ids=["nn-merged", "nn-split"])
 def test_layout_lengths_match_the_processor_token_counts(merge_newlines):
-    """Idefics3Processor._get_num_multimodal_tokens (the whole expansion's length) for many sizes."""
+    """For many sizes: the whole expansion tokenizes as the processor's own prompt text for its own grid, and
+    holds as many <image> tokens as _get_num_multimodal_tokens reports (transformers 5.25 counts only those;
+    earlier releases counted the whole expansion, so the length is checked against the text instead)."""
     tokenizer = make_tokenizer(merge_newlines)
     processor = Idefics3Processor(
         image_processor=Idefics3ImageProcessorPil.from_dict(WIDE_GRID), tokenizer=tokenizer, image_seq_len=4
     )
     config = idefics3.Idefics3ImageConfig.from_dict(WIDE_GRID)
+    image_id = tokenizer.convert_tokens_to_ids(processor.image_token)
 
     def encode(s):
         return tokenizer(s, add_special_tokens=False)["input_ids"]
 
     ours = [
-        len(idefics3.make_image_prompt_ids(*idefics3.plan_grid(h, w, config), 4, tokenizer.get_added_vocab(), encode))
+        idefics3.make_image_prompt_ids(*idefics3.plan_grid(h, w, config), 4, tokenizer.get_added_vocab(), encode)
         for h, w in SIZES
     ]
-    assert ours == processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
+    expected = []
+    for h, w in SIZES:
+        _, rows, cols = processor.image_processor.get_number_of_image_patches(h, w, {})
+        expected.append(encode(processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)))
+    assert ours == expected
+    counts = processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
+    counted_whole = Version(transformers.__version__) < Version("5.25")
+    assert [len(ids) if counted_whole else ids.count(image_id) for ids in ours] == counts
 
 
 # --- connector ---

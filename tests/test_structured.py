@@ -152,6 +152,28 @@ def test_every_order_of_a_constrained_step_draws_alike(tmp_path, tiny_llama, mon
     assert sum(satisfied is True for _, _, satisfied in outcomes["split"].values()) == 10
 
 
+def test_every_order_draws_alike_with_a_quantized_kv_cache(tmp_path, monkeypatch):
+    """decode.kv_bits: the split order's first half is then the quantized pool's parts (head_dim 32
+    here: the tiny model's 16 is below the smallest group). Every order draws the same tokens, and
+    the quantized cache does change them (the setting reaches the pool)."""
+    import mlxcel.engine.scheduler as scheduler
+    from tests.helpers import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "llama_head32", "llama", seed=3, head_dim=32)
+    rows, outcomes, halves = make_rows(1), {}, []
+    first_half = scheduler.first_half
+    monkeypatch.setattr(scheduler, "first_half", lambda caches: halves.append(first_half(caches)) or halves[-1])
+    for order in ("split", "thread", "after", "plain"):
+        set_order(monkeypatch, "after" if order == "plain" else order)
+        decode = {} if order == "plain" else {"kv_bits": 4, "kv_group_size": 32}
+        got, _ = run_job(tmp_path, folder, rows, order, decode)
+        outcomes[order] = {k: (r["token_ids"], r.get("constraint_satisfied")) for k, r in got.items()}
+        if order == "split":  # a quantized pool's state: each of keys and values as (data, scales, biases)
+            assert halves and all(len(half) == 6 for half in halves), [len(half) for half in halves[:3]]
+    assert outcomes["split"] == outcomes["thread"] == outcomes["after"] != outcomes["plain"]
+    assert sum(satisfied is True for _, satisfied in outcomes["split"].values()) == 5
+
+
 def constrained_greedy_reference(
     reference, matcher, words: int, prompt: list[int], max_tokens: int, eos: int
 ) -> list[int]:

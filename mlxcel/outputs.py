@@ -5,16 +5,17 @@ runs never write one folder."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from mlxcel.errors import ConfigError, ConfigIssue, Terminated
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError, Terminated
 
 CONFIG_FILE = "config.resolved.json"
 GENERATIONS_FILE = "generations.jsonl"
@@ -107,9 +108,33 @@ def check_not_input(folder: Path, inputs: list[Path]) -> None:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    replace_file(path, (json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write path.tmp and rename it over `path`: a reader sees the old file or the new one. A
+    failed write (a full disk) removes path.tmp and leaves `path` as it was."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def describe_disk_full(exc: BaseException) -> MlxcelError | None:
+    """A full disk or quota, as the one line that says what to do (the rows written are whole and
+    kept: append_generation cuts a half-written one), or None for another error."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return MlxcelError(
+        f"{exc.strerror or 'no space left on device'}{where}: free some space, then run again with "
+        "runner.resume=true (the rows already written are kept)"
+    )
 
 
 class RunOutputs:
@@ -121,10 +146,18 @@ class RunOutputs:
         write_json_atomic(self.dir / CONFIG_FILE, resolved)
 
     def append_generation(self, row: dict) -> None:
-        with defer_interrupt(), open(self.dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        data = memoryview((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        # unbuffered: nothing is left to flush after a failed write (a close would append it later)
+        with defer_interrupt(), open(self.dir / GENERATIONS_FILE, "ab", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)
+            try:
+                while data:
+                    data = data[f.write(data) :]
+                os.fsync(f.fileno())
+            except OSError:  # a full disk mid-line: cut what was written, the file keeps whole rows only
+                with suppress(OSError):
+                    f.truncate(end)
+                raise
 
     def write_stats(self, stats: dict) -> None:
         write_json_atomic(self.dir / STATS_FILE, stats)
@@ -136,47 +169,172 @@ class RunOutputs:
 
     def read_rows(self) -> list[dict]:
         path = self.dir / GENERATIONS_FILE
-        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
+        # split at "\n" only: str.splitlines also splits at U+2028, U+0085..., which rows' text holds as they are
+        return [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]] if path.exists() else []
 
     def read_sessions(self) -> list[dict]:
-        """The earlier sessions of a job being resumed, from the stats.json the last one left."""
-        from mlxcel.stats import summarize_session
+        """The earlier sessions of a job being resumed, from the stats.json the last one left (none
+        if it was killed before writing one); a damaged stats.json is a config error."""
+        from mlxcel.stats import SESSION_FIELDS, summarize_session
 
-        try:
-            previous = json.loads((self.dir / STATS_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        path = self.dir / STATS_FILE
+        if not path.exists() and not path.is_symlink():
             return []
-        return previous.get("sessions") or [summarize_session(previous)]
+        fix = "delete it to resume (the earlier sessions' times are then left out of the job's stats)"
+        previous = read_run_json(path, fix)
+        sessions = previous.get("sessions") or [summarize_session(previous)]
+        numbers = [key for key in SESSION_FIELDS if key != "status"]
+        if not isinstance(sessions, list) or not all(
+            isinstance(s, dict) and all(is_number(s.get(key)) or s.get(key) is None for key in numbers)
+            for s in sessions
+        ):
+            raise ConfigError(
+                ConfigIssue(
+                    str(path),
+                    f"its sessions (or {', '.join(numbers)}) are not the numbers a run writes; the file was edited "
+                    f"or damaged: {fix}",
+                    has_value=False,
+                )
+            )
+        return sessions
 
     def read_done_keys(self) -> dict[tuple[str, int], str | None]:
         """(id, sample) of every row already written, with the hash of the input row it answered
-        (None in folders written before rows kept one). A torn last line (a crash mid-write) is
-        cut off the file, so appended rows start on a line of their own and that row runs again."""
+        (None in folders written before rows kept one). Every line is checked before the file is
+        changed (a damaged or repeated row is a config error, and a refused resume changes
+        nothing); then a torn last line (a crash mid-write) is cut off, so appended rows start on a
+        line of their own and that row runs again."""
         path = self.dir / GENERATIONS_FILE
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             return {}
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            data = data[: data.rfind(b"\n") + 1]
-            with open(path, "r+b") as f:
-                f.truncate(len(data))
-        keys, kept = {}, []
-        for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(
-                    ConfigIssue(f"{path} line {number}", "is not valid JSON; the file was edited or damaged", line[:60])
-                ) from None
-            if row.get("finish_reason") == "interrupted":
+        data = read_run_file(path, ROW_FIX)
+        whole = data[: data.rfind(b"\n") + 1]
+        keys, kept, lines = {}, [], {}
+        # split at "\n" only: str.splitlines also splits at U+2028, U+0085..., which rows' text holds as they are
+        for number, line in enumerate(whole.split(b"\n")[:-1], start=1):
+            row = read_row(path, number, line)
+            if row["finish_reason"] == "interrupted":
                 continue  # a single prompt's partial row: it runs again, in its place
-            keys[(str(row["id"]), int(row.get("sample", 0)))] = row.get("input_sha256")
+            key = (str(row["id"]), row.get("sample", 0))
+            if key in lines:  # counted once, its tokens twice in the job's stats
+                raise ConfigError(
+                    ConfigIssue(
+                        f"{path} line {number}",
+                        f"repeats the row of line {lines[key]} (id {key[0]}, sample {key[1]}); the file was edited or "
+                        f"damaged: {ROW_FIX}",
+                        has_value=False,
+                    )
+                )
+            lines[key] = number
+            keys[key] = row.get("input_sha256")
             kept.append(line)
-        if len(kept) < data.count(b"\n"):
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-            os.replace(tmp, path)
+        if len(kept) < whole.count(b"\n"):
+            replace_file(path, b"".join(line + b"\n" for line in kept))
+        elif len(whole) < len(data):
+            with open(path, "r+b") as f:
+                f.truncate(len(whole))
         return keys
+
+
+ROW_FIX = "delete that line (the resume runs its row again) or start a new run (a new hydra.run.dir)"
+# what a resume reads back from a written row, and the types a run writes them as
+ROW_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str, int),
+    "sample": (int,),
+    "finish_reason": (str,),
+    "input_sha256": (str, type(None)),
+    "text": (str,),
+    "error": (str, type(None)),
+    "token_ids": (list,),
+    "logprobs": (list, type(None)),
+    "prompt_tokens": (int, type(None)),
+    "generated_tokens": (int,),
+    "cached_tokens": (int, type(None)),
+}
+NEWLINE = b"\n"
+TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", type(None): "null"}
+
+
+def read_row(path: Path, number: int, line: bytes) -> dict:
+    """Line `number` of generations.jsonl as a row; a damaged one is a config error naming it."""
+    from mlxcel.jobs import refuse_repeated_keys
+
+    parsed = False
+    try:
+        row = json.loads(line.decode("utf-8"), object_pairs_hook=refuse_repeated_keys)
+    except UnicodeDecodeError as exc:
+        problem = f"is not UTF-8 text (byte {exc.start + 1})"
+    except RecursionError:
+        problem = "is not valid JSON (nested too deeply to read)"
+    except json.JSONDecodeError as exc:
+        problem = f"is not valid JSON ({exc.msg} at column {exc.colno})"
+    except ValueError as exc:  # jobs.RepeatedKeyError
+        problem = f"is not valid JSON (the key {exc.args[0]!r} appears twice)"
+    else:
+        problem, parsed = describe_row_problem(row), True
+    if problem is None:
+        return row
+    raise ConfigError(
+        ConfigIssue(
+            f"{path} line {number}",
+            f"{problem}; the file was edited or damaged: {ROW_FIX}",
+            line[:60].decode("utf-8", "replace"),
+            has_value=not parsed,  # (the line's start says where it broke; a field's problem names the field)
+        )
+    )
+
+
+def describe_row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"is not a JSON object (it is {type(row).__name__}: each line of {GENERATIONS_FILE} is one row)"
+    for key in ("id", "finish_reason"):
+        if row.get(key) is None:
+            return f"has no {key}"
+    for key, types in ROW_FIELDS.items():
+        if key in row and (isinstance(row[key], bool) or not isinstance(row[key], types)):
+            return f"has {key} {repr(row[key])[:40]}, not {' or '.join(TYPE_NAMES[t] for t in types)}"
+    if row.get("sample", 0) < 0:
+        return f"has sample {row['sample']}, below 0"
+    return None
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_run_file(path: Path, fix: str) -> bytes:
+    """A run file's bytes; a folder, device or unreadable file in its place is a config error."""
+    if not path.is_file():  # (a FIFO or /dev/zero would never end)
+        raise ConfigError(
+            ConfigIssue(str(path), f"is not a regular file (a folder or a device); {fix}", has_value=False)
+        )
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(ConfigIssue(str(path), f"cannot be read ({exc.strerror}); {fix}", has_value=False)) from None
+
+
+def read_run_json(path: Path, fix: str) -> dict:
+    """config.resolved.json or stats.json as the JSON object a run wrote; a damaged one is a config
+    error naming the file (and line)."""
+    from mlxcel.jobs import refuse_repeated_keys
+
+    data = read_run_file(path, fix)
+    try:
+        value = json.loads(data.decode("utf-8"), object_pairs_hook=refuse_repeated_keys)
+    except UnicodeDecodeError as exc:
+        problem = f"line {data.count(NEWLINE, 0, exc.start) + 1}: is not UTF-8 text"
+    except RecursionError:
+        problem = "is not valid JSON (nested too deeply to read)"
+    except json.JSONDecodeError as exc:
+        problem = f"line {exc.lineno}: is not valid JSON ({exc.msg} at column {exc.colno})"
+    except ValueError as exc:  # jobs.RepeatedKeyError
+        problem = f"is not valid JSON (the key {exc.args[0]!r} appears twice)"
+    else:
+        problem = None if isinstance(value, dict) else f"is not a JSON object (it is {type(value).__name__})"
+    if problem is None:
+        return value
+    raise ConfigError(ConfigIssue(f"{path}", f"{problem}; the file was edited or damaged: {fix}", has_value=False))
 
 
 def claim_run_folder(
@@ -256,8 +414,8 @@ def check_run_folder(folder: Path) -> None:
 def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], str | None]:
     """runner.resume=true: the folder must hold a run of the same config; returns the rows done."""
     check_run_folder(outputs.dir)
-    path = outputs.dir / CONFIG_FILE
-    previous = flatten(json.loads(path.read_text(encoding="utf-8")))
+    fix = "start a new run (a new hydra.run.dir), or restore the file"
+    previous = flatten(read_run_json(outputs.dir / CONFIG_FILE, fix))
     current = flatten(json.loads(json.dumps(resolved, default=str)))
     changed = [
         ConfigIssue(
@@ -273,6 +431,7 @@ def check_resume(outputs: RunOutputs, resolved: dict) -> dict[tuple[str, int], s
         raise ConfigError(
             changed, hint="fix: resume with the run's own config (its .hydra/overrides.yaml), or start a new run"
         )
+    outputs.read_sessions()  # (read again when the run starts) a damaged stats.json refuses the resume here, unchanged
     return outputs.read_done_keys()
 
 
@@ -315,7 +474,9 @@ def write_failure_stats(out_dir: Path, exc: BaseException, report: dict | None =
     report = dict(report or {})
     report["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     report["error"] = describe_error(exc)
-    RunOutputs(out_dir).write_stats(report)
+    # best effort: `exc` is what the user hears of (a full disk fails this write too; its .tmp is removed)
+    with suppress(OSError):
+        RunOutputs(out_dir).write_stats(report)
 
 
 def raise_terminated(signum, frame) -> None:

@@ -26,6 +26,7 @@ from mlxcel.outputs import (
     RunOutputs,
     claim_run_folder,
     defer_interrupt,
+    describe_disk_full,
     release_run_folder,
     write_failure_stats,
 )
@@ -87,6 +88,9 @@ def run(
         return run_job(pipeline, samples, done, outputs, report, stream, log)
     except BaseException as exc:
         write_failure_stats(outputs.dir, exc, order_report(report))
+        disk_full = describe_disk_full(exc)
+        if disk_full is not None:
+            raise disk_full from exc
         raise
     finally:
         release_run_folder(out_dir)

@@ -355,3 +355,38 @@ def test_failure_stats_on_a_full_disk_are_given_up_quietly(tmp_path, monkeypatch
     write_failure_stats(tmp_path, OSError(errno.ENOSPC, "No space left on device"))
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # a subprocess: the exit code and the one line, and Hydra's .hydra/ left alone too
+def test_the_cli_refuses_a_damaged_resume_with_exit_2_and_changes_nothing(tiny_llama, finished, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import assert_one_line_error
+
+    prompts = finished / "prompts.jsonl"
+    args = [
+        f"model.path={tiny_llama}",
+        "prompt=jsonl",
+        f"prompt.file={prompts}",
+        "decode.max_tokens=3",
+        "decode.ignore_eos=true",
+        "runner.max_rows=2",
+        "hydra.run.dir=run",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("MLXCEL_DEBUG", None)
+
+    def mlxcel(*extra: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "mlxcel", *args, *extra]
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    assert mlxcel().returncode == 0
+    folder = tmp_path / "run"
+    lines = set_field(2, sample="zero")(read_lines(folder))
+    (folder / "generations.jsonl").write_bytes(b"\n".join(lines) + b"\n" + TORN)
+    before = snapshot(folder)
+    result = mlxcel("runner.resume=true")
+    assert_one_line_error(result, 2, "generations.jsonl line 2: has sample 'zero', not an integer")
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert snapshot(folder) == before

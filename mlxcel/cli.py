@@ -96,6 +96,7 @@ def use_recipe(args: list[str]) -> list[str]:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from mlxcel.config_expansion import check_yaml_file
     from mlxcel.errors import ConfigError, ConfigIssue
 
     picks = [arg for arg in args if arg.startswith("recipe=")]
@@ -108,6 +109,7 @@ def use_recipe(args: list[str]) -> list[str]:
             ConfigIssue("recipe", "recipe= picks the primary config; drop --config-name", has_value=False)
         )
     path = find_recipe(picks[0].partition("=")[2])
+    check_yaml_file("recipe", path)
     try:
         import yaml
 
@@ -131,11 +133,14 @@ def register_resolvers() -> None:
     files (recipes/data/...) wherever mlxcel is installed and wherever it is run from;
     ${mlxcel.pid:}: this process's id, in default run folder names (cached in the config, as
     Hydra's ${now:} is: a launcher that runs jobs in other processes hands them the sweep folder
-    the first process named)."""
+    the first process named); `oc.env` reads only what the command line names (config_env.py)."""
     from omegaconf import OmegaConf
+
+    from mlxcel.config_env import register_environment_resolver
 
     OmegaConf.register_new_resolver("mlxcel.recipes_dir", lambda: str(find_recipes_dir()), replace=True)
     OmegaConf.register_new_resolver("mlxcel.pid", lambda: str(os.getpid()), replace=True, use_cache=True)
+    register_environment_resolver()
 
 
 PROMPT_INPUTS = ("prompt.file", "prompt.messages", "prompt.rows")
@@ -207,11 +212,14 @@ def run_job(cfg: Any) -> Any:
     from hydra.types import RunMode
 
     from mlxcel.config import validate_config
+    from mlxcel.config_env import allow_environment_reads, names_given
     from mlxcel.errors import ConfigError
     from mlxcel.outputs import write_failure_stats
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
+    register_resolvers()  # again: a launcher may run this job in a process of its own
+    allow_environment_reads(names_given(list(hydra_cfg.overrides.task)))
     try:
         data = read_job_config(cfg)
         run_cfg = validate_config(data)
@@ -239,7 +247,6 @@ def read_job_config(cfg: Any) -> dict:
 
     from mlxcel.errors import ConfigError, ConfigIssue
 
-    refuse_environment_reads(cfg)
     try:
         return {
             key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True)
@@ -254,46 +261,6 @@ def read_job_config(cfg: Any) -> dict:
         ) from ex
 
 
-# Keys whose values are text a model reads and the run folder keeps: an interpolation there that
-# reads the environment would put a secret into the prompt and the outputs.
-TEXT_KEYS = ("prompt.text", "prompt.system", "prompt.messages", "template.text", "decode.stop_strings")
-_ENVIRONMENT_READ = re.compile(r"(?<!\\)\$\{\s*oc\.env\s*:")
-
-
-def refuse_environment_reads(cfg: Any) -> None:
-    """`${oc.env:...}` inside a text key (from a YAML file: the command line's are literal)."""
-    from omegaconf import OmegaConf
-
-    from mlxcel.errors import ConfigError, ConfigIssue
-
-    for key in TEXT_KEYS:
-        section, _, name = key.partition(".")
-        raw = (
-            OmegaConf.to_container(cfg[section], resolve=False).get(name)
-            if OmegaConf.is_dict(cfg.get(section))
-            else None
-        )
-        if any(isinstance(text, str) and _ENVIRONMENT_READ.search(text) for text in iter_strings(raw)):
-            raise ConfigError(
-                ConfigIssue(
-                    key,
-                    "reads an environment variable (${oc.env:...}); text keys take text, write it out",
-                    has_value=False,
-                )
-            )
-
-
-def iter_strings(value: Any):
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from iter_strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from iter_strings(item)
-
-
 def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
     """Compose conf/ as mlxcel-run does, for the Python API: the defaults, CLI-style overrides,
     then `extra` (a partial config dict) merged on top. Hydra's errors become a ConfigError."""
@@ -302,9 +269,11 @@ def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from mlxcel.config_env import allow_environment_reads, names_given
     from mlxcel.errors import ConfigError, ConfigIssue
 
     register_resolvers()
+    allow_environment_reads(names_given(list(overrides)))
     try:
         with initialize_config_dir(config_dir=str(find_conf_dir()), version_base="1.3"):
             cfg = compose(config_name="config", overrides=quote_free_text(prefer_given_prompt(list(overrides), extra)))
@@ -367,6 +336,7 @@ def describe_hydra_error(ex: BaseException) -> str:
     from omegaconf.errors import OmegaConfBaseException
 
     from mlxcel.config import RENAMED_KEYS, describe_renamed
+    from mlxcel.config_env import find_refusal
 
     if isinstance(ex, MissingConfigException) and ex.options is not None and ex.missing_cfg_file:
         group = ex.missing_cfg_file.rpartition("/")[0]
@@ -380,7 +350,9 @@ def describe_hydra_error(ex: BaseException) -> str:
         )
     if isinstance(ex, OmegaConfBaseException):
         key = getattr(ex, "full_key", None)
-        return f"{key}: {first_line(str(ex))}" if key else first_line(str(ex))
+        refusal = find_refusal(ex)
+        text = str(refusal) if refusal else first_line(str(ex))
+        return f"{key}: {text}" if key else text
     lines = [line.strip() for line in str(ex).split("Config search path:")[0].splitlines()]
     lines = [line for line in lines if line and not line.startswith("See https://")]
     cause = ex.__cause__
@@ -509,6 +481,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from mlxcel.config_env import allow_environment_reads, names_given
     from mlxcel.hydra_guard import check_hydra_settings
     from mlxcel.outputs import STATS_FILE, terminate_on_sigterm, write_failure_stats
 
@@ -540,6 +513,7 @@ def main() -> None:
         terminate_on_sigterm()
         check_utf8(sys.argv[1:])
         register_resolvers()
+        allow_environment_reads(names_given(sys.argv[1:]))
         sys.argv = [sys.argv[0], *use_recipe(quote_free_text(prefer_given_prompt(sys.argv[1:])))]
         composed = check_hydra_settings(sys.argv[1:], find_conf_dir())  # before Hydra instantiates or creates anything
         if composed is not None:  # one job: refuse what can be refused before Hydra writes into a folder

@@ -94,9 +94,10 @@ def release_run_folder(folder: Path) -> None:
 def check_not_input(folder: Path, inputs: list[Path]) -> None:
     """No file a run writes may be one it reads (a dry run into the input's folder once wrote
     prompts.jsonl over its own prompts.jsonl)."""
-    written = {(Path(folder) / name).absolute() for name in (CONFIG_FILE, GENERATIONS_FILE, STATS_FILE, PROMPTS_FILE)}
+    # resolved: `dry/../dry/prompts.jsonl` or a symlinked folder names the same file
+    written = {(Path(folder) / name).resolve() for name in (CONFIG_FILE, GENERATIONS_FILE, STATS_FILE, PROMPTS_FILE)}
     for path in inputs:
-        if Path(path).expanduser().absolute() in written:
+        if Path(path).expanduser().resolve() in written:
             raise ConfigError(
                 ConfigIssue(
                     "prompt.file",
@@ -514,9 +515,11 @@ def defer_interrupt():
 def split_run_dir(args: list[str]) -> tuple[Path | None, list[str]]:
     """hydra.run.dir=PATH (as for mlxcel-run) out of the overrides of a command that composes the
     config itself (mlxcel-chat, mlxcel-serve)."""
+    from mlxcel.hydra_guard import check_run_folder
+
     given = [a for a in args if a.startswith("hydra.run.dir=")]
     rest = [a for a in args if not a.startswith("hydra.run.dir=")]
-    return (Path(given[-1].partition("=")[2]).expanduser().absolute() if given else None), rest
+    return (check_run_folder("hydra.run.dir", given[-1].partition("=")[2]) if given else None), rest
 
 
 def default_run_dir(name: str, kind: str) -> Path:

@@ -137,7 +137,7 @@ def test_a_refused_callback_runs_nothing_and_makes_no_folder(tmp_path):
 
 @pytest.mark.slow  # a subprocess
 def test_environment_variables_stay_out_of_text(tmp_path):
-    """The command line's text is literal in every quoting form; a YAML file's is refused."""
+    """The command line's text is literal in every quoting form; a YAML file's read is refused."""
     result = run_mlxcel(tmp_path, "prompt.text='${oc.env:MYSECRET}'", "runner.dry_run=true", "hydra.run.dir=run")
     assert result.returncode == 0, result.stderr
     written = (tmp_path / "run" / "prompts.jsonl").read_text()
@@ -145,7 +145,7 @@ def test_environment_variables_stay_out_of_text(tmp_path):
     recipe = tmp_path / "secret.yaml"
     recipe.write_text("defaults:\n  - config\n  - _self_\nprompt:\n  system: ${oc.env:MYSECRET}\n")
     result = run_mlxcel(tmp_path, f"recipe={recipe}", "runner.dry_run=true", "hydra.run.dir=run2")
-    assert result.returncode == 2 and "prompt.system: reads an environment variable" in result.stderr
+    assert result.returncode == 2 and "prompt.system: reads the environment variable MYSECRET" in result.stderr
     assert not (tmp_path / "run2").exists()
 
 

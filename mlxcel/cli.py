@@ -245,8 +245,10 @@ def read_job_config(cfg: Any) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue
 
+    from mlxcel.config_expansion import check_interpolation_sizes
     from mlxcel.errors import ConfigError, ConfigIssue
 
+    check_interpolation_sizes(cfg)  # before anything resolves a doubling chain
     try:
         return {
             key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True)

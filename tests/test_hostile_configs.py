@@ -341,3 +341,14 @@ def test_a_dry_run_never_writes_over_its_input_through_dotdot(tmp_path):
     assert result.returncode == 2 and "prompt.file: is a file this run writes" in result.stderr
     assert sorted(p.name for p in (tmp_path / "dry").iterdir()) == ["prompts.jsonl"]
     assert (tmp_path / "dry" / "prompts.jsonl").read_text() == '{"prompt": "hi"}\n'
+
+
+def test_doubling_interpolations_from_the_api_are_refused_too():
+    from mlxcel.cli import compose_config
+
+    overrides = [
+        "+template.kwargs.a0=xx",
+        *(f"+template.kwargs.a{i}=${{.a{i - 1}}}${{.a{i - 1}}}" for i in range(1, 31)),
+    ]
+    with pytest.raises(ConfigError, match="would resolve to more than"):
+        compose_config([*overrides, "prompt.text=hi"])

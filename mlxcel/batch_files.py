@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mlxcel.errors import ConfigError, ConfigIssue
 from mlxcel.jobs import JobRow
+from mlxcel.outputs import replace_file
 
 BATCH_OUTPUT_FILE = "batch_output.jsonl"
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -162,9 +163,8 @@ def write_batch_output(folder: Path, rows: list[JobRow], generations: list[dict]
         if error is None and not all(samples):
             continue  # not answered yet (an interrupted job: a resume completes it)
         lines.append(make_result_line(row, samples, error, tokenizer))
-    tmp = folder / (BATCH_OUTPUT_FILE + ".tmp")
-    tmp.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
-    tmp.replace(folder / BATCH_OUTPUT_FILE)
+    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+    replace_file(folder / BATCH_OUTPUT_FILE, text.encode("utf-8"))  # (its .tmp is removed if the disk is full)
     return len(lines)
 
 

@@ -390,3 +390,25 @@ def test_the_cli_refuses_a_damaged_resume_with_exit_2_and_changes_nothing(tiny_l
     assert_one_line_error(result, 2, "generations.jsonl line 2: has sample 'zero', not an integer")
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert snapshot(folder) == before
+
+
+def test_a_batch_file_job_on_a_full_disk_leaves_no_tmp_file_and_resumes(tiny_llama, tmp_path, monkeypatch, capsys):
+    """An OpenAI batch file's job rebuilds batch_output.jsonl as it ends, also when it fails: on a
+    full disk that write failed too and left batch_output.jsonl.tmp behind."""
+    lines = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": {"model": "t", "prompt": p}}
+        for i, p in enumerate(["one", "two", "three"])
+    ]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    folder = tmp_path / "run"
+    FullDisk(folder, 1).install(monkeypatch)
+    with pytest.raises(MlxcelError) as raised:
+        run(job_config(tiny_llama, tmp_path / "batch.jsonl"), folder, stream=None, log=None)
+    monkeypatch.undo()
+    assert "no space left" in assert_one_line(raised.value, 1, capsys).lower()
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "config.resolved.json", "generations.jsonl"]
+    assert len(read_lines(folder)) == 1
+    run(job_config(tiny_llama, tmp_path / "batch.jsonl", "runner.resume=true"), folder, stream=None, log=None)
+    assert sorted(json.loads(line)["id"] for line in read_lines(folder)) == ["req-0", "req-1", "req-2"]
+    out = [json.loads(line) for line in (folder / "batch_output.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-2"]

@@ -251,7 +251,11 @@ class Pipeline:
         its vocabulary, EOS ids, DRY breakers tokenized."""
         encode = make_piece_encoder(self.tokenizer)  # DRY's breaker strings
         return make_sampler_chain(
-            config or self.cfg.sampler, self.loaded.model.args.vocab_size, encode=encode, eos_token_ids=self.eos_ids()
+            config or self.cfg.sampler,
+            self.loaded.model.args.vocab_size,
+            encode=encode,
+            eos_token_ids=self.eos_ids(),
+            max_context=self.max_context,
         )
 
     def compile_job_constraint(self) -> Constraint | None:

@@ -158,7 +158,7 @@ ERROR_CASES = [
     ),
     (
         {"sampler": {"processors": {"dry": {"last_n": -2}}}},
-        "sampler.processors.dry.last_n: must be >= -1; -1 = the whole history, 0 = off (got -2)",
+        "sampler.processors.dry.last_n: must be in [-1, 1048576]; -1 = the whole history, 0 = off (got -2)",
     ),
     (
         {"sampler": {"processors": {"dry": {"breakers": [""]}}}},
@@ -166,7 +166,7 @@ ERROR_CASES = [
     ),
     (
         {"sampler": {"processors": {"logit_bias": {"bias": {"x": 1.0}}}}},
-        "sampler.processors.logit_bias.bias: keys must be token ids (integers >= 0) (got 'x')",
+        "sampler.processors.logit_bias.bias: keys must be token ids (integers in [0, 1048576)) (got 'x')",
     ),
     (
         {"sampler": {"processors": {"xtc": {"threshold": 2.0}}}},

@@ -83,6 +83,7 @@ class SamplerChain:
         encode: Callable[[str], list[int]] | None = None,
         eos_token_ids=(),
         compile: bool | None = None,
+        max_context: int | None = None,
     ):
         self.config = config
         self.vocab_size = vocab_size
@@ -97,6 +98,9 @@ class SamplerChain:
         windows = [self.get(name)["last_n"] for name in ("penalties", "dry") if self.has(name)]
         self.uses_history = bool(windows)
         self.history_width = None if not windows or min(windows) < 0 else max(windows)  # None: whole history
+        if self.history_width is not None and max_context:
+            # a history never holds more than the context: a wider window would only be padding
+            self.history_width = min(self.history_width, max_context)
         self.uses_suffix = dry is not None
         self.compile = compile  # None: where it pays (see should_compile)
         self._compiled = mx.compile(self.run_step)
@@ -320,11 +324,13 @@ def make_sampler_chain(
     encode: Callable[[str], list[int]] | None = None,
     eos_token_ids=(),
     compile: bool | None = None,
+    max_context: int | None = None,
 ) -> SamplerChain:
     """The chain for a `sampler` group (a plain dict as in the YAML, or validated).
 
     encode: text -> token ids without special tokens, to pre-tokenize DRY's breakers;
-    eos_token_ids: what logit_bias.ignore_eos bans; compile: mx.compile the step (default: where it pays)."""
+    eos_token_ids: what logit_bias.ignore_eos bans; compile: mx.compile the step (default: where it pays);
+    max_context: the model's context, the widest a penalty or DRY window needs to be."""
     if not isinstance(sampler_config, SamplerConfig):
         from pydantic import ValidationError
 
@@ -336,7 +342,7 @@ def make_sampler_chain(
             sampler_config = SamplerConfig.model_validate(sampler_config)
         except ValidationError as err:
             raise ConfigError(format_errors(SamplerConfig, err.errors(), ("sampler",))) from None
-    return SamplerChain(sampler_config, vocab_size, encode, eos_token_ids, compile)
+    return SamplerChain(sampler_config, vocab_size, encode, eos_token_ids, compile, max_context)
 
 
 class Sampler(SamplerChain):

@@ -43,6 +43,12 @@ SELECTOR_KINDS = ("greedy", "categorical", "mirostat_v1", "mirostat_v2", "adapti
 TRUNCATION_STAGES = ("top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc")  # replaced by mirostat
 MIN_KEEP_STAGES = ("top_k", "typical_p", "top_p", "min_p", "xtc")
 DRY_MAX_BREAKER_CHARS = 40
+# Counts of tokens a stage keeps or looks back over (min_keep, top_k.k, the penalty and DRY
+# windows, token ids): a history window is an array of that width per row, so 10**12 would ask
+# for terabytes. No vocabulary and no context we load reaches 2**20 (1,048,576); the chain also
+# narrows a window to the model's context (SamplerChain).
+MAX_SAMPLER_TOKENS = 2**20
+MAX_DRY_BREAKERS = 64  # each breaker is matched over the window at every step (llama.cpp ships 4)
 
 
 def reject(message: str, field: str | None, value: Any) -> PydanticCustomError:
@@ -59,6 +65,11 @@ def check_range(value: float, low: float | None, high: float | None, note: str =
         )
         raise reject(f"must be {legal}" + (f"; {note}" if note else ""), None, value)
     return value
+
+
+def check_tokens(value: int, low: int, note: str = "") -> int:
+    """A count of tokens (or a token id): at most MAX_SAMPLER_TOKENS."""
+    return check_range(value, low, MAX_SAMPLER_TOKENS, note)
 
 
 def check_positive(value: float, note: str = "") -> float:
@@ -91,12 +102,22 @@ class LogitBiasConfig(Stage):
         checked = {}
         for key, value in bias.items():
             token = key if isinstance(key, int) else int(key) if str(key).isdigit() else None
-            if token is None or token < 0:
-                raise reject("keys must be token ids (integers >= 0)", None, key)
+            if token is None or not 0 <= token < MAX_SAMPLER_TOKENS:
+                raise reject(f"keys must be token ids (integers in [0, {MAX_SAMPLER_TOKENS}))", None, key)
             if math.isnan(value) or value == math.inf:
                 raise reject(f"token {token}: a bias is a finite number, or -inf to ban the token", None, value)
             checked[token] = value
         return checked
+
+    @field_validator("suppress")
+    @classmethod
+    def _check_suppress(cls, suppress: list[int]) -> list[int]:
+        for token in suppress:
+            if token >= MAX_SAMPLER_TOKENS:
+                raise reject(f"token ids must be in [0, {MAX_SAMPLER_TOKENS})", None, token)
+        if len(suppress) > MAX_SAMPLER_TOKENS:
+            raise reject(f"must be a list of at most {MAX_SAMPLER_TOKENS} token ids", None, len(suppress))
+        return suppress
 
 
 class PenaltiesConfig(Stage):
@@ -106,7 +127,7 @@ class PenaltiesConfig(Stage):
     last_n: Int = 64  # -1: the whole history; 0: off
 
     _repeat = field_validator("repeat")(lambda v: check_positive(v, "1.0 turns it off"))
-    _last_n = field_validator("last_n")(lambda v: check_range(v, -1, None, "-1 = the whole history, 0 = off"))
+    _last_n = field_validator("last_n")(lambda v: check_tokens(v, -1, "-1 = the whole history, 0 = off"))
 
 
 class DryConfig(Stage):
@@ -118,12 +139,14 @@ class DryConfig(Stage):
 
     _multiplier = field_validator("multiplier")(lambda v: check_range(v, 0.0, None, "0 turns DRY off"))
     _base = field_validator("base")(lambda v: check_range(v, 0.0, None, "values below 1 turn DRY off"))
-    _allowed = field_validator("allowed_length")(lambda v: check_range(v, 0, None))
-    _last_n = field_validator("last_n")(lambda v: check_range(v, -1, None, "-1 = the whole history, 0 = off"))
+    _allowed = field_validator("allowed_length")(lambda v: check_tokens(v, 0))
+    _last_n = field_validator("last_n")(lambda v: check_tokens(v, -1, "-1 = the whole history, 0 = off"))
 
     @field_validator("breakers")
     @classmethod
     def _check_breakers(cls, breakers: list[str]) -> list[str]:
+        if len(breakers) > MAX_DRY_BREAKERS:
+            raise reject(f"must be a list of at most {MAX_DRY_BREAKERS} strings", None, len(breakers))
         for text in breakers:
             if not text or len(text) > DRY_MAX_BREAKER_CHARS:
                 raise reject(f"each breaker must be a string of 1 to {DRY_MAX_BREAKER_CHARS} characters", None, text)
@@ -136,6 +159,8 @@ class TopNSigmaConfig(Stage):
 
 class TopKConfig(Stage):
     k: Int = 40  # <= 0 = off
+
+    _k = field_validator("k")(lambda v: check_range(v, None, MAX_SAMPLER_TOKENS, "<= 0 turns top-k off"))
 
 
 def _probability(note: str):
@@ -260,6 +285,8 @@ class SamplerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     seed: Annotated[int, Strict(), Ge(0)] = 0
     min_keep: Annotated[int, Strict(), Ge(0)] = 0
+
+    _min_keep = field_validator("min_keep")(lambda v: check_tokens(v, 0))
     # stage name -> its parameters, every one filled (validated by the stage's model in PROCESSORS)
     processors: dict[str, dict] = Field(default_factory=dict)
     selector: SelectorConfig = Field(default_factory=SelectorConfig)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -45,6 +46,13 @@ ENV_HINT = "fix: unset the environment variable or give it a valid value"
 NO_VALUE = object()  # reject(value=NO_VALUE): print no "(got ...)"
 _INPUT = object()  # reject's default: the value the validator was given
 
+# Ceilings on sizes a config or request sets: past them a value is a typo or an attack, and it
+# would become an allocation (a KV pool, a row table) or an overflow (inf * 1e9 as bytes).
+MAX_CONTEXT = 2**24  # tokens (16,777,216): past the longest context windows published (10M)
+MAX_ROWS = 4096  # rows decoding at once: past any batch that fits a device's KV cache
+MAX_MEMORY_GB = 4096.0  # a cache budget: 4 TB, past the memory of any machine MLX runs on
+MAX_BODY_MB = 1024.0  # a request body, images included (base64)
+
 
 # Keys that moved: naming the old one is an error that names the new one.
 RENAMED_KEYS = {"runner.batch_size": ("runner.max_rows", "rows decoding at once")}
@@ -58,6 +66,17 @@ def describe_renamed(key: str) -> str:
 def reject(message: str, field: str | None = None, value: Any = _INPUT) -> PydanticCustomError:
     """An error for a validator to raise; `field` names the key when a model-level check raises it."""
     return PydanticCustomError("mlxcel", message, {"mlxcel": (field, message, value)})
+
+
+def at_most(high: float, message: str) -> AfterValidator:
+    """An upper bound that says the legal range in its message (`message`); inf and nan fail it."""
+
+    def check(value: Any) -> Any:
+        if not value <= high:
+            raise reject(message)
+        return value
+
+    return AfterValidator(check)
 
 
 class Group(BaseModel):
@@ -75,7 +94,13 @@ class ModelConfig(Group):
     path: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     gguf_weights: Literal["auto", "quantized", "dequantize"] = "auto"
-    max_context: PositiveInt | None = None
+    max_context: (
+        Annotated[
+            PositiveInt,
+            at_most(MAX_CONTEXT, f"must be an integer in [1, {MAX_CONTEXT}] tokens (null: the model's own)"),
+        ]
+        | None
+    ) = None
     quantize: QuantizeConfig | None = None
     # a family preset's model_types: the checkpoint must be one (checked from its header)
     families: list[str] | None = None
@@ -165,7 +190,7 @@ MAX_SAMPLES = 128  # a row's n: OpenAI's limit
 
 
 class PrefillConfig(Group):
-    chunk_size: PositiveInt | None = None
+    chunk_size: Annotated[PositiveInt, at_most(MAX_CONTEXT, f"must be an integer in [1, {MAX_CONTEXT}]")] | None = None
     tile_size: int | str | None = "auto"  # auto: 32 on GPUs with Neural Accelerators, else none
 
     @field_validator("tile_size", mode="before")
@@ -187,7 +212,12 @@ class PrefillConfig(Group):
         return read_env_int("MLXCEL_PREFILL_CHUNK", DEFAULT_CHUNK_SIZE)
 
     def resolved_tile_size(self) -> int | None:
-        return choose_tile_size(self.tile_size)
+        """tile_size; auto pads only where a chunk holds a whole tile (a chunk below an explicit
+        tile_size is a config error: check_prefill)."""
+        tile = choose_tile_size(self.tile_size)
+        if self.tile_size == "auto" and tile is not None and tile > self.resolved_chunk_size():
+            return None
+        return tile
 
 
 class ConstraintConfig(Group):
@@ -526,12 +556,26 @@ class RayConfig(Group):
 class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
-    max_rows: PositiveInt = 8  # rows decoding at once
+    max_rows: Annotated[PositiveInt, at_most(MAX_ROWS, f"must be an integer in [1, {MAX_ROWS}]")] = 8  # rows at once
     # KV cache cap; None: 40% of device memory (RAM on the CPU)
-    kv_budget_gb: Annotated[float, Field(gt=0)] | None = None
+    kv_budget_gb: (
+        Annotated[
+            float,
+            Field(gt=0),
+            at_most(MAX_MEMORY_GB, f"must be a number of GB in (0, {MAX_MEMORY_GB:g}] (null: 40% of device memory)"),
+        ]
+        | None
+    ) = None
     # the prompt cache: rows that start with a cached prefix prefill only the rest (docs/jobs.md)
     prompt_cache: Bool = True
-    prompt_cache_gb: Annotated[float, Field(gt=0)] | None = None  # None: 10% of device memory (RAM on the CPU)
+    prompt_cache_gb: (  # None: 10% of device memory (RAM on the CPU)
+        Annotated[
+            float,
+            Field(gt=0),
+            at_most(MAX_MEMORY_GB, f"must be a number of GB in (0, {MAX_MEMORY_GB:g}] (null: 10% of device memory)"),
+        ]
+        | None
+    ) = None
     prompt_cache_dir: str | None = None  # save entries here and load them in later jobs (one folder per machine)
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights
@@ -559,7 +603,9 @@ class ServeConfig(Group):
     api_keys_file: str | None = None  # one key a line; or $MLXCEL_API_KEYS (comma-separated); none: no keys
     log_text: Bool = False  # prompts and answers in generations.jsonl (off: figures only)
     image_dirs: list[str] = Field(default_factory=list)  # local image paths allowed in image_url (default none)
-    max_body_mb: Annotated[float, Field(gt=0)] = 32.0  # larger request bodies get 413
+    max_body_mb: Annotated[  # larger request bodies get 413
+        float, Field(gt=0), at_most(MAX_BODY_MB, f"must be a number of MB in (0, {MAX_BODY_MB:g}]")
+    ] = 32.0
     model_name: str | None = None  # the id /v1/models lists; default: model.path's last part
 
     @field_validator("api_keys_file")
@@ -625,7 +671,7 @@ def validate_config(data: dict) -> RunConfig:
         except ConfigError as err:
             issues += err.issues
     if cfg is not None:
-        issues += check_paths(cfg)
+        issues += check_paths(cfg) + check_prefill(cfg)
     if issues:
         from_env = [issue.path.startswith("MLXCEL_") for issue in issues]
         first = next((issue for issue in issues if not issue.path.startswith("MLXCEL_")), None)
@@ -655,20 +701,58 @@ def suggest_key(key: str, valid: list[str]) -> str:
 
 
 def check_paths(cfg: RunConfig) -> list[ConfigIssue]:
-    """Files named by the config must exist (relative paths: from the launch directory)."""
+    """Files named by the config must exist (relative paths: from the launch directory), and be
+    regular files or folders: reading a FIFO waits forever, /dev/zero never ends."""
     paths = {
         "model.path": cfg.model.path,
         "tokenizer.path": cfg.tokenizer.path,
         "template.file": cfg.template.file,
         "prompt.file": cfg.prompt.file,
     }
+    issues = []
+    for key, path in paths.items():
+        if path is None or path.startswith("embedded:"):
+            continue
+        if not Path(path).expanduser().exists():
+            if not (key == "model.path" and is_repo_id(path)):  # a Hub repo id: the loader resolves it
+                issues.append(ConfigIssue(key, "no such file or directory", path))
+            continue
+        issue = check_regular_file(key, path, folder_ok=key in ("model.path", "tokenizer.path"))
+        issues += [issue] if issue is not None else []
+    return issues
+
+
+def check_regular_file(key: str, path: str, folder_ok: bool = False) -> ConfigIssue | None:
+    """A path the config reads must be a regular file (or, with folder_ok, a folder), links followed."""
+    from mlxcel.checkpoints.fingerprint import describe_file_kind
+
+    resolved = Path(path).expanduser()
+    if resolved.is_file() or (folder_ok and resolved.is_dir()):
+        return None
+    wanted = "a regular file or a folder" if folder_ok else "a regular file"
+    return ConfigIssue(key, f"must be {wanted}, not {describe_file_kind(resolved)}", path)
+
+
+def check_prefill(cfg: RunConfig) -> list[ConfigIssue]:
+    """Prefill pieces are whole tiles, so a chunk below one tile holds none: the scheduler would
+    wait forever for a piece that fits. (tile_size=auto steps aside instead: resolved_tile_size.)"""
+    tile = cfg.prefill.tile_size
+    if not isinstance(tile, int):
+        return []
+    try:
+        chunk = cfg.prefill.resolved_chunk_size()
+    except ConfigError:
+        return []  # a bad $MLXCEL_PREFILL_CHUNK is reported on its own
+    if chunk >= tile:
+        return []
+    key = "prefill.chunk_size" if cfg.prefill.chunk_size is not None else "MLXCEL_PREFILL_CHUNK"
     return [
-        ConfigIssue(key, "no such file or directory", path)
-        for key, path in paths.items()
-        if path is not None
-        and not path.startswith("embedded:")
-        and not Path(path).expanduser().exists()
-        and not (key == "model.path" and is_repo_id(path))  # a Hub repo id: the loader resolves it
+        ConfigIssue(
+            key,
+            f"must be >= prefill.tile_size ({tile}): prefill pieces are whole tiles, and a chunk below one "
+            "tile holds none (raise it, or lower prefill.tile_size, or set prefill.tile_size=null)",
+            chunk,
+        )
     ]
 
 

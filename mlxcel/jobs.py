@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from mlxcel.config import PromptConfig, PromptRow, format_errors
+from mlxcel.config import PromptConfig, PromptRow, check_regular_file, format_errors
 from mlxcel.errors import ConfigError, ConfigIssue
 
 
@@ -77,6 +77,9 @@ def load_job_rows(prompt: PromptConfig, sampler=None) -> list[JobRow]:
     if prompt.file is not None:
         from mlxcel.batch_files import detect_format, read_batch_rows
 
+        issue = check_regular_file("prompt.file", prompt.file)  # a FIFO or /dev/zero: no end to read
+        if issue is not None:
+            raise ConfigError(issue)
         path = Path(prompt.file)
         if prompt.format == "openai_batch" or (prompt.format == "auto" and detect_format(path) == "openai_batch"):
             return read_batch_rows(path, prompt.system, sampler)

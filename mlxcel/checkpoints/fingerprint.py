@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
+
+# safetensors' own limit on a file's JSON header (its MAX_HEADER_SIZE)
+MAX_SAFETENSORS_HEADER = 100_000_000
+# what the loaders read from a model folder: each must be a regular file (or a link to one)
+MODEL_FILE_SUFFIXES = (".json", ".safetensors")
 
 
 @dataclass
@@ -30,7 +36,48 @@ def read_model_header(path: Path) -> ModelHeader:
     return read_hf_header(path)
 
 
+def describe_file_kind(path: Path) -> str:
+    """'a FIFO', 'a folder', ...: what a path that should be a regular file is instead."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "a broken link" if path.is_symlink() else "missing"
+    kinds = [
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def check_model_files(folder: Path) -> None:
+    """The model folder's configs and weights must be regular files (or links to them): reading a
+    FIFO named model.safetensors blocks forever, and a device never ends."""
+    if not folder.is_dir():
+        if not folder.is_file():
+            raise ConfigError(
+                ConfigIssue(
+                    "model.path",
+                    f"is {describe_file_kind(folder)}: expected a model folder or a .gguf file",
+                    str(folder),
+                )
+            )
+        return
+    for path in sorted(folder.iterdir()):
+        if path.suffix in MODEL_FILE_SUFFIXES and not path.is_file():
+            raise ConfigError(
+                ConfigIssue(
+                    "model.path",
+                    f"{path.name} is {describe_file_kind(path)}: a model's configs and weights must be regular files",
+                    str(folder),
+                )
+            )
+
+
 def read_hf_header(folder: Path) -> ModelHeader:
+    check_model_files(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise MlxcelError(f"{folder}: no config.json (expected an HF model folder)")
@@ -83,7 +130,13 @@ def read_safetensors_header(path: Path) -> bytes:
         size_bytes = f.read(8)
         if len(size_bytes) < 8:
             raise MlxcelError(f"cannot read {path}: file too short for a safetensors header (is the file complete?)")
-        return f.read(struct.unpack("<Q", size_bytes)[0])
+        size = struct.unpack("<Q", size_bytes)[0]
+        if size > MAX_SAFETENSORS_HEADER:
+            raise MlxcelError(
+                f"cannot read {path}: its header claims {size} bytes, past safetensors' {MAX_SAFETENSORS_HEADER} "
+                "(is the file damaged?)"
+            )
+        return f.read(size)
 
 
 def read_gguf_header(path: Path) -> ModelHeader:

@@ -21,6 +21,7 @@ from mlx import nn
 
 from mlxcel.checkpoints import gguf
 from mlxcel.checkpoints.embedded import EMBEDDED_MODELS, locate_embedded_model
+from mlxcel.checkpoints.fingerprint import check_model_files
 from mlxcel.checkpoints.hub import is_repo_id, resolve_repo
 from mlxcel.checkpoints.quantize import (
     apply_checkpoint_quantization,
@@ -194,6 +195,7 @@ def read_json(path: Path) -> dict:
 
 
 def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
+    check_model_files(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise MlxcelError(f"{folder}: no config.json (expected an HF model folder)")

@@ -16,14 +16,20 @@ transformers; else "default").
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
@@ -167,6 +173,8 @@ def _tojson(
     x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
     # Jinja's own tojson escapes HTML characters; transformers' does not.
+    if (len(indent) if isinstance(indent, str) else indent or 0) > MAX_JSON_INDENT:
+        raise SecurityError(f"tojson(indent=...) past {MAX_JSON_INDENT}: the text of every nested item grows by it")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -177,13 +185,126 @@ def _strftime_now(fmt: str) -> str:
 # A rendered prompt past this many characters cannot fit any model's context (a million tokens of
 # ~4 characters); a template that would build one ('a' * 10**10) is stopped as it renders.
 MAX_RENDERED_CHARS = 4_000_000
+# A template's work: each loop iteration, call and filter use is a step. Models' templates take 1
+# to 200 steps a message (tests/data/templates: 10,000 messages in 10,000 to 1.8 million, the
+# latter with tools and past MAX_RENDERED_CHARS anyway); nested range(100000) loops that print
+# nothing take 10**10. Spending them all takes a few seconds.
+MAX_TEMPLATE_STEPS = 2_000_000
+# tojson(indent=N) past this multiplies the text of every nested item (transformers' use 2 or 4)
+MAX_JSON_INDENT = 16
+# str methods and filters whose integer argument sizes what they build: center(10**10)
+SIZED_BY_INT = frozenset(["center", "ljust", "rjust", "zfill", "batch", "slice"])
+_steps_left: ContextVar[list[int] | None] = ContextVar("template_steps_left", default=None)
+_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_NUMBER = re.compile(r"\d+")
+
+
+def spend_steps(steps: int = 1) -> None:
+    """Count template work against the render's budget (render_bounded sets one)."""
+    left = _steps_left.get()
+    if left is None:
+        return
+    left[0] -= steps
+    if left[0] < 0:
+        raise SecurityError(
+            f"the template runs more than {MAX_TEMPLATE_STEPS} loop iterations and calls "
+            "(nested loops that print nothing?)"
+        )
+
+
+def check_size(size: int, what: str) -> None:
+    if size > MAX_RENDERED_CHARS:
+        raise SecurityError(f"the template {what} of {size} characters, past {MAX_RENDERED_CHARS}")
+
+
+def text_length(value: Any) -> int:
+    return len(value) if isinstance(value, str) else 0
+
+
+def check_format(fmt: str, args: tuple, kwargs: dict) -> None:
+    """str % args, str.format and the format filter: no field width or precision past the bound,
+    and no format that repeats a long value past it ('{0}{0}...'.format(big))."""
+    values = [*args, *kwargs.values()]
+    values = [*values, *(values[0].values() if len(values) == 1 and isinstance(values[0], dict) else ())]
+    longest = max([len(v) if isinstance(v, (str, list, tuple)) else 0 for v in values], default=0)
+    check_size(len(fmt) + (fmt.count("%") + fmt.count("{")) * longest, "formats a text")
+    numbers = [int(n) for match in _PERCENT_FIELD.finditer(fmt) for n in match.groups() if n and n != "*"]
+    numbers += [int(n) for spec in re.findall(r"\{[^{}]*:([^{}]*)\}", fmt) for n in _NUMBER.findall(spec)]
+    if "*" in fmt or re.search(r"\{[^{}]*:[^{}]*\{", fmt):  # a width taken from the arguments
+        numbers += [v for v in values if isinstance(v, int)]
+    check_size(max(numbers, default=0), "asks for a field width or precision")
+
+
+def check_growth(name: str, value: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse a str method or filter call that would build more than MAX_RENDERED_CHARS before
+    it builds it: a memory bomb must not reach the allocator."""
+    if name in SIZED_BY_INT:
+        sizes = [a for a in (*args, *kwargs.values()) if isinstance(a, int)]
+        check_size(max(sizes, default=0), f"asks {name}() for a result")
+    elif name == "expandtabs" and isinstance(value, str) and args:
+        check_size(len(value) + value.count("\t") * int(args[0]), "expands tabs to a text")
+    elif name == "indent" and isinstance(value, str):
+        width = args[0] if args else kwargs.get("width", 4)
+        width = width if isinstance(width, int) else text_length(width)
+        check_size(len(value) + (value.count("\n") + 1) * width, "indents to a text")
+    elif name == "replace" and isinstance(value, str) and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        hits = value.count(old) if old else len(value) + 1
+        if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+            hits = min(hits, args[2])
+        check_size(len(value) + hits * max(0, len(new) - len(old)), "replaces to a text")
+    elif name == "join" and isinstance(value, str) and args and isinstance(args[0], (list, tuple)):
+        items = args[0]  # sep.join(items)
+        check_size(sum(map(text_length, items)) + len(value) * max(0, len(items) - 1), "joins a text")
+    elif name == "join_filter" and isinstance(value, (list, tuple)):
+        sep = args[0] if args else kwargs.get("d", "")
+        check_size(sum(map(text_length, value)) + text_length(sep) * max(0, len(value) - 1), "joins a text")
+    elif name in ("format", "format_map") and isinstance(value, str):
+        check_format(value, args, kwargs)
+
+
+def bound_filter(name: str, function: Any) -> Any:
+    """A filter that spends a step and refuses to build past the bound (its value follows any
+    context argument Jinja passes first)."""
+    skip = 1 if getattr(function, "jinja_pass_arg", None) is not None else 0
+    growth = "join_filter" if name == "join" else name
+
+    @wraps(function)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        spend_steps()
+        value, rest = (args[skip], args[skip + 1 :]) if len(args) > skip else (None, ())
+        check_growth(growth, value, rest, kwargs)
+        return function(*args, **kwargs)
+
+    return bounded
+
+
+class BoundedCodeGenerator(CodeGenerator):
+    """Compiles every for loop's iterable through iterate_bounded and every `~` through
+    concat_bounded (environment attributes: a template's own variables cannot shadow them)."""
+
+    def visit_For(self, node: nodes.For, frame: Any) -> None:
+        counted = nodes.Call(nodes.EnvironmentAttribute("iterate_bounded"), [node.iter], [], None, None)
+        loop = nodes.For(node.target, counted, node.body, node.else_, node.test, node.recursive, lineno=node.lineno)
+        super().visit_For(loop, frame)
+
+    def visit_Concat(self, node: nodes.Concat, frame: Any) -> None:
+        self.write("environment.concat_bounded((")
+        for part in node.nodes:
+            self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, plus bounds on what a template can make the host build: repeated strings and
-    lists, and powers, are refused past MAX_RENDERED_CHARS (Jinja bounds range() only)."""
+    """The sandbox, plus bounds on what a template can make the host build and on its work.
+    Sizes: repeated and concatenated strings and lists, padded, formatted, replaced and joined
+    text, and powers, are refused past MAX_RENDERED_CHARS before they are built. Work: every
+    loop iteration, call and filter use spends a step of MAX_TEMPLATE_STEPS (Jinja bounds
+    range() only, and two nested range(100000) loops run 10**10 times)."""
 
-    intercepted_binops = frozenset(["*", "**"])
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
+    code_generator_class = BoundedCodeGenerator
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -204,26 +325,57 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             and right * abs(left).bit_length() > 64 * MAX_RENDERED_CHARS
         ):
             raise SecurityError("the template computes a power too large to print")
+        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            check_size(len(left) + len(right), "concatenates a value")
+        if operator == "%" and isinstance(left, str):
+            check_format(left, right if isinstance(right, tuple) else (right,), {})
         return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's names)
+        spend_steps()
+        if isinstance(__obj, LoopContext) and args:  # a recursive loop's loop(children): count its iterations
+            args = (__self.iterate_bounded(args[0]), *args[1:])
+        method = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped by the sandbox
+        if isinstance(getattr(method, "__self__", None), str):
+            check_growth(method.__name__, method.__self__, args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def iterate_bounded(self, iterable: Any) -> Iterator[Any]:
+        """A for loop's items, each spending a step (every loop's iterable is wrapped in this)."""
+        for item in iterable:
+            spend_steps()
+            yield item
+
+    def concat_bounded(self, parts: list[Any]) -> str:
+        """`a ~ b`: Jinja's str_join, refused past the bound before it is built."""
+        texts = [str(part) for part in parts]
+        check_size(sum(map(len, texts)), "concatenates a text")
+        return "".join(texts)
 
 
 def render_bounded(template: jinja2.Template, **variables: Any) -> str:
-    """Render, stopping once the text passes MAX_RENDERED_CHARS (loops can build it piecewise)."""
+    """Render within MAX_TEMPLATE_STEPS of work, stopping once the text passes
+    MAX_RENDERED_CHARS (loops can build it piecewise)."""
     parts, size = [], 0
-    for part in template.generate(**variables):
-        size += len(part)
-        if size > MAX_RENDERED_CHARS:
-            raise SecurityError(
-                f"the rendered prompt passes {MAX_RENDERED_CHARS} characters, more than any model's context holds"
-            )
-        parts.append(part)
+    budget = _steps_left.set([MAX_TEMPLATE_STEPS])
+    try:
+        for part in template.generate(**variables):
+            size += len(part)
+            if size > MAX_RENDERED_CHARS:
+                raise SecurityError(
+                    f"the rendered prompt passes {MAX_RENDERED_CHARS} characters, more than any model's context holds"
+                )
+            parts.append(part)
+    finally:
+        _steps_left.reset(budget)
     return "".join(parts)
 
 
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters = {name: bound_filter(name, function) for name, function in env.filters.items()}
+    env.filters["tojson"] = bound_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()

@@ -547,10 +547,12 @@ class RayConfig(Group):
     """runner.backend=ray: where the job's workers run (docs/scaleout.md)."""
 
     address: str | None = None  # None: a local cluster for this job; "auto": the running one; "ray://HOST:10001"
-    workers: PositiveInt = 1  # actors, each loading the model once and running the scheduler
-    cpus_per_worker: Annotated[float, Field(gt=0)] = 1.0
-    gpus_per_worker: Annotated[float, Field(ge=0)] = 0.0
-    start_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # workers not started by then: an error naming why
+    # actors, each loading the model once and running the scheduler
+    workers: Annotated[PositiveInt, at_most(MAX_ROWS, f"must be an integer in [1, {MAX_ROWS}]")] = 1
+    cpus_per_worker: Annotated[float, Field(gt=0), at_most(1024, "must be a number in (0, 1024]")] = 1.0
+    gpus_per_worker: Annotated[float, Field(ge=0), at_most(1024, "must be a number in [0, 1024]")] = 0.0
+    # workers not started by then: an error naming why
+    start_timeout_s: Annotated[float, Field(gt=0), at_most(86400, "must be a number of seconds in (0, 86400]")] = 300.0
 
 
 class RunnerConfig(Group):

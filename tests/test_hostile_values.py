@@ -194,7 +194,7 @@ def test_a_fifo_or_a_folder_as_prompt_file_is_a_config_error(tmp_path):
 
 
 # ---- item 11: a FIFO among the weights ----
-@pytest.mark.parametrize("name", ["model.safetensors", "extra.safetensors", "config.json"])
+@pytest.mark.parametrize("name", ["model.safetensors", "extra.safetensors", "config.json", "tokenizer.model"])
 def test_a_fifo_in_the_model_folder_is_refused(tmp_path, tiny_llama, name):
     from mlxcel.checkpoints.fingerprint import read_model_header
     from mlxcel.checkpoints.loader import load_model
@@ -207,8 +207,7 @@ def test_a_fifo_in_the_model_folder_is_refused(tmp_path, tiny_llama, name):
             load(folder)
         (folder / name).unlink()
         assert raised.value.format().splitlines()[0] == (
-            f"model.path: {name} is a FIFO (named pipe): a model's configs and weights must be regular files "
-            f"(got '{folder}')"
+            f"model.path: {name} is a FIFO (named pipe): a model's files must be regular files (got '{folder}')"
         )
 
 

@@ -11,12 +11,14 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxcel.checkpoints.hub import MODEL_FILES
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 
 # safetensors' own limit on a file's JSON header (its MAX_HEADER_SIZE)
 MAX_SAFETENSORS_HEADER = 100_000_000
-# what the loaders read from a model folder: each must be a regular file (or a link to one)
-MODEL_FILE_SUFFIXES = (".json", ".safetensors")
+# what the loaders read from a model folder (configs, weights, tokenizer and template files): each
+# must be a regular file (or a link to one)
+MODEL_FILE_SUFFIXES = tuple(pattern.removeprefix("*") for pattern in MODEL_FILES)
 
 
 @dataclass
@@ -53,8 +55,8 @@ def describe_file_kind(path: Path) -> str:
 
 
 def check_model_files(folder: Path) -> None:
-    """The model folder's configs and weights must be regular files (or links to them): reading a
-    FIFO named model.safetensors blocks forever, and a device never ends."""
+    """The model folder's files (MODEL_FILE_SUFFIXES) must be regular files (or links to them):
+    reading a FIFO named model.safetensors blocks forever, and a device never ends."""
     if not folder.is_dir():
         if not folder.is_file():
             raise ConfigError(
@@ -70,7 +72,7 @@ def check_model_files(folder: Path) -> None:
             raise ConfigError(
                 ConfigIssue(
                     "model.path",
-                    f"{path.name} is {describe_file_kind(path)}: a model's configs and weights must be regular files",
+                    f"{path.name} is {describe_file_kind(path)}: a model's files must be regular files",
                     str(folder),
                 )
             )

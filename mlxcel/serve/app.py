@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxcel.serve.engine import Job, ServeEngine
+from mlxcel.serve.engine import Job, ServeEngine, describe_exception
 from mlxcel.serve.messages import convert_messages, has_data_urls
 from mlxcel.serve.protocol import (
     ApiError,
@@ -224,6 +224,10 @@ class ServeApp:
             self.engine.cancel(job)
             self.records.add_answer(job, done, started, first, "disconnected")
             return Response(status_code=499)
+        except asyncio.CancelledError:  # (uvicorn's last resort at shutdown: the request keeps its row)
+            self.engine.cancel(job)
+            self.records.add_answer(job, done, started, first, "disconnected")
+            raise
         failed = next((d for d in done.values() if d["finish_reason"] == "error"), None)
         if failed is not None:
             self.engine.cancel(job)  # (its other choices)
@@ -379,7 +383,7 @@ def make_app(serve: ServeApp) -> Starlette:
         return JSONResponse(error.body(), status_code=405)
 
     async def server_error(request: Request, exc) -> Response:
-        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {describe_exception(exc)}", kind="server_error")
         return JSONResponse(error.body(), status_code=500)
 
     routes = [

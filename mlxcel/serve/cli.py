@@ -19,7 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
-GRACEFUL_SHUTDOWN_SECONDS = 10
+GRACEFUL_SHUTDOWN_SECONDS = 10  # a stop gives requests in flight this long to finish
+ANSWER_SECONDS = 5  # then their rows end ("cancelled") and their answers this long to be written
 WARM_UP_PROMPT = "Hello"
 
 
@@ -42,11 +43,22 @@ def check_serve_extra() -> None:
 
 
 def load_api_keys(path: str | None) -> set[str]:
-    """serve.api_keys_file (one key a line, '#' comments) and $MLXCEL_API_KEYS (comma-separated)."""
+    """serve.api_keys_file (one key a line, '#' comments) and $MLXCEL_API_KEYS (comma-separated).
+    A file that holds no key is a config error: served as it is, it would ask for none."""
+    from mlxcel.errors import ConfigError, ConfigIssue
+
     keys = {k.strip() for k in os.environ.get("MLXCEL_API_KEYS", "").split(",") if k.strip()}
     if path:
-        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
-        keys |= {line.strip() for line in lines if line.strip() and not line.strip().startswith("#")}
+        try:
+            lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError(ConfigIssue("serve.api_keys_file", f"cannot read it: {reason}", path)) from None
+        found = {line.strip() for line in lines if line.strip() and not line.strip().startswith("#")}
+        if not found:
+            message = "holds no API key (one key a line; '#' starts a comment): the server would ask for none"
+            raise ConfigError(ConfigIssue("serve.api_keys_file", message, path))
+        keys |= found
     return keys
 
 
@@ -162,7 +174,7 @@ class Server:
             self.app,
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + ANSWER_SECONDS,
             lifespan="off",
         )
         self.uvicorn = make_uvicorn_server(config, self)
@@ -197,6 +209,17 @@ def make_uvicorn_server(config, owner: Server):
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            """Requests in flight get GRACEFUL_SHUTDOWN_SECONDS to finish; then the engine ends
+            their rows (finish_reason "cancelled"), so their answers complete and are recorded
+            as any other. uvicorn cancels only a handler still running ANSWER_SECONDS later
+            (a CancelledError traceback, and a whole answer without a row, were the rule)."""
+            ending = asyncio.ensure_future(stop_engine_after(owner.engine, GRACEFUL_SHUTDOWN_SECONDS))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                ending.cancel()
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -215,6 +238,11 @@ def make_uvicorn_server(config, owner: Server):
                     signal.signal(sig, handler)
 
     return GracefulServer(config)
+
+
+async def stop_engine_after(engine, seconds: float) -> None:
+    await asyncio.sleep(seconds)
+    engine.stop()
 
 
 def serve(args: list[str], log=sys.stderr) -> int:

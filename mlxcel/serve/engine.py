@@ -139,13 +139,18 @@ class ServeEngine:
         job.cancelled = True
         self.inbox.put(("cancel", job))
 
+    def stop(self) -> None:
+        """End every row now (finish_reason "cancelled": their answers complete) and take no
+        more requests (503); the engine thread ends once the rows have. Does not wait."""
+        self.closed = True
+        self.inbox.put(("close", None))
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the engine thread (rows still running are cancelled) and let the model go now:
         arrays left to the interpreter's exit are freed after MLX's own threads (a C++ abort)."""
         import gc
 
-        self.closed = True
-        self.inbox.put(("close", None))
+        self.stop()
         self.thread.join(timeout)
         if not self.thread.is_alive():
             self.scheduler = self.pipeline = None
@@ -218,16 +223,30 @@ class ServeEngine:
         return update
 
     def start_job(self, job: Job) -> list[tuple[int, RowRequest]]:
-        """The request's rows, or an error answer (400) when its prompt cannot run."""
+        """The request's rows, or an error answer when they cannot be built: 400 for what the
+        request asked (its prompt, its sampler), 500 for anything else. Either way only this
+        request fails: an exception out of here would stop the engine for every client."""
         try:
-            prompts = [self.prepare(job, prompt) for prompt in job.prompts]
-            chain = self.pipeline.chain_for(job.sampler)
-            constraint = job.constraint or self.pipeline.constraint
-        except (MlxcelError, ApiError) as exc:
-            error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), code="invalid_prompt")
+            built = self.make_rows(job)
+        except Exception as exc:
             self.release(job.row_count)
-            self.post(job, ("error", error))
+            self.post(job, ("error", describe_start_failure(exc)))
             return []
+        rows = []
+        for index, request, choice in built:  # (kept only once every row was built)
+            self.rows[index] = (job, choice)
+            job.rows.append(index)
+            rows.append((index, request))
+        return rows
+
+    def make_rows(self, job: Job) -> list[tuple[int, RowRequest, Choice]]:
+        prompts = [self.prepare(job, prompt) for prompt in job.prompts]
+        try:
+            chain = self.pipeline.chain_for(job.sampler)
+        except (MlxcelError, ValueError, OverflowError, MemoryError) as exc:  # (the request's own values)
+            message = f"the request's sampler settings: {describe_exception(exc)}"
+            raise ApiError(400, message, "mlxcel.sampler") from None
+        constraint = job.constraint or self.pipeline.constraint
         rows = []
         for p, (prompt, images) in enumerate(prompts):
             for i in range(job.n):
@@ -249,9 +268,7 @@ class ServeEngine:
                 )
                 stream = self.pipeline.make_text_stream(job.streaming, job.stop)
                 choice = Choice(p * job.n + i, stream, job.logprobs, len(prompt.token_ids))
-                self.rows[index] = (job, choice)
-                job.rows.append(index)
-                rows.append((index, request))
+                rows.append((index, request, choice))
         return rows
 
     def prepare(self, job: Job, prompt: Any) -> tuple[PromptTokens, Any]:
@@ -329,6 +346,22 @@ class ServeEngine:
             loop.call_soon_threadsafe(deliver, batch)
         except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
             pass
+
+
+def describe_start_failure(exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, MlxcelError):  # (a prompt longer than the context, an image for a text model, ...)
+        return ApiError(400, describe_exception(exc), code="invalid_prompt")
+    detail = f"{type(exc).__name__}: {describe_exception(exc)}" if str(exc).strip() else type(exc).__name__
+    return ApiError(500, f"the request could not be prepared: {detail}", kind="server_error")
+
+
+def describe_exception(exc: BaseException) -> str:
+    """One line: the message's first, or the exception's name when it has none (a bare MemoryError)."""
+    from mlxcel.cli import first_line
+
+    return first_line(str(exc)) or type(exc).__name__
 
 
 def deliver(batch: list[tuple[Job, tuple]]) -> None:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from mlxcel.errors import MlxcelError
 from mlxcel.sampling.config import SamplerConfig
 
 MAX_CHOICES = 16  # n: rows of one request (each holds a KV reservation)
@@ -47,6 +48,8 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         headers: dict | None = None,
     ):
+        # (an exception's text can carry a lone surrogate from the request: the answer must encode)
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
@@ -142,6 +145,7 @@ def parse_request(kind: type[SamplingFields], data: Any) -> SamplingFields:
     """The request body checked: unknown or unsupported fields and bad values are 400s naming them."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_unicode(data)
     data = {key: value for key, value in data.items() if key not in IGNORED_FIELDS}
     known = set(kind.model_fields)
     for key in data:
@@ -157,6 +161,38 @@ def parse_request(kind: type[SamplingFields], data: Any) -> SamplingFields:
         raise ApiError(400, f"{param}: {first['msg']}{shown}", param) from None
     check_unsupported(request)
     return request
+
+
+def check_unicode(body: dict) -> None:
+    """Every string (and key) of the body is text UTF-8 can hold: JSON's \\ud800 escape parses to
+    a lone UTF-16 surrogate, which the tokenizer and every answer that quotes it cannot encode.
+    Iterative: a body nested as deep as the JSON parser allows does not exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if not is_encodable(node):
+                raise ApiError(400, f"{path}: not valid Unicode text ({describe_surrogate(node)})", path)
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(key, str) and not is_encodable(key):
+                raise ApiError(400, f"{path or 'the body'}: a key is not valid Unicode ({describe_surrogate(key)})")
+            if isinstance(value, (str, dict, list)):  # (a long list of token ids costs no paths)
+                stack.append((f"{path}.{key}" if path else str(key), value))
+
+
+def is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def describe_surrogate(text: str) -> str:
+    index = next(i for i, char in enumerate(text) if 0xD800 <= ord(char) <= 0xDFFF)
+    return f"a lone UTF-16 surrogate \\u{ord(text[index]):04x} at character {index}"
 
 
 def read_constraint(request: SamplingFields) -> dict | None:
@@ -226,6 +262,10 @@ def make_sampler_config(base: SamplerConfig, request: SamplingFields, vocab_size
         processors["logit_bias"] = {**processors.get("logit_bias", {}), "bias": bias}
     try:
         return SamplerConfig.model_validate(data)
+    except MlxcelError as err:  # (a check that raises ConfigError itself, not through pydantic)
+        issues = getattr(err, "issues", None)
+        detail = "; ".join(issue.format() for issue in issues) if issues else str(err)
+        raise ApiError(400, f"the request's sampler settings: {detail}", "mlxcel.sampler") from None
     except ValidationError as err:
         first = err.errors()[0]
         detail = first.get("ctx", {}).get("mlxcel") or first.get("ctx", {}).get("nested") or first["msg"]

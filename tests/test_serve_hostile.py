@@ -130,6 +130,26 @@ def test_a_sampler_that_fails_to_build_is_a_400_for_that_request(server, monkeyp
     assert health(server) == {"status": "ok"}
 
 
+@pytest.mark.parametrize(
+    "sampler, field",
+    [
+        ({"min_keep": 10**12}, "min_keep"),
+        ({"processors": {"penalties": {"repeat": 1.1, "last_n": 10**12}}}, "penalties.last_n"),
+        ({"processors": {"dry": {"multiplier": 1.0, "last_n": 10**12}}}, "dry.last_n"),
+    ],
+)
+def test_sampler_sizes_out_of_bounds_are_400s_naming_the_key(sampler, field):
+    """The schema's bounds (a 3.64 TiB history allocation stopped the engine) reach a request as a
+    400 that names the key, a top-level one included."""
+    from mlxcel.sampling.config import SamplerConfig
+
+    request = parse_request(ChatRequest, {"model": "m", "messages": [], "mlxcel": {"sampler": sampler}})
+    with pytest.raises(ApiError) as err:
+        make_sampler_config(SamplerConfig(), request, 100)
+    assert err.value.status == 400 and err.value.param == "mlxcel.sampler"
+    assert f"the request's sampler settings: {field}: must be in" in err.value.message
+
+
 def test_a_config_error_from_the_sampler_schema_is_a_400(monkeypatch):
     """Whatever the sampler's schema raises for a request's mlxcel.sampler is a 400 naming it: a
     pydantic error (test_serve_protocol) or a ConfigError a check raises itself."""

@@ -269,15 +269,17 @@ def make_sampler_config(base: SamplerConfig, request: SamplingFields, vocab_size
     except ValidationError as err:
         first = err.errors()[0]
         detail = first.get("ctx", {}).get("mlxcel") or first.get("ctx", {}).get("nested") or first["msg"]
+        where = ".".join(str(part) for part in first["loc"])  # (a top-level key's own error does not name it)
         raise ApiError(
-            400, f"the request's sampler settings: {describe_validation(detail)}", "mlxcel.sampler"
+            400, f"the request's sampler settings: {describe_validation(detail, where)}", "mlxcel.sampler"
         ) from None
 
 
-def describe_validation(detail: Any) -> str:
-    """One line out of the sampler schema's nested error shapes."""
+def describe_validation(detail: Any, where: str = "") -> str:
+    """One line out of the sampler schema's nested error shapes; `where`: the error's location."""
     if isinstance(detail, tuple) and len(detail) == 3 and isinstance(detail[1], str):
         field, message, value = detail
+        field = field or where
         return f"{field + ': ' if field else ''}{message} (got {value!r})"
     if isinstance(detail, list) and detail:
         model, prefix, errors = detail[0]
@@ -287,7 +289,7 @@ def describe_validation(detail: Any) -> str:
             inner = error.get("ctx", {}).get("mlxcel")
             message = inner[1] if inner else error["msg"]
             return f"{where}: {message} (got {error.get('input')!r})"
-    return str(detail)
+    return f"{where}: {detail}" if where and isinstance(detail, str) else str(detail)
 
 
 def merge_dicts(base: dict, overrides: dict) -> dict:

@@ -17,7 +17,7 @@ from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.engine import OnRowDone, OnToken
 from mlxcel.engine.prompt_cache import PROMPT_CACHE_SHARE, PromptCache
-from mlxcel.engine.prompt_cache_files import describe_model_key, load_entries, save_entries
+from mlxcel.engine.prompt_cache_files import describe_layout, describe_model_key, load_entries, save_entries
 from mlxcel.engine.scheduler import BatchScheduler, ScheduleState, device_memory_bytes, supports_scheduling
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
@@ -216,8 +216,8 @@ class Pipeline:
             "kv_group_size": cfg.decode.kv_group_size if cfg.decode.kv_bits else None,
         }
         self.prompt_cache_key = describe_model_key(path, self.header.fingerprint, settings)
-        layers = len(self.loaded.model.model.layers)
-        used = load_entries(self.prompt_cache, Path(folder), self.prompt_cache_key, layers, log or sys.stderr)
+        layout = describe_layout(self.loaded.model, settings["dtype"], cfg.decode.kv_bits, cfg.decode.kv_group_size)
+        used = load_entries(self.prompt_cache, Path(folder), self.prompt_cache_key, layout, log or sys.stderr)
         if used:
             say(log, f"prompt cache: {used} entries ({self.prompt_cache.cached_tokens} tokens) from {folder}")
 

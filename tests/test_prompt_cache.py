@@ -15,7 +15,7 @@ import pytest
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.prompt_cache import PromptCache
-from mlxcel.engine.prompt_cache_files import load_entries, save_entries
+from mlxcel.engine.prompt_cache_files import describe_layout, load_entries, save_entries
 from mlxcel.engine.scheduler import BatchScheduler, kv_bytes_per_position
 from mlxcel.sampling import Sampler
 from tests.helpers import make_tiny_checkpoint
@@ -224,8 +224,8 @@ def test_entries_saved_by_one_job_are_adopted_by_the_next(model, tmp_path):
     assert save_entries(first, tmp_path, "key") == first.entries > 0
     assert save_entries(first, tmp_path, "key") == 0  # nothing new
     second = big_cache()
-    layers = len(model.model.layers)
-    assert load_entries(second, tmp_path, "key", layers) == first.entries
+    layout = describe_layout(model, "float32", None, 64)
+    assert load_entries(second, tmp_path, "key", layout) == first.entries
     again = run(model, prompts, cache=second)
     assert token_ids(again) == token_ids(off)
     assert again.results[0].cached_tokens == len(prompts[0]) - 1
@@ -257,7 +257,7 @@ def test_corrupt_foreign_and_old_files_are_ignored_with_a_warning(model, tmp_pat
     mx.save_safetensors(str(edited), arrays, metadata={**metadata, "token_ids": jsonlib.dumps(tokens[::-1])})
     log = io.StringIO()
     second = big_cache()
-    used = load_entries(second, tmp_path, "key", len(model.model.layers), log)
+    used = load_entries(second, tmp_path, "key", describe_layout(model, "float32", None, 64), log)
     lines = log.getvalue().splitlines()
     assert used == len(files)
     assert len(lines) == 4 and all(line.startswith("mlxcel: prompt cache: ignoring ") for line in lines), lines
@@ -274,5 +274,17 @@ def test_a_file_with_the_wrong_layer_count_is_ignored(model, tmp_path):
     run(model, [shared_prefix_prompts(9, 1)[0]], cache=first, snapshot_all=True)
     save_entries(first, tmp_path, "key")
     log = io.StringIO()
-    assert load_entries(big_cache(), tmp_path, "key", len(model.model.layers) + 1, log) == 0
+    layout = describe_layout(model, "float32", None, 64)
+    assert load_entries(big_cache(), tmp_path, "key", [*layout, layout[0]], log) == 0
     assert "do not match its token ids or this model's layers" in log.getvalue()
+
+
+def test_kv_bits_entries_match_the_layout_the_disk_expects(tmp_path):
+    """describe_layout (what a file must hold) is what the quantized pool's snapshots are."""
+    model = load_model(str(make_tiny_checkpoint(tmp_path, "llama", seed=3, head_dim=32)), dtype="float32").model
+    first = big_cache()
+    run(model, shared_prefix_prompts(14, 2, 64), cache=first, kv_bits=8, kv_group_size=32, chunk_size=32)
+    assert save_entries(first, tmp_path / "cache", "key") == first.entries > 0
+    layout = describe_layout(model, "float32", 8, 32)
+    assert load_entries(big_cache(), tmp_path / "cache", "key", layout) == first.entries
+    assert load_entries(big_cache(), tmp_path / "cache", "key", describe_layout(model, "float32", 4, 32)) == 0

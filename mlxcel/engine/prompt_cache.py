@@ -69,6 +69,7 @@ class PromptCache:
         self.nbytes = 0
         self.clock = 0
         self.evicted_tokens = 0  # over the cache's life (stats.json's prompt_cache.evicted_tokens)
+        self.folder_error: str | None = None  # why runner.prompt_cache_dir takes no entries (said once)
 
     # ---- lookup ----
     def match(self, tokens: list[int] | np.ndarray, limit: int | None = None) -> Match:

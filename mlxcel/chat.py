@@ -173,6 +173,16 @@ def read_line(prompt: str) -> str | None:
             print("", flush=True)
 
 
+def find_undecodable(line: str) -> str | None:
+    """Why a line read with errors="surrogateescape" is not text (its first byte that did not
+    decode), or None: such a line reaches no template or tokenizer."""
+    for column, char in enumerate(line, 1):
+        if "\udc80" <= char <= "\udcff":
+            encoding = (getattr(sys.stdin, "encoding", None) or "utf-8").upper()
+            return f"not valid {encoding} (byte {ord(char) - 0xDC00:#04x} at column {column})"
+    return None
+
+
 def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
     from mlxcel.cli import compose_config
     from mlxcel.config import validate_config
@@ -201,8 +211,15 @@ def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) ->
         interactive = sys.stdin.isatty()
         if interactive:
             import readline  # noqa: F401 (line editing and history for input())
+        if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes fail their own line, not the read
+            sys.stdin.reconfigure(errors="surrogateescape")
+        number = 0
         while True:
             line = read_line("> " if interactive else "")
+            number += 1
+            if line is not None and (why := find_undecodable(line)):
+                session.say(f"line {number} ignored: {why}")
+                continue
             try:
                 if line is None or not session.handle(line):
                     break

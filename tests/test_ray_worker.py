@@ -40,6 +40,8 @@ def test_a_workers_busy_time_leaves_out_its_waits_for_rows(tmp_path, tiny_llama)
     elapsed = time.perf_counter() - began
     assert sorted(r["id"] for r in got) == [f"r{i}" for i in range(4)]
     assert figures["rows"] == 4 and figures["generated_tokens"] == 24
-    assert elapsed > 3.0 and 0 < figures["busy_s"] < 1.0  # two 1 s waits before and between the rows, not busy
-    assert stats.prefill_time_ms < 1000  # the loop's clock starts with its first rows
+    # the two 1 s waits, before and between the rows, are not busy; the loop's clock starts with
+    # its first rows (compared with the waits the test made, not with a figure a loaded machine misses)
+    assert 0 < figures["busy_s"] <= elapsed - 2.0
+    assert stats.prefill_time_ms / 1000 <= elapsed - 2.0
     assert figures["generated_tok_per_sec"] == pytest.approx(24 / figures["busy_s"], rel=0.02)

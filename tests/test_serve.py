@@ -186,19 +186,19 @@ def test_ignored_fields_are_accepted_and_unknown_models_are_404s(server, client)
 
 
 def test_a_client_that_hangs_up_frees_its_row_at_once(server):
-    """2,000 tokens of SmolLM2 take minutes here; the row ends within a step of the hang-up."""
+    """2,000 tokens of SmolLM2 take minutes here; the row is cancelled once the client hangs up,
+    long before its 2,000 tokens (counted in tokens, not seconds: a loaded machine is slow)."""
     import asyncio
-    import time
 
     from tests.serve_fixtures import chat_body, raw_request, wait_for_idle
 
     port = int(server.url.split(":")[-1].split("/")[0])
     body = chat_body("Tell me a long story.", stream=True, max_tokens=2000)
     status, _ = asyncio.run(raw_request(port, body, key=None, hang_up_after=3))
-    hung_up = time.monotonic()
     assert status == 200
-    wait_for_idle(server.engine, 5)
-    assert time.monotonic() - hung_up < 5
+    wait_for_idle(server.engine, 120)  # (a guard against a hang, not a figure)
+    rows = [json.loads(line) for line in (server.run_dir / "generations.jsonl").read_text().splitlines()]
+    assert rows[-1]["status"] == "disconnected" and rows[-1]["completion_tokens"] < 1000
 
 
 def test_the_run_folder_keeps_figures_not_text(server, client):
@@ -264,7 +264,6 @@ def test_sigterm_mid_stream_stops_the_server_cleanly(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     from tests.helpers import REPO
     from tests.serve_fixtures import chat_body
@@ -294,10 +293,8 @@ def test_sigterm_mid_stream_stops_the_server_cleanly(tmp_path):
             writer.close()
             return rest
 
-        began = time.monotonic()
         asyncio.run(stream_then_terminate())
         assert process.wait(timeout=60) == 0
-        assert time.monotonic() - began < 40
     finally:
         if process.poll() is None:
             process.kill()

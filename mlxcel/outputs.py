@@ -13,7 +13,7 @@ import threading
 from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError, Terminated
 
@@ -478,6 +478,37 @@ def write_failure_stats(out_dir: Path, exc: BaseException, report: dict | None =
     # best effort: `exc` is what the user hears of (a full disk fails this write too; its .tmp is removed)
     with suppress(OSError):
         RunOutputs(out_dir).write_stats(report)
+
+
+class AnswerStream:
+    """A single prompt's answer as it streams to stdout. A reader that goes away
+    (`mlxcel-run ... | head`) ends the streaming, not the run: `write` says False from then on
+    (the runner ends the row there, "cancelled", and the job completes) and the stream's
+    descriptor is pointed at /dev/null, so the interpreter's last flush raises nothing either."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.open = True
+
+    def write(self, text: str) -> bool:
+        if self.open:
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except BrokenPipeError:
+                self.open = False
+                silence_stream(self.stream)
+        return self.open
+
+
+def silence_stream(stream: TextIO) -> None:
+    """Point `stream`'s descriptor at /dev/null (what it still buffers goes there)."""
+    with suppress(AttributeError, OSError, ValueError):  # no descriptor (a StringIO): nothing flushes it at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
 
 
 def raise_terminated(signum, frame) -> None:

@@ -23,6 +23,7 @@ from mlxcel.errors import MlxcelError
 from mlxcel.jobs import expand_samples, hash_row, hash_samples, input_files, load_job_rows
 from mlxcel.outputs import (
     HEADLINE_FIELDS,
+    AnswerStream,
     RunOutputs,
     claim_run_folder,
     defer_interrupt,
@@ -191,9 +192,8 @@ def run_job(
             batches, report["ray"] = run_on_ray(cfg, runnable, record, progress, log)
             report["backend"] = "ray"
         for batch in pipeline.group_rows(runnable) if local else []:
-            state = run_batch(
-                pipeline, batch, record, progress, stream if streaming else None, keep_partial=len(samples) == 1
-            )
+            answer = AnswerStream(stream) if streaming else None
+            state = run_batch(pipeline, batch, record, progress, answer, keep_partial=len(samples) == 1)
             batches.append(measure_batch(state))
             report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())
     finally:
@@ -229,19 +229,25 @@ def run_batch(
     batch: list[PreparedSample],
     record,
     progress: Progress,
-    stream: TextIO | None,
+    stream: AnswerStream | None,
     keep_partial: bool = False,
 ):
     """Generate `batch`, recording each row as it finishes. `keep_partial` (a single prompt): an
-    interrupt records the row so far, finish_reason "interrupted" (a resume runs it again)."""
+    interrupt records the row so far, finish_reason "interrupted" (a resume runs it again).
+    `stream`: where a single prompt's answer streams; a reader that goes away ends the row there."""
     detokenizers = [pipeline.make_text_stream(stream is not None, p.sample.row.stop) for p in batch]
+    keys = [p.sample.key for p in batch]
+    drawn = [0] * len(batch)
     finished: set[int] = set()
 
     def on_token(row: int, token: int) -> bool:
+        if not drawn[row]:  # its prompt is in: progress moves while the other rows prefill
+            progress.start_row(keys[row], len(batch[row].prompt.token_ids))
+        drawn[row] += 1
+        progress.add_token(keys[row])
         text = detokenizers[row].add_token(token)
-        if stream is not None and text:
-            stream.write(text)
-            stream.flush()
+        if stream is not None and text and not stream.write(text):
+            return False  # the reader went away (`| head`): no one reads the rest
         return not detokenizers[row].stopped  # a stop string ends the row
 
     def on_row_done(row: int, result: RowResult) -> None:
@@ -250,10 +256,9 @@ def run_batch(
             result.finish_reason = "stop"
         if stream is not None:
             stream.write(tail + "\n")
-            stream.flush()
         record(make_generation_row(batch[row], result, detokenizers[row].text))  # (its text includes the tail)
         finished.add(row)
-        progress.update(rows=1, tokens=len(result.token_ids))
+        progress.finish_row(keys[row], len(result.token_ids), result.prompt_tokens)
 
     try:
         return pipeline.generate(batch, on_token, on_row_done)

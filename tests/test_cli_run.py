@@ -201,3 +201,59 @@ def test_ctrl_c_ends_the_run_as_interrupted(tmp_path):
     assert "mlxcel: interrupted" in stderr and "Traceback" not in stderr
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
     assert stats["status"] == "interrupted" and stats["error"]["type"] == "KeyboardInterrupt"
+
+
+class ClosingReader:
+    """stdout read by `head`: a few writes, then the reader is gone (EPIPE)."""
+
+    def __init__(self, writes: int):
+        self.writes, self.written = writes, []
+
+    def write(self, text: str) -> None:
+        if len(self.written) == self.writes:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.written.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_reader_that_goes_away_ends_the_answer_not_the_run(tmp_path, tiny_llama):
+    """`mlxcel-run ... | head`: the answer stops where no one reads it and the run completes."""
+    from mlxcel.api import load_config
+    from mlxcel.runner import run
+
+    cfg = load_config(
+        {"model": {"path": str(tiny_llama)}},
+        ["prompt.text=Hello there", "decode.max_tokens=40", "decode.ignore_eos=true"],
+    )
+    reader = ClosingReader(3)
+    result = run(cfg, tmp_path / "run", stream=reader, log=None)
+    stats, rows, _ = read_run(tmp_path)
+    assert result.status == stats["status"] == "completed"
+    assert len(rows) == 1 and rows[0]["finish_reason"] == "cancelled" and 3 <= len(rows[0]["token_ids"]) < 40
+    assert "".join(reader.written) == rows[0]["text"][: len("".join(reader.written))]
+
+
+@pytest.mark.slow  # a real pipe: the interpreter's last flush must not fail either
+def test_piped_into_a_reader_that_closes_early(tmp_path, tiny_llama):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("MLXCEL_DEBUG", None)
+    args = [
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"model.path={tiny_llama}",
+        "prompt.text=Hello there",
+        "decode.max_tokens=400",
+        "decode.ignore_eos=true",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout.read(1)  # `head -c 1`
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, stderr
+    assert "Error" not in stderr and "Broken" not in stderr and "Traceback" not in stderr, stderr
+    stats, rows, _ = read_run(tmp_path)
+    assert stats["status"] == "completed"
+    assert rows[0]["finish_reason"] == "cancelled" and len(rows[0]["token_ids"]) < 400

@@ -12,8 +12,10 @@ a row per turn in generations.jsonl, stats.json (rewritten after every turn).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ class ChatSession:
         self.batches: list = []
         self.finish_reasons: dict[str, int] = {}
         self.started = time.perf_counter()
+        self.ttfts_ms: list[float] = []  # each turn's, from its line to its first token
         self.last: dict | None = None
         self.stopping = False  # Ctrl-C during an answer
 
@@ -112,8 +115,9 @@ class ChatSession:
     def run_turn(self, text: str) -> None:
         from mlxcel.jobs import JobRow, Sample
         from mlxcel.runner import make_generation_row, order_report
-        from mlxcel.stats import make_generation_stats, measure_batch
+        from mlxcel.stats import measure_batch
 
+        started = time.perf_counter()
         self.messages.append({"role": "user", "content": text})
         sample = Sample(JobRow(id=self.turns, messages=self.conversation()))
         prepared = self.pipeline.prepare([sample])[0]
@@ -149,11 +153,20 @@ class ChatSession:
         self.outputs.append_generation(row)
         self.finish_reasons[row["finish_reason"]] = self.finish_reasons.get(row["finish_reason"], 0) + 1
         self.batches.append(measure_batch(state))
-        self.report.update(make_generation_stats(self.batches, self.started, self.finish_reasons).to_dict())
+        self.ttfts_ms.append((self.batches[-1].first_token_at - started) * 1000)
+        self.report.update(self.make_stats().to_dict())
         self.report["turns"] = self.turns
         self.outputs.write_stats(order_report(self.report))
         if row["finish_reason"] == "cancelled":
             self.say("(stopped)")
+
+    def make_stats(self):
+        """The session's figures. Its ttft is the median turn's, each timed from the line the
+        user sent: the session's own clock also runs while the user reads and types."""
+        from mlxcel.stats import make_generation_stats
+
+        stats = make_generation_stats(self.batches, self.started, self.finish_reasons)
+        return dataclasses.replace(stats, ttft_ms=round(statistics.median(self.ttfts_ms), 3))
 
     def stop_answer(self, signum, frame) -> None:
         self.stopping = True
@@ -190,7 +203,7 @@ def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) ->
     from mlxcel.outputs import RunOutputs, claim_run_folder, default_run_dir, release_run_folder, split_run_dir
     from mlxcel.pipeline import Pipeline
     from mlxcel.runner import describe_model, order_report
-    from mlxcel.stats import format_stats_table, make_generation_stats, read_environment
+    from mlxcel.stats import format_stats_table, read_environment
 
     run_dir, overrides = split_run_dir(args)
     cfg = validate_config(compose_config(overrides))
@@ -227,7 +240,7 @@ def chat(args: list[str], out: TextIO = sys.stdout, log: TextIO = sys.stderr) ->
                 session.say("(stopped)")
         report["status"] = "completed"
         if session.batches:
-            stats = make_generation_stats(session.batches, session.started, session.finish_reasons)
+            stats = session.make_stats()
             report.update(stats.to_dict())
             session.say(format_stats_table(stats))
         report["turns"] = session.turns

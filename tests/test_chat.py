@@ -148,3 +148,29 @@ def test_a_line_that_is_not_utf8_is_said_and_the_session_goes_on(tmp_path, tiny_
     assert len(rows) == 1 and rows[0]["messages"] == [{"role": "user", "content": "Hello there"}]
     assert rows[0]["generated_tokens"] == 4 and rows[0]["text"] in out.getvalue()
     assert json.loads((tmp_path / "chat" / "stats.json").read_text())["status"] == "completed"
+
+
+def test_the_closing_ttft_counts_the_model_not_the_user_typing(tmp_path, tiny_llama, monkeypatch, on_the_cpu):
+    """A user who reads and types for an hour before each line: the session's ttft is the
+    model's time to answer, not the hour (the session's clock runs while the user types)."""
+    import io
+
+    from mlxcel import chat as chat_module
+
+    real_clock, typing = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + typing[0])
+    read_line = chat_module.read_line
+
+    def read_after_an_hour(prompt: str) -> str | None:
+        typing[0] += 3600.0  # (the fake clock's hour, no real wait)
+        return read_line(prompt)
+
+    monkeypatch.setattr(chat_module, "read_line", read_after_an_hour)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello there\nAnd again\n"), encoding="utf-8"))
+    out, log = io.StringIO(), io.StringIO()
+    args = [f"model.path={tiny_llama}", "model.dtype=float32", "runner.device=cpu", "decode.max_tokens=4"]
+    assert chat_module.chat([*args, f"hydra.run.dir={tmp_path / 'chat'}"], out, log) == 0
+    stats = json.loads((tmp_path / "chat" / "stats.json").read_text())
+    assert stats["turns"] == 2 and 0 < stats["ttft_ms"] < 3_600_000, stats["ttft_ms"]
+    (shown,) = re.findall(r"^ttft (\d+) ms", log.getvalue(), re.MULTILINE)
+    assert int(shown) < 3_600_000

@@ -27,6 +27,7 @@ from mlxcel.engine import RowResult
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.pipeline import Pipeline, PreparedSample
 from mlxcel.stats import GenerationStats, make_generation_stats, measure_batch
+from mlxcel.structured.matcher import judge_returned_text
 from mlxcel.tokenizer import TextStream
 
 Prompt = str | list[dict]  # a user message, or a conversation of {role, content}
@@ -137,6 +138,7 @@ class Generator:
         text = stream.text + stream.finalize()  # equals decode(token_ids), cut at a stop string
         if stream.stopped:
             result.finish_reason = "stop"
+        judge_returned_text(prepared.constraint, result, text)
         return Generation(
             prepared.sample.row.id,
             text,

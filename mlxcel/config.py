@@ -223,7 +223,8 @@ class PrefillConfig(Group):
 class ConstraintConfig(Group):
     """What every answer must match (structured output, docs/structured.md): exactly one of these."""
 
-    json_schema: dict[str, Any] | Annotated[str, Strict()] | None = None  # a schema, its JSON text, or a .json file
+    # a schema (true: any JSON value), its JSON text, or a .json file
+    json_schema: dict[str, Any] | Annotated[bool, Strict()] | Annotated[str, Strict()] | None = None
     regex: Annotated[str, Strict()] | None = None
     choice: list[Annotated[str, Strict()]] | None = None  # the answer is one of these strings
     grammar: Annotated[str, Strict()] | None = None  # Lark (llguidance's dialect) or GBNF text, or a .lark/.gbnf file
@@ -431,24 +432,16 @@ class PromptRow(Group):
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_SAMPLES)] = 1  # samples of this prompt
     tools: list[dict[str, Any]] | None = None  # this row's tool definitions (default: template.kwargs.tools)
     # structured output: what this row's answer must match (default: decode.constraint); as in the
-    # config ({"json_schema": {...}}, regex, choice or grammar), or OpenAI's response_format
+    # config ({"json_schema": {...}}, regex, choice or grammar), or OpenAI's response_format. One
+    # that cannot be read is the row's error, not the job's (jobs.read_row_constraint)
     constraint: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     _check_prompt = field_validator("prompt")(_check_not_blank)
 
-    @model_validator(mode="after")
-    def _check_constraint(self) -> PromptRow:
-        from mlxcel.structured.spec import ConstraintError
-
-        try:
-            self.to_constraint()
-        except ConstraintError as exc:
-            raise reject(exc.reason, exc.key, NO_VALUE) from None
-        return self
-
     def to_constraint(self) -> dict | None:
-        """The row's own spec (structured.spec), from `constraint` or `response_format`."""
+        """The row's own spec (structured.spec), from `constraint` or `response_format`;
+        ConstraintError if it cannot be read."""
         from mlxcel.structured.spec import read_spec
 
         return read_spec(self.constraint, self.response_format)

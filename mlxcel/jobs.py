@@ -31,6 +31,7 @@ class JobRow:
     logprobs: int = 0  # its tokens' logprobs and this many alternatives
     batch: dict | None = None  # custom_id, endpoint, model, ...; "error": the line cannot run
     constraint: dict | None = None  # structured output: the row's own spec (mlxcel.structured.spec); None: the job's
+    constraint_error: str | None = None  # why the row's own constraint cannot be read: the row is an error row
 
 
 def hash_row(row: JobRow) -> str:
@@ -50,6 +51,8 @@ def hash_row(row: JobRow) -> str:
         content.update(raw=row.raw, sampler=row.sampler, stop=row.stop, logprobs=row.logprobs, batch=row.batch)
     if row.constraint is not None:
         content["constraint"] = row.constraint
+    if row.constraint_error is not None:  # (a fixed row then asks for something else)
+        content["constraint_error"] = row.constraint_error
     return hashlib.sha256(
         json.dumps(content, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
     ).hexdigest()
@@ -157,6 +160,7 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
             continue
         seen[str(row_id)] = number
         messages = row.to_messages()
+        constraint, constraint_error = read_row_constraint(row)
         rows.append(
             JobRow(
                 row_id,
@@ -165,12 +169,24 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
                 row.seed,
                 row.n,
                 row.tools,
-                constraint=row.to_constraint(),
+                constraint=constraint,
+                constraint_error=constraint_error,
             )
         )
     if issues:
         raise ConfigError(issues, hint=f"fix: correct those rows of {source}")
     return rows
+
+
+def read_row_constraint(row: PromptRow) -> tuple[dict | None, str | None]:
+    """A row's own spec, or why it cannot be read (both `constraint` and `response_format`, a bad
+    shape): that row's error, as a constraint that does not compile is, and the other rows run."""
+    from mlxcel.structured.spec import ConstraintError
+
+    try:
+        return row.to_constraint(), None
+    except ConstraintError as exc:
+        return None, str(exc)
 
 
 def expand_samples(rows: list[JobRow]) -> list[Sample]:

@@ -26,7 +26,7 @@ from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.sampling.config import SamplerConfig
 from mlxcel.sampling.history import make_piece_encoder
 from mlxcel.structured.matcher import Constraint, Constraints
-from mlxcel.structured.spec import ConstraintError, describe_spec
+from mlxcel.structured.spec import ConstraintError, check_grammar, describe_spec
 from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
@@ -121,6 +121,24 @@ def check_model_config(cfg: RunConfig, require_template: bool = True) -> tuple:
     return path, header, tokenizer
 
 
+def check_job_constraint(cfg: RunConfig) -> list[ConfigIssue]:
+    """decode.constraint compiles, as llguidance checks it without the tokenizer: a config error
+    before the weights load (Pipeline.compile_job_constraint binds it to the tokenizer after)."""
+    config = cfg.decode.constraint
+    if config is None:
+        return []
+    spec = config.to_spec()  # (a file that cannot be read: its own ConfigError)
+    try:
+        check_grammar(spec)
+    except ConstraintError as exc:
+        return [describe_compile_error(spec, exc)]
+    return []
+
+
+def describe_compile_error(spec: dict, exc: ConstraintError) -> ConfigIssue:
+    return ConfigIssue(f"decode.constraint.{describe_spec(spec)}", f"does not compile: {exc.reason}", has_value=False)
+
+
 def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
     """What the config asks of this model, checked from its header: config errors (exit 2)
     before minutes of loading."""
@@ -137,6 +155,7 @@ def check_before_loading(cfg: RunConfig, header: ModelHeader) -> None:
                 cfg.decode.kv_group_size,
             )
         )
+    issues += check_job_constraint(cfg)
     families = cfg.model.families
     if families and header.arch not in families:
         issues.append(
@@ -268,10 +287,7 @@ class Pipeline:
         try:
             return self.constraints.compile(spec)
         except ConstraintError as exc:
-            kind = describe_spec(spec)
-            raise ConfigError(
-                ConfigIssue(f"decode.constraint.{kind}", f"does not compile: {exc.reason}", has_value=False)
-            ) from None
+            raise ConfigError(describe_compile_error(spec, exc)) from None
 
     def constraint_for(self, spec: dict | None) -> Constraint | None:
         """A row's constraint: its own spec compiled (ConstraintError if it does not), else the job's."""
@@ -296,6 +312,8 @@ class Pipeline:
         row = sample.row
         if row.batch is not None and row.batch.get("error"):
             raise MlxcelError(row.batch["error"])  # a batch file's line that cannot run
+        if row.constraint_error is not None:
+            raise MlxcelError(row.constraint_error)  # (its constraint cannot be read: this row's error)
         if self.loaded is not None:
             self.chain_for(row.sampler)  # (a bad logit_bias id is this row's error)
         constraint = self.constraint_for(row.constraint)  # (one that does not compile: this row's error)

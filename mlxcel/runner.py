@@ -42,6 +42,7 @@ from mlxcel.stats import (
     measure_batch,
     read_environment,
 )
+from mlxcel.structured.matcher import judge_returned_text
 
 
 @dataclass
@@ -277,6 +278,7 @@ def run_batch(
 
 def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) -> dict:
     sample, prompt = prepared.sample, prepared.prompt
+    judge_returned_text(prepared.constraint, result, text)  # (a text a stop string cut is judged itself)
     return {
         "id": sample.row.id,
         "sample": sample.index,

@@ -60,7 +60,7 @@ def json_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 
 
-def run_job(tmp_path, tiny_llama, rows, name: str, decode: dict | None = None, **runner):
+def run_job(tmp_path, tiny_llama, rows, name: str, decode: dict | None = None, sampler: dict = SAMPLER, **runner):
     path = write_rows(tmp_path / f"{name}.jsonl", rows)
     cfg = validate_config(
         {
@@ -68,7 +68,7 @@ def run_job(tmp_path, tiny_llama, rows, name: str, decode: dict | None = None, *
             "template": {"kind": "none"},
             "prompt": {"file": str(path)},
             "decode": {"max_tokens": 60, **(decode or {})},
-            "sampler": SAMPLER,
+            "sampler": sampler,
             "runner": {"max_rows": 8, **runner},
         }
     )
@@ -533,18 +533,219 @@ def test_hostile_nesting_is_an_error_never_a_crash(tmp_path, tiny_llama):
         constraints.compile({"json_schema": schema})
 
 
-def test_a_rows_bad_constraint_names_its_line_and_key():
+def test_a_rows_bad_constraint_is_that_rows_error_naming_its_key():
+    """A row's constraint that cannot be read (a bad shape, or both `constraint` and
+    `response_format`) is that row's error, as one that does not compile is: the others run."""
     from mlxcel.config import PromptConfig
-    from mlxcel.jobs import check_rows
+    from mlxcel.jobs import check_rows, hash_row
 
     prompt = PromptConfig.model_validate({"text": "x"})
     cases = [
-        ({"constraint": {"choice": []}}, "line 3: constraint.choice: must be a non-empty list"),
-        ({"constraint": {"regex": "a"}, "response_format": {"type": "json_object"}}, "line 3: constraint: give"),
-        ({"response_format": {"type": "xml"}}, "line 3: response_format.type: must be one of"),
+        ({"constraint": {"choice": []}}, "constraint.choice: must be a non-empty list"),
+        ({"constraint": {"regex": "a"}, "response_format": {"type": "json_object"}}, "constraint: give"),
+        ({"response_format": {"type": "xml"}}, "response_format.type: must be one of"),
     ]
     for extra, fragment in cases:
-        with pytest.raises(ConfigError, match=re.escape(fragment)):
-            check_rows([(3, {"prompt": "a", **extra})], prompt, "prompt.file=rows.jsonl")
+        (row,) = check_rows([(3, {"prompt": "a", **extra})], prompt, "prompt.file=rows.jsonl")
+        assert row.constraint is None and row.constraint_error.startswith(fragment), row
+        assert hash_row(row) != hash_row(check_rows([(3, {"prompt": "a"})], prompt, "prompt.file=r.jsonl")[0])
     (row,) = check_rows([(1, {"prompt": "a", "response_format": json_format(SCHEMA)})], prompt, "prompt.file=r.jsonl")
-    assert row.constraint == {"json_schema": SCHEMA}
+    assert row.constraint == {"json_schema": SCHEMA} and row.constraint_error is None
+    with pytest.raises(ConfigError, match="line 2: prompt: each row needs exactly one"):  # (the rest is the job's)
+        check_rows([(2, {"constraint": {"regex": "a"}})], prompt, "prompt.file=rows.jsonl")
+
+
+def test_a_row_with_both_constraint_and_response_format_is_an_error_row(tmp_path, tiny_llama):
+    rows = [
+        {"id": "both", "prompt": "x", "constraint": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        {"id": "ok", "prompt": "y", "constraint": {"choice": CHOICES}},
+    ]
+    got, stats = run_job(tmp_path, tiny_llama, rows, "both")
+    assert got["both"]["finish_reason"] == "error"
+    assert got["both"]["error"] == "constraint: give constraint or response_format, not both"
+    assert got["ok"]["text"] in CHOICES and got["ok"]["constraint_satisfied"] is True
+    assert stats["status"] == "completed"
+
+
+# ---- constraint_satisfied: true means the returned answer is whole and valid (issue 39) ----
+ONE_ANSWER = {  # (the layout is fixed: its one answer is {"a": 1})
+    "type": "object",
+    "properties": {"a": {"const": 1}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_a_stop_string_that_cuts_an_answer_leaves_it_unsatisfied(tmp_path, tiny_llama):
+    """decode.stop_strings cut the text a row returns: satisfied means that text is a whole match,
+    not that the tokens the matcher read were."""
+    rows = [
+        {"id": "json", "prompt": "a", "response_format": json_format(ONE_ANSWER)},  # {"a": 1} -> {"a": 1
+        {"id": "abcdef", "prompt": "b", "constraint": {"choice": ["abcdef"]}},  # -> ab
+        {"id": "ab", "prompt": "c", "constraint": {"choice": ["ab", "abcd"]}},  # -> ab, whole either way
+        {"id": "uncut", "prompt": "d", "constraint": {"choice": ["xyz"]}},
+    ]
+    got, stats = run_job(tmp_path, tiny_llama, rows, "cut", decode={"stop_strings": ["}", "cd"]})
+    expected = {"json": ('{"a": 1', False), "abcdef": ("ab", False), "ab": ("ab", True), "uncut": ("xyz", True)}
+    assert {k: (r["text"], r["constraint_satisfied"]) for k, r in got.items()} == expected
+    assert all(r["finish_reason"] == "stop" for r in got.values())
+    assert stats["constraints"]["satisfied"] == 2
+
+
+def test_a_cut_answer_is_judged_in_the_python_api_too(tiny_llama):
+    from mlxcel.api import load_generator
+
+    overrides = [f"model.path={tiny_llama}", "template=none", "decode.stop_strings=['}']", "decode.max_tokens=20"]
+    gen = load_generator(overrides=overrides)
+    cut = gen.generate("x", constraint={"json_schema": ONE_ANSWER})
+    assert (cut.text, cut.finish_reason, cut.constraint_satisfied) == ('{"a": 1', "stop", False)
+    assert gen.generate("x", constraint={"choice": ["xyz"]}).constraint_satisfied is True
+
+
+def test_the_order_of_a_schemas_properties_is_its_own(tmp_path, tiny_llama):
+    """Two schemas alike but for their properties' order are two grammars: the cache keys on the
+    schema as given (a "reasoning before answer" schema must not answer first)."""
+    from mlxcel.structured.matcher import Constraints
+    from mlxcel.tokenizer import load_tokenizer
+
+    reasoning_first = {
+        "type": "object",
+        "properties": {"reasoning": {"type": "string", "maxLength": 5}, "answer": {"enum": [1, 2]}},
+        "required": ["reasoning", "answer"],
+        "additionalProperties": False,
+    }
+    properties = reasoning_first["properties"]
+    answer_first = {
+        **reasoning_first,
+        "properties": {"answer": properties["answer"], "reasoning": properties["reasoning"]},
+    }
+    tokenizer = load_tokenizer(tiny_llama)
+    constraints = Constraints(tokenizer, tokenizer.vocab_size, [2])
+    first, second = (constraints.compile({"json_schema": s}) for s in (reasoning_first, answer_first))
+    assert first is not second and second.judge_text('{"answer": 1, "reasoning": "x"}')
+    assert not second.judge_text('{"reasoning": "x", "answer": 1}')
+    rows = [
+        {"id": "reasoning", "prompt": "p", "response_format": json_format(reasoning_first)},
+        {"id": "answer", "prompt": "p", "response_format": json_format(answer_first)},
+    ]
+    got, _ = run_job(tmp_path, tiny_llama, rows, "order")
+    for key, row in got.items():
+        assert row["constraint_satisfied"] is True, row
+        assert next(iter(json.loads(row["text"]))) == key, row["text"]
+
+
+def test_a_matcher_in_its_error_state_is_not_satisfied(tmp_path, tiny_llama, monkeypatch):
+    """llguidance's is_stopped() is true in its error state too: a row whose token the matcher
+    refused (here every token is let through the mask) ends in error, unsatisfied."""
+    from mlxcel.structured.matcher import Constraints, is_satisfied
+    from mlxcel.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    matcher = Constraints(tokenizer, tokenizer.vocab_size, [2]).compile({"regex": DATE}).new_matcher()
+    assert not matcher.consume_token(tokenizer.encode("x", add_special_tokens=False)[0])
+    assert matcher.is_error() and matcher.is_stopped() and not is_satisfied(matcher)
+
+    def allow_everything(self, matchers, out=None):
+        masks = np.full((len(matchers), self.mask_words), -1, dtype=np.int32)
+        if out is not None:
+            out[:] = masks
+        return masks if out is None else out
+
+    monkeypatch.setattr(Constraints, "fill_masks", allow_everything)
+    rows = [{"id": i, "prompt": f"date {i}", "constraint": {"regex": DATE}} for i in range(4)]
+    got, stats = run_job(tmp_path, tiny_llama, [*rows, {"id": "free", "prompt": "x"}], "refused")
+    assert got.pop("free")["finish_reason"] == "length"
+    for row in got.values():
+        assert row["finish_reason"] == "error" and "refused token" in row["error"], row
+        assert row["constraint_satisfied"] is False, row
+    assert stats["constraints"]["satisfied"] == 0
+
+
+INTEGER_A = {"type": "object", "properties": {"a": {"type": "integer"}}}
+STRING_A = {"type": "object", "properties": {"a": {"type": "string"}}}
+ESCAPED_KEY = '{"\\u0061": "x"}'  # the key "a", written with a \u escape
+
+
+def test_json_answers_are_validated_past_the_matcher(tiny_llama):
+    """llguidance's matcher accepts object keys written with \\u escapes unchecked: jsonschema
+    decides a JSON schema's answer. Repeated keys and non-JSON constants are not whole either."""
+    from mlxcel.structured.matcher import Constraints
+    from mlxcel.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    constraints = Constraints(tokenizer, tokenizer.vocab_size, [2])
+    constraint = constraints.compile({"json_schema": INTEGER_A})
+    matcher, tokens = constraint.new_matcher(), constraints.ll_tokenizer.tokenize_str(ESCAPED_KEY)
+    assert matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()  # (the gap)
+    assert not constraint.judge(matcher, tokens)
+    assert constraint.judge_text('{"a": 1}') and not constraint.judge_text(ESCAPED_KEY)
+    free = constraints.compile({"json_schema": {"type": "object"}})
+    assert free.judge_text('{"a": 1, "b": 2}') and not free.is_valid_answer('{"a": 1, "\\u0061": 2}')
+    assert not constraints.compile({"json_schema": True}).is_valid_answer("NaN")
+
+
+def forcing_checkpoint(folder, answer: str):
+    """The tiny Llama with one more token, a text (not special) token spelling all of `answer`:
+    greedy with a bias on it, the model writes `answer` whenever the mask allows it. Returns its id."""
+    from tests.helpers import make_tiny_checkpoint
+
+    make_tiny_checkpoint(folder, "llama", vocab_size=384)  # (rows past the tokenizer's: padding)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    token = 1 + max([t["id"] for t in data["added_tokens"]] + list(data["model"]["vocab"].values()))
+    added = {"id": token, "content": answer, "single_word": False, "lstrip": False, "rstrip": False}
+    data["added_tokens"].append({**added, "normalized": False, "special": False})
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    return token
+
+
+def test_an_escaped_key_the_matcher_lets_through_is_not_satisfied(tmp_path):
+    folder = tmp_path / "forced"
+    token = forcing_checkpoint(folder, ESCAPED_KEY)
+    greedy = {"processors": {"logit_bias": {"bias": {token: 100.0}}}, "selector": {"kind": "greedy"}}
+    rows = [
+        {"id": "escaped", "prompt": "p", "response_format": json_format(INTEGER_A)},
+        {"id": "string", "prompt": "p", "response_format": json_format(STRING_A)},
+    ]
+    got, stats = run_job(tmp_path, folder, rows, "escaped", sampler=greedy)
+    assert got["escaped"]["token_ids"] == [token] and got["escaped"]["finish_reason"] == "stop"
+    assert got["escaped"]["constraint_satisfied"] is False  # {"a": "x"}: a is not an integer
+    assert got["string"]["text"] == ESCAPED_KEY and got["string"]["constraint_satisfied"] is True
+    assert stats["constraints"]["satisfied"] == 1
+
+
+def test_a_job_constraint_that_does_not_compile_is_refused_before_the_weights_load(tmp_path, tiny_llama, monkeypatch):
+    import mlxcel.pipeline as pipeline
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights loaded before the constraint was checked")
+
+    monkeypatch.setattr(pipeline, "load_weights_for", no_loading)
+    for constraint, fragment in [
+        ({"json_schema": {"type": "wat"}}, "decode.constraint.json_schema: does not compile: Invalid type: wat"),
+        ({"json_schema": False}, "decode.constraint.json_schema: does not compile: Unsatisfiable schema"),
+        ({"regex": "(a"}, "decode.constraint.regex: does not compile: at 1(8): invalid regex"),
+        ({"grammar": "start: foo"}, "decode.constraint.grammar: does not compile: "),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            run_job(tmp_path, tiny_llama, [{"prompt": "x"}], "early", decode={"constraint": constraint})
+        config = {"model": {"path": str(tiny_llama)}, "prompt": {"text": "x"}, "decode": {"constraint": constraint}}
+        cfg = validate_config(config)
+        with pytest.raises(ConfigError, match=re.escape(fragment)):  # (what mlxcel-run checks before Hydra runs)
+            pipeline.check_model_config(cfg)
+
+
+def test_the_boolean_schema_true_compiles(tmp_path, tiny_llama):
+    """`true` (any JSON value) as a row's schema, as the job's, and as response_format's."""
+    any_value = {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}
+    rows = [
+        {"id": "row", "prompt": "a", "constraint": {"json_schema": True}},
+        {"id": "format", "prompt": "b", "response_format": any_value},
+        {"id": "job", "prompt": "c"},
+    ]
+    got, _ = run_job(tmp_path, tiny_llama, rows, "true", decode={"constraint": {"json_schema": True}})
+    assert all(r["finish_reason"] in ("stop", "length") for r in got.values())
+    for row in got.values():
+        if row["finish_reason"] == "stop":
+            json.loads(row["text"])
+        assert row["constraint_satisfied"] is (row["finish_reason"] == "stop"), row
+    assert check_spec({"json_schema": "true"}) == {"json_schema": True}

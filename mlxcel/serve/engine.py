@@ -21,6 +21,7 @@ from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.sampling.config import SamplerConfig
 from mlxcel.serve.protocol import ApiError, describe_logprobs
+from mlxcel.structured.matcher import judge_returned_text
 from mlxcel.template import PromptTokens
 from mlxcel.tokenizer import TextStream
 
@@ -323,7 +324,10 @@ class ServeEngine:
                     "prompt_tokens": choice.prompt_tokens,
                     "cached_tokens": result.cached_tokens,
                     "error": result.error,
-                    "constraint_satisfied": result.constraint_satisfied,
+                    # (a text a stop string cut is judged itself)
+                    "constraint_satisfied": judge_returned_text(
+                        job.constraint or self.pipeline.constraint, result, choice.stream.text
+                    ),
                 },
             ),
         )

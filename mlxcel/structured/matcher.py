@@ -4,7 +4,9 @@
 distinct spec (kept, as a job's rows and a server's requests repeat them); each row takes its own
 matcher from one (`new_matcher`). `fill_masks` computes a batch's masks with llguidance's
 executor (Rust threads, the GIL released) while the device runs the forward pass; the sampler
-chain applies them (sampling/processors.apply_token_bitmask).
+chain applies them (sampling/processors.apply_token_bitmask). `Constraint.judge` says whether a
+row's answer is whole and valid (its `constraint_satisfied`), `judge_returned_text` whether the
+text a row returns is (a stop string may cut it short of the tokens the matcher read).
 """
 
 from __future__ import annotations
@@ -15,22 +17,58 @@ from collections import OrderedDict
 
 import numpy as np
 
-from mlxcel.structured.spec import ConstraintError, compile_grammar, describe_spec, first_line
+from mlxcel.structured.spec import (
+    ConstraintError,
+    compile_grammar,
+    describe_spec,
+    first_line,
+    is_valid_json_answer,
+    make_answer_check,
+)
 
 CACHED_CONSTRAINTS = 64  # distinct specs kept compiled (a server sees schemas without end)
 
 
 class Constraint:
-    """One compiled spec: a fresh matcher for each row."""
+    """One compiled spec: a fresh matcher for each row, and the judge of its answers."""
 
-    def __init__(self, spec: dict, matcher, end_ids: frozenset[int]):
+    def __init__(self, spec: dict, matcher, end_ids: frozenset[int], owner: Constraints):
         self.spec = spec
         self.kind = describe_spec(spec)
         self.end_ids = end_ids  # the EOS ids the grammar allows once the answer is whole: they end the row
         self._matcher = matcher  # at the start state, copied for each row (compiling is the costly part)
+        self._owner = owner  # the tokenizers it was compiled for
+        self._answer_check = None  # a JSON schema's jsonschema validator, made on first use
 
     def new_matcher(self):
         return self._matcher.deep_copy()
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._owner.tokenizer.decode(token_ids)
+
+    def judge(self, matcher, token_ids: list[int]) -> bool:
+        """Whether a row's answer, `token_ids` (the matcher has read them), is whole and valid:
+        the matcher is in an accepting state, not its error state, and a JSON schema's answer
+        validates (jsonschema: llguidance accepts keys written with \\u escapes, unchecked)."""
+        return is_satisfied(matcher) and self.is_valid_answer(token_ids)
+
+    def judge_text(self, text: str) -> bool:
+        """Whether `text` alone is a whole, valid answer: a new matcher reads it (as llguidance
+        tokenizes it; the grammar reads bytes, whatever the tokens)."""
+        matcher = self.new_matcher()
+        tokens = self._owner.ll_tokenizer.tokenize_str(text)
+        if matcher.try_consume_tokens(tokens) != len(tokens):
+            return False
+        return is_satisfied(matcher) and self.is_valid_answer(text)
+
+    def is_valid_answer(self, answer: list[int] | str) -> bool:
+        """True but for a JSON schema's answer (tokens or text) that jsonschema does not accept."""
+        if self.kind != "json_schema":
+            return True
+        if self._answer_check is None:
+            self._answer_check = make_answer_check(self.spec["json_schema"])
+        text = answer if isinstance(answer, str) else self.decode(answer)
+        return is_valid_json_answer(self._answer_check, text)
 
 
 class Constraints:
@@ -58,7 +96,8 @@ class Constraints:
     def compile(self, spec: dict) -> Constraint:
         """The spec's Constraint; a spec that does not compile raises ConstraintError (one line)."""
         try:
-            key = json.dumps(spec, sort_keys=True)
+            # as given: the order of a schema's properties is the order of the answer's keys
+            key = json.dumps(spec)
             with self._lock:
                 constraint = self.compiled.get(key)
             if constraint is None:  # (compiled outside the lock: other specs need not wait)
@@ -78,7 +117,7 @@ class Constraints:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(first_line(matcher.get_error()), describe_spec(spec))
-        return Constraint(spec, matcher, frozenset(self.eos_token_ids))
+        return Constraint(spec, matcher, frozenset(self.eos_token_ids), self)
 
     def fill_masks(self, matchers: list, out: np.ndarray | None = None) -> np.ndarray:
         """[B, ceil(V / 32)] int32 bitmasks in batch order: a row's allowed tokens, every bit set
@@ -169,8 +208,28 @@ def consume_token(matcher, token: int) -> str | None:
 
 
 def is_satisfied(matcher) -> bool:
-    """Whether the answer so far is a whole match (an EOS now would be allowed)."""
-    return matcher.is_accepting() or matcher.is_stopped()
+    """Whether the matcher has read a whole match (an EOS now would be allowed; also after the
+    grammar's end or an EOS). Not in its error state, where llguidance's is_stopped() is true too."""
+    return not matcher.is_error() and matcher.is_accepting()
 
 
-__all__ = ["Constraint", "ConstraintError", "Constraints", "MaskBuffer", "consume_token", "is_satisfied"]
+def judge_returned_text(constraint: Constraint | None, result, text: str) -> bool | None:
+    """A finished row's constraint_satisfied for the text it returns, set on `result` (a RowResult:
+    its token_ids, its constraint_satisfied as the scheduler judged them) and returned. Where a stop
+    string cut the text short of the tokens, the text is judged on its own: satisfied means the
+    returned text is a whole match."""
+    satisfied = result.constraint_satisfied
+    if constraint is not None and satisfied is not None and text != constraint.decode(result.token_ids):
+        result.constraint_satisfied = satisfied = constraint.judge_text(text)
+    return satisfied
+
+
+__all__ = [
+    "Constraint",
+    "ConstraintError",
+    "Constraints",
+    "MaskBuffer",
+    "consume_token",
+    "is_satisfied",
+    "judge_returned_text",
+]

@@ -4,7 +4,9 @@ Three places write a constraint: the config (`decode.constraint`, config.Constra
 row (`constraint` of the same shape, or `response_format` as OpenAI writes it) and a server
 request (`response_format`). Each becomes a spec with exactly one of SPEC_KINDS, which
 `compile_grammar` turns into llguidance's grammar text (tokenizer-independent; matcher.py binds it
-to a tokenizer). Nothing here reads files: a config's file paths are read by config.py.
+to a tokenizer; `check_grammar` checks it without one). A JSON schema's answers are also checked
+against the schema as jsonschema reads it (`is_valid_json_answer`): llguidance's matcher lets a
+few invalid ones through. Nothing here reads files: a config's file paths are read by config.py.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def read_response_format(value: object) -> dict | None:
     if kind == "json_object":
         return {"json_schema": dict(JSON_OBJECT_SCHEMA)}
     body = value.get("json_schema")
-    if not isinstance(body, dict) or not isinstance(body.get("schema", {}), dict):
+    if not isinstance(body, dict) or not is_schema(body.get("schema", {})):
         raise ConstraintError('must be an object: {"name": ..., "schema": {...}}', "response_format.json_schema")
     # (name, description and strict are OpenAI's bookkeeping: the schema is always enforced here)
     return {"json_schema": body.get("schema", {})}
@@ -71,7 +73,7 @@ def check_spec(value: object, where: str = "constraint") -> dict:
     if kind == "json_schema" and isinstance(body, str):
         body = parse_schema_text(body, key)
     expected = {"json_schema": dict, "regex": str, "grammar": str, "choice": list}[kind]
-    if not isinstance(body, expected):
+    if not isinstance(body, expected) and not (kind == "json_schema" and is_schema(body)):
         raise ConstraintError(f"must be a {expected.__name__} (got {type(body).__name__})", key)
     if kind == "choice" and (not body or not all(isinstance(c, str) and c for c in body)):
         raise ConstraintError(f"must be a non-empty list of non-empty strings (got {body!r:.80})", key)
@@ -85,9 +87,14 @@ def parse_schema_text(text: str, key: str) -> dict:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConstraintError(f"is not valid JSON ({exc.msg} at column {exc.colno})", key) from None
-    if not isinstance(schema, dict):
+    if not is_schema(schema):
         raise ConstraintError(f"must be a JSON object (got {type(schema).__name__})", key)
     return schema
+
+
+def is_schema(value: object) -> bool:
+    """A JSON schema: an object, or a boolean schema (true: any JSON value; false: none)."""
+    return isinstance(value, (dict, bool))
 
 
 def describe_spec(spec: dict) -> str:
@@ -102,8 +109,10 @@ def compile_grammar(spec: dict) -> str:
 
     kind, body = next(iter(spec.items()))
     try:
-        if kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(body, defaults=JSON_LAYOUT)
+        if kind == "json_schema" and body is False:
+            return LLMatcher.grammar_from_json_schema(False)  # (refused when checked: "schema is false")
+        if kind == "json_schema":  # (the layout applies to an object: `true` is the same as {})
+            return LLMatcher.grammar_from_json_schema(body if body is not True else {}, defaults=JSON_LAYOUT)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(body)
         if kind == "choice":
@@ -111,6 +120,60 @@ def compile_grammar(spec: dict) -> str:
         return grammar_from("grammar", body)  # Lark (llguidance's dialect) or GBNF, converted
     except ValueError as exc:
         raise ConstraintError(first_line(str(exc)), kind) from None
+
+
+def check_grammar(spec: dict) -> None:
+    """ConstraintError (one line) if the spec does not compile, checked by llguidance without a
+    tokenizer: cheap, before a model loads. (What only the tokenizer can tell, a grammar's special
+    tokens, shows when the spec is bound to it: matcher.Constraints.compile.)"""
+    from llguidance import LLMatcher
+
+    try:
+        failed, messages = LLMatcher.validate_grammar_with_warnings(compile_grammar(spec))
+    except RecursionError:  # (a hostile schema hundreds of levels deep)
+        raise ConstraintError("nested too deeply to compile", describe_spec(spec)) from None
+    if failed:
+        raise ConstraintError(first_line(messages[0]), describe_spec(spec))
+
+
+def make_answer_check(schema: dict | bool):
+    """`is_valid_json_answer`'s validator for a schema: jsonschema's, for the schema's draft
+    (2020-12 where it names none), resolving only the JSON Schema specifications' own $refs
+    (jsonschema's default would fetch remote ones)."""
+    import warnings
+
+    from jsonschema.validators import Draft202012Validator, validator_for
+    from jsonschema_specifications import REGISTRY
+
+    with warnings.catch_warnings():  # (an unknown $schema: the default draft, with a deprecation warning)
+        warnings.simplefilter("ignore")
+        return validator_for(schema, default=Draft202012Validator)(schema, registry=REGISTRY)
+
+
+def is_valid_json_answer(validator, text: str) -> bool:
+    """Whether `text` is one JSON value, with no object key given twice, that the schema's
+    validator (make_answer_check) accepts. A schema jsonschema cannot apply (a $ref it cannot
+    resolve, a malformed keyword) accepts nothing: satisfied means checked."""
+    try:
+        answer = json.loads(text, object_pairs_hook=refuse_repeated_keys, parse_constant=refuse_constant)
+    except (ValueError, RecursionError):  # (JSONDecodeError is a ValueError)
+        return False
+    try:
+        return bool(validator.is_valid(answer))
+    except Exception:  # noqa: BLE001 (jsonschema's errors about the schema itself: not checked, not valid)
+        return False
+
+
+def refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads would keep a repeated key's last value: `{"a": 1, "\\u0061": "x"}` is not whole."""
+    answer = dict(pairs)
+    if len(answer) != len(pairs):
+        raise ValueError("a key is repeated")
+    return answer
+
+
+def refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def first_line(message: str) -> str:

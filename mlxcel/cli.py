@@ -17,6 +17,13 @@ means null (use `~prompt.system` to drop a key). So to send text that itself sta
 a quote, wrap it in one more pair. These keys never sweep: `-m prompt.text=a,b` is one prompt
 `a,b`; sweep prompts from a YAML file (hydra.sweeper.params) instead.
 
+Typed as for other tools
+------------------------
+`mlxcel-run 'What is 2+2?'` (one bare argument) is the prompt; `--model PATH` / `-m PATH` (a path,
+not an override: Hydra's multirun flag otherwise), `--prompt`/`-p`, `--max-tokens`/`-n`,
+`--system-prompt`, `--seed` are their overrides; flags whose override needs a choice (`--temp`:
+which sampler) get one line naming it (translate_familiar_args). `--version` is mlxcel's and MLX's.
+
 Errors: config problems (Hydra's or ours) exit 2, run failures exit 1, Ctrl-C 130, each as
 one line on stderr; MLXCEL_DEBUG=1 adds the traceback.
 """
@@ -126,6 +133,156 @@ def use_recipe(args: list[str]) -> list[str]:
     name = "recipe_" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)  # its name in the ConfigStore
     ConfigStore.instance().store(name=name, node=node)
     return ["--config-name", name, *(arg for arg in args if arg != picks[0])]
+
+
+# ---- what people type coming from mlx_lm.generate and llama-cli (README: "Coming from ...") ----
+# Hydra's options that take the next argument as their value (-p, --package, only with --cfg/--info)
+HYDRA_VALUE_OPTIONS = (
+    *("--cfg", "-c", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"),
+)
+INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+# Flags that set one key, meaning what they mean there: taken as that override.
+FAMILIAR_FLAGS = {
+    "--model": "model.path",
+    "--prompt": "prompt.text",
+    "-p": "prompt.text",
+    "--system-prompt": "prompt.system",
+    "-sys": "prompt.system",
+    "--max-tokens": "decode.max_tokens",
+    "-n": "decode.max_tokens",
+    "--seed": "sampler.seed",
+    "-s": "sampler.seed",
+}
+# Flags whose override depends on a choice: a sampler picks its stages (mlx_lm's --temp samples
+# from the whole distribution, llama-cli's keeps its top-k/top-p/min-p chain), or a key means
+# something else here (mlx_lm's --max-kv-size is a rotating cache). Named, not guessed.
+NAMED_FLAGS = {
+    "--temp": "sampler=temperature sampler.processors.temperature.value={} (as mlx_lm; llama-cli's chain: "
+    "sampler=default sampler.processors.temperature.value={})",
+    "--top-p": "sampler=default sampler.processors.top_p.p={}",
+    "--top-k": "sampler=default sampler.processors.top_k.k={}",
+    "--min-p": "sampler=min_p sampler.processors.min_p.p={}",
+    "--repeat-penalty": "sampler=penalties sampler.processors.penalties.repeat={}",
+    "--xtc-probability": "sampler=xtc sampler.processors.xtc.probability={}",
+    "--max-kv-size": "model.max_context={} (the context's cap; nothing rotates)",
+    "--ctx-size": "model.max_context={}",
+    "--kv-bits": "decode.kv_bits={}",
+    "--prefill-step-size": "prefill.chunk_size={}",
+    "--chat-template-file": "template.file={}",
+    "--ignore-chat-template": "template=none",
+    "-no-cnv": "template=none",
+}
+HYDRA_OPTIONS = (
+    *HYDRA_VALUE_OPTIONS,
+    *("--help", "-h", "--hydra-help", "--version", "--resolve", "--package", "-p", "--run", "-r", "--multirun", "-m"),
+    *("--shell-completion", "-sc", "--info", "-i"),
+)
+TOP_LEVEL_KEYS = (
+    *("model", "tokenizer", "template", "sampler", "prefill", "decode", "prompt", "runner", "hydra", "recipe"),
+)
+_OVERRIDE_KEY = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.@/-]*$")
+
+
+def describe_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import mlxcel
+
+    try:
+        mlx = version("mlx")
+    except PackageNotFoundError:
+        mlx = "not installed"
+    return f"mlxcel {mlxcel.__version__} (MLX {mlx})"
+
+
+def is_model_path(value: str) -> bool:
+    """What follows -m is a model (llama-cli's -m FILE.gguf), not Hydra's multirun flag before an
+    override or a prompt: an existing path, or one word with a slash or a .gguf suffix and no `=`
+    (hydra/launcher=joblib is an override, `What is 1/2?` a prompt)."""
+    if "=" in value or value.startswith(("-", "+")) or (value.startswith("~") and not value.startswith("~/")):
+        return False  # (~KEY deletes a key)
+    if os.path.exists(value):
+        return True
+    one_word = not any(c.isspace() for c in value)
+    return one_word and ("/" in value or value.endswith(".gguf") or value.startswith("embedded:"))
+
+
+def is_override(arg: str) -> bool:
+    """KEY=VALUE (or ~KEY) as Hydra takes it, its key a dotted name: anything else that is not an
+    option is a prompt (`What is 2+2?`, `x=2 and y=3?`)."""
+    key, equals, _ = arg.partition("=")
+    return bool(_OVERRIDE_KEY.match(key)) and (bool(equals) or key.startswith("~"))
+
+
+def translate_familiar_args(args: list[str]) -> list[str]:
+    """The command line as people type it coming from other tools, as mlxcel's overrides: a bare
+    prompt (one argument) is prompt.text, --model PATH (or -m PATH) model.path, --prompt/-p
+    prompt.text, --max-tokens/-n decode.max_tokens, --system-prompt/-sys, --seed/-s; a flag whose
+    override needs a choice (--temp: which sampler) or that is no option here is a config error
+    naming the override to type (argparse would print its usage and stop)."""
+    from mlxcel.errors import ConfigError, ConfigIssue
+
+    shows_config = any(arg.split("=")[0] in ("--cfg", "-c", "--info", "-i") for arg in args)
+    out: list[str] = []
+    prompts: list[str] = []  # the prompt given as a bare argument or by --prompt
+    i = 0
+    while i < len(args):
+        arg, has_next = args[i], i + 1 < len(args)
+        takes_value = arg in HYDRA_VALUE_OPTIONS or (arg in ("-p", "--package") and shows_config)
+        if takes_value or (arg in ("--info", "-i") and has_next and args[i + 1] in INFO_CHOICES):
+            out += args[i : i + 2]  # Hydra's option and its value
+            i += 2
+            continue
+        flag, _, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if arg == "-m" and has_next and is_model_path(args[i + 1]):
+            flag, value = "--model", args[i + 1]  # llama-cli's -m FILE.gguf, not Hydra's multirun
+            i += 1
+        elif flag in FAMILIAR_FLAGS or flag in NAMED_FLAGS:
+            if flag == arg and flag not in ("--ignore-chat-template", "-no-cnv"):
+                if not has_next:
+                    raise ConfigError(ConfigIssue(flag, f"needs a value: {flag} VALUE", has_value=False))
+                value = args[i + 1]
+                i += 1
+        elif arg.startswith("-") and flag not in HYDRA_OPTIONS:
+            raise ConfigError(
+                ConfigIssue(
+                    flag,
+                    "not an option of mlxcel-run: settings are KEY=VALUE overrides (mlxcel-run --help; "
+                    "the README's 'Coming from mlx-lm or llama.cpp' table)",
+                    has_value=False,
+                )
+            )
+        i += 1
+        if flag in NAMED_FLAGS:
+            override = NAMED_FLAGS[flag].format(value, value)
+            raise ConfigError(ConfigIssue(flag, f"mlxcel-run takes overrides: type {override}", has_value=False))
+        if flag in FAMILIAR_FLAGS:
+            key = FAMILIAR_FLAGS[flag]
+            if key == "prompt.text":
+                prompts.append(value)
+            else:  # (a path is one string, whatever it holds; free text is quoted later; numbers as typed)
+                out.append(f"{key}={quote_override_value(value) if key == 'model.path' else value}")
+        elif arg.startswith("-") or is_override(arg):
+            out.append(arg)
+        else:
+            head = arg.lstrip("+~").split(".")[0].split("/")[0]
+            if "=" not in arg and head in TOP_LEVEL_KEYS:  # `decode.max_tokens 5`: not a prompt
+                raise ConfigError(ConfigIssue(arg, f"an override needs a value: {arg}=VALUE", has_value=False))
+            prompts.append(arg)
+    if not prompts:
+        return out
+    given = [arg.partition("=")[2] for arg in out if arg.lstrip("+").startswith("prompt.text=")]
+    if len(prompts) + len(given) > 1:
+        raise ConfigError(
+            ConfigIssue(
+                "prompt.text",
+                "give one prompt, as one argument: quote it, e.g. mlxcel-run 'What is 2+2?' (settings are KEY=VALUE)",
+                [*prompts, *given],
+            )
+        )
+    # quote_free_text takes the value as literal text, but for these two (unquoted once; null)
+    text = prompts[0]
+    return [*out, f"prompt.text={quote_override_value(text) if text == 'null' or _QUOTED.match(text) else text}"]
 
 
 def register_resolvers() -> None:
@@ -340,6 +497,10 @@ def describe_hydra_error(ex: BaseException) -> str:
     from mlxcel.config import RENAMED_KEYS, describe_renamed
     from mlxcel.config_env import find_refusal
 
+    if isinstance(ex, MissingConfigException) and ex.missing_cfg_file:
+        missing = describe_missing_option(ex.missing_cfg_file, ex.options)
+        if missing is not None:
+            return missing
     if isinstance(ex, MissingConfigException) and ex.options is not None and ex.missing_cfg_file:
         group = ex.missing_cfg_file.rpartition("/")[0]
         options = ", ".join(ex.options) or "none"
@@ -360,6 +521,10 @@ def describe_hydra_error(ex: BaseException) -> str:
     cause = ex.__cause__
     if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause) and cause.full_key in RENAMED_KEYS:
         return f"{cause.full_key}: {describe_renamed(cause.full_key)}"
+    stage = re.fullmatch(r"sampler\.processors\.(\w+)", str(getattr(cause, "full_key", None)))
+    if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause) and stage:
+        given = re.search(r"use \+(\S+=.*)$", str(ex), re.MULTILINE)
+        return describe_missing_stage(stage.group(1), given.group(1) if given else None)
     if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause):
         # An override of a key that no config defines: name the valid keys, as validation does.
         # (Hydra's own hint, "+key=" to append it, would only meet validation's unknown-key error.)
@@ -372,6 +537,59 @@ def describe_hydra_error(ex: BaseException) -> str:
     if isinstance(cause, OmegaConfBaseException):
         lines.append(f"({first_line(str(cause))})")
     return join_sentences(lines)
+
+
+# Hydra's launchers that mlxcel's `ray` extra installs (conf/hydra/launcher/ builds on them)
+LAUNCHER_PLUGINS = {
+    "joblib": "hydra-joblib-launcher",
+    "submitit_local": "hydra-submitit-launcher",
+    "submitit_slurm": "hydra-submitit-launcher",
+    "ray": "hydra-ray-launcher",
+    "ray_aws": "hydra-ray-launcher",
+}
+
+
+def describe_missing_option(missing: str, options: list[str] | None) -> str | None:
+    """A group option that is not there, where the fix is not another option: a path given to
+    the model group (model=/tmp/x.gguf), a launcher whose Hydra plugin is not installed."""
+    group, _, value = missing.partition("/")
+    if group == "model" and (is_model_path(value) or value.endswith((".gguf", ".safetensors"))):
+        presets = f" (presets: {', '.join(options)})" if options else ""
+        return f"model: {value!r} is a path, not a model preset: give it as model.path={value}{presets}"
+    name = missing.removeprefix("hydra/launcher/")
+    if name != missing and name in LAUNCHER_PLUGINS:
+        return (
+            f"hydra/launcher: Hydra's {name} launcher ({LAUNCHER_PLUGINS[name]}) is not installed; it comes with "
+            "mlxcel's ray extra: pip install 'mlxcel[ray]'"
+        )
+    return None
+
+
+def describe_missing_stage(stage: str, given: str | None) -> str:
+    """sampler.processors.STAGE set where the sampler picked has no such stage: the samplers that
+    have it (conf/sampler/), the one named after it first."""
+    import yaml
+
+    from mlxcel.config import suggest_key
+    from mlxcel.sampling.config import CHAIN_ORDER
+
+    key = f"sampler.processors.{stage}"
+    if stage not in CHAIN_ORDER:
+        return f"{key}: unknown sampler stage{suggest_key(key, list(CHAIN_ORDER))}; known: {', '.join(CHAIN_ORDER)}"
+    having = []
+    for path in sorted((find_conf_dir() / "sampler").glob("*.yaml")):
+        preset = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if stage in (preset.get("processors") or {}):
+            having.append(path.stem)
+    having.sort(key=lambda name: name != stage)
+    setting = given or f"{key}.KEY=VALUE"
+    if not having:
+        return f"{key}: this sampler has no {stage} stage; add it: ++{setting}"
+    others = f" (samplers with a {stage} stage: {', '.join(having)})" if len(having) > 1 else ""
+    return (
+        f"{key}: this sampler has no {stage} stage; pick one that has it: sampler={having[0]} {setting}{others}, "
+        f"or add it to this one: ++{setting}"
+    )
 
 
 def join_sentences(lines: list[str]) -> str:
@@ -516,7 +734,11 @@ def main() -> None:
         check_utf8(sys.argv[1:])
         register_resolvers()
         allow_environment_reads(names_given(sys.argv[1:]))
-        sys.argv = [sys.argv[0], *use_recipe(quote_free_text(prefer_given_prompt(sys.argv[1:])))]
+        if "--version" in sys.argv[1:]:  # (Hydra's would print Hydra's)
+            print(describe_version())
+            sys.exit(0)
+        args = translate_familiar_args(sys.argv[1:])
+        sys.argv = [sys.argv[0], *use_recipe(quote_free_text(prefer_given_prompt(args)))]
         composed = check_hydra_settings(sys.argv[1:], find_conf_dir())  # before Hydra instantiates or creates anything
         if composed is not None:  # one job: refuse what can be refused before Hydra writes into a folder
             sys.argv.append(claim_run_folder_early(composed, claimed))

@@ -341,3 +341,139 @@ def test_a_given_prompt_input_replaces_the_default_text(tmp_path):
     assert compose_config([f"prompt.file={rows}"])["prompt"]["text"] is None
     assert compose_config([], {"prompt": {"rows": [{"prompt": "hi"}]}})["prompt"]["text"] is None
     assert compose_config([])["prompt"]["text"] == "What is the capital of France?"
+
+
+# ---- the command line as people type it (issue 39, item 10) ----
+def test_version_is_mlxcels_and_mlxs(stub_runner, monkeypatch, capsys):
+    from importlib.metadata import version
+
+    assert run_main(monkeypatch, "--version") == 0
+    assert capsys.readouterr().out == f"mlxcel {mlxcel.__version__} (MLX {version('mlx')})\n"
+    assert stub_runner.calls == []
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["What is 2+2?"], ["prompt.text=What is 2+2?"]),
+        (["x = 2, y: 3?", "decode.max_tokens=4"], ["decode.max_tokens=4", "prompt.text=x = 2, y: 3?"]),
+        (["--prompt", "hi", "--max-tokens", "5"], ["decode.max_tokens=5", "prompt.text=hi"]),
+        (["-p", "hi", "-n", "5", "--seed=7"], ["decode.max_tokens=5", "sampler.seed=7", "prompt.text=hi"]),
+        (["--system-prompt", "Be brief", "-sys", "x"], ["prompt.system=Be brief", "prompt.system=x"]),
+        (["--model", "/m/x.gguf"], ["model.path='/m/x.gguf'"]),
+        (["--model=Qwen/Qwen2.5-0.5B"], ["model.path='Qwen/Qwen2.5-0.5B'"]),
+        # -m: llama-cli's model when a path follows, Hydra's multirun otherwise
+        (["-m", "/m/x.gguf"], ["model.path='/m/x.gguf'"]),
+        (["-m", "x.gguf", "hi"], ["model.path='x.gguf'", "prompt.text=hi"]),
+        (["-m", "hydra/launcher=joblib", "sampler=a,b"], ["-m", "hydra/launcher=joblib", "sampler=a,b"]),
+        (["-m", "decode.max_tokens=1,2", "hi"], ["-m", "decode.max_tokens=1,2", "prompt.text=hi"]),
+        (["-m", "~prompt.system"], ["-m", "~prompt.system"]),
+        (["-m", "What is 1/2?", "sampler=a,b"], ["-m", "sampler=a,b", "prompt.text=What is 1/2?"]),
+        (["-m", "embedded:smollm2"], ["model.path='embedded:smollm2'"]),
+        # Hydra's own options and their values stay Hydra's
+        (["--cfg", "job", "-p", "sampler"], ["--cfg", "job", "-p", "sampler"]),
+        (["--info", "defaults", "-cn", "x"], ["--info", "defaults", "-cn", "x"]),
+        (["--config-dir", "my conf", "sampler=hot"], ["--config-dir", "my conf", "sampler=hot"]),
+    ],
+)
+def test_familiar_arguments_become_their_overrides(args, expected):
+    from mlxcel.cli import translate_familiar_args
+
+    assert translate_familiar_args(args) == expected
+
+
+@pytest.mark.parametrize("text", ["What is 2+2? It's 4, ${x}", "null", "'quoted'", '"twice"'])
+def test_a_bare_prompt_and_llama_cli_flags_run(stub_runner, monkeypatch, tiny_llama, text):
+    assert run_main(monkeypatch, "-m", str(tiny_llama), text, "-n", "3") == 0
+    ((cfg, _),) = stub_runner.calls
+    assert (cfg.model.path, cfg.prompt.text, cfg.decode.max_tokens) == (str(tiny_llama), text, 3)
+
+
+def test_a_bare_prompt_in_a_multirun(stub_runner, monkeypatch):
+    assert run_main(monkeypatch, "-m", "decode.max_tokens=1,2", "a, b") == 0
+    assert [(c.decode.max_tokens, c.prompt.text) for c, _ in stub_runner.calls] == [(1, "a, b"), (2, "a, b")]
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--temp", "0.3"],
+            "--temp: mlxcel-run takes overrides: type sampler=temperature sampler.processors.temperature.value=0.3 "
+            "(as mlx_lm; llama-cli's chain: sampler=default sampler.processors.temperature.value=0.3)",
+        ),
+        (["--top-k=3"], "--top-k: mlxcel-run takes overrides: type sampler=default sampler.processors.top_k.k=3"),
+        (["--max-tokens"], "--max-tokens: needs a value: --max-tokens VALUE"),
+        (
+            ["--verbose"],
+            "--verbose: not an option of mlxcel-run: settings are KEY=VALUE overrides (mlxcel-run --help; the "
+            "README's 'Coming from mlx-lm or llama.cpp' table)",
+        ),
+        (
+            ["What", "is", "2+2?"],
+            "prompt.text: give one prompt, as one argument: quote it, e.g. mlxcel-run 'What is 2+2?' (settings are "
+            "KEY=VALUE) (got ['What', 'is', '2+2?'])",
+        ),
+        (
+            ["hi", "prompt.text=there"],
+            "prompt.text: give one prompt, as one argument: quote it, e.g. mlxcel-run 'What is 2+2?' (settings are "
+            "KEY=VALUE) (got ['hi', 'there'])",
+        ),
+        (["decode.max_tokens", "5"], "decode.max_tokens: an override needs a value: decode.max_tokens=VALUE"),
+        (
+            ["model=/tmp/x.gguf"],
+            "model: '/tmp/x.gguf' is a path, not a model preset: give it as model.path=/tmp/x.gguf (presets: base, "
+            "gemma, gemma2, gemma3, hf, idefics3, llava, llava_next, mistral, mistral3, mixtral, phi3, "
+            "phi4_multimodal, qwen2_5_vl, qwen2_vl, qwen3, qwen3_moe, smollm2, smolvlm)",
+        ),
+        (
+            ["sampler.processors.top_p.p=0.9"],
+            "sampler.processors.top_p: this sampler has no top_p stage; pick one that has it: sampler=default "
+            "sampler.processors.top_p.p=0.9, or add it to this one: ++sampler.processors.top_p.p=0.9",
+        ),
+        (
+            ["sampler.processors.tempreture.value=0.3"],
+            "sampler.processors.tempreture: unknown sampler stage (did you mean sampler.processors.temperature?); "
+            "known: logit_bias, penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature",
+        ),
+    ],
+)
+def test_familiar_mistakes_name_the_override(stub_runner, monkeypatch, capsys, args, line):
+    assert run_main(monkeypatch, *args) == 2
+    assert capsys.readouterr().err.splitlines() == [f"mlxcel: config error: {line}"]
+    assert stub_runner.calls == []
+
+
+def test_a_stage_the_sampler_lacks_names_the_sampler_to_pick(stub_runner, monkeypatch, capsys):
+    assert run_main(monkeypatch, "sampler.processors.temperature.value=0.3") == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "mlxcel: config error: sampler.processors.temperature: this sampler has no temperature stage; pick one that "
+        "has it: sampler=temperature sampler.processors.temperature.value=0.3 (samplers with a temperature stage: "
+        "temperature, default, "
+    )
+    assert line.endswith(", or add it to this one: ++sampler.processors.temperature.value=0.3")
+    assert run_main(monkeypatch, "sampler=temperature", "sampler.processors.temperature.value=0.3") == 0
+    assert stub_runner.calls[0][0].sampler.effective_chain()[0]["value"] == 0.3
+
+
+@pytest.mark.parametrize(
+    "launcher, plugin", [("joblib", "joblib"), ("ray_cluster", "ray"), ("slurm", "submitit_slurm")]
+)
+def test_a_launcher_without_its_plugin_names_the_extra(stub_runner, monkeypatch, capsys, launcher, plugin):
+    """As without the `ray` extra: Hydra's launcher plugins register their configs when Hydra
+    scans hydra_plugins; here they are taken out of the ConfigStore after the scan."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # (the scan, once per process: it does not register them again)
+    options = ConfigStore.instance().repo["hydra"]["launcher"]
+    for name in ("joblib", "submitit_local", "submitit_slurm", "ray", "ray_aws"):
+        monkeypatch.delitem(options, f"{name}.yaml", raising=False)
+    assert run_main(monkeypatch, "-m", f"hydra/launcher={launcher}", "decode.max_tokens=1,2") == 2
+    package = {"joblib": "hydra-joblib-launcher", "ray": "hydra-ray-launcher"}.get(plugin, "hydra-submitit-launcher")
+    assert capsys.readouterr().err.splitlines() == [
+        f"mlxcel: config error: hydra/launcher: Hydra's {plugin} launcher ({package}) is not installed; it comes "
+        "with mlxcel's ray extra: pip install 'mlxcel[ray]'"
+    ]
+    assert stub_runner.calls == []

@@ -15,6 +15,7 @@ exactly where encode() added one, so decode(encode(x)) == x.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import sentencepiece as spm
@@ -27,6 +28,7 @@ from mlxcel.tokenizer.hf import (
     read_token_string,
     read_token_strings,
 )
+from mlxcel.tokenizer.literal import Span, encode_segment, overlaps, spans_within
 from mlxcel.tokenizer.spm_proto import write_field
 from mlxcel.tokenizer.whole_tokens import WholeTokenSplitter
 
@@ -66,6 +68,8 @@ class SentencePieceTokenizer:
         self._whole_ids = set(self.special_tokens.values())  # ids matched before SentencePiece
         # skip_special_tokens drops all but the added tokens marked special=false (as transformers)
         self._skipped_ids = {i for t, i in self.special_tokens.items() if t not in (non_special or set())}
+        # the special ones among them: a user's text of one stays text (encode's literal_spans)
+        self.control_tokens = {t: i for t, i in self.special_tokens.items() if i in self._skipped_ids}
         self._added_text = {i: t for t, i in self.special_tokens.items()}
         self._splitter = WholeTokenSplitter(self.special_tokens, split_order)
         self.vocab_size = max([size - 1, *self.special_tokens.values()]) + 1
@@ -91,15 +95,23 @@ class SentencePieceTokenizer:
         i = self.sp.piece_to_id(token)
         return i if i != self.sp.unk_id() or token == self.unk_token else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, literal_spans: Sequence[Span] = ()) -> list[int]:
+        """`literal_spans`: where a control token's text is text (a user's, mlxcel/tokenizer/literal.py)."""
+        spans = sorted(literal_spans)
+        is_text = (lambda start, end, i: i in self._skipped_ids and overlaps(start, end, spans)) if spans else None
         ids: list[int] = []
-        for index, (part, special_id) in enumerate(self._splitter.split(text)):
+        pos = 0
+        for index, (part, special_id) in enumerate(self._splitter.split(text, is_text)):
             if special_id is not None:
                 ids.append(special_id)
-            elif index == 0 or self.legacy:
-                ids += self.sp.encode(part)
             else:
-                ids += self.encode_without_prefix(part)
+                encode = self.sp.encode if index == 0 or self.legacy else self.encode_without_prefix
+                inside = spans_within(pos, pos + len(part), spans)
+                if inside:
+                    ids += encode_segment(part, inside, encode, self.encode_without_prefix, self._skipped_ids)
+                else:
+                    ids += encode(part)
+            pos += len(part)
         if add_special_tokens:
             ids = ([self.bos_token_id] if self.add_bos_token else []) + ids
             ids += [self._add_eos_id] if self._add_eos_id is not None else []

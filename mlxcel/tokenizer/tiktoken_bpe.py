@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
+import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from mlxcel.tokenizer.hf import (
     read_token_string,
     read_token_strings,
 )
+from mlxcel.tokenizer.literal import Span, overlaps
 from mlxcel.tokenizer.sentencepiece import pick_default_template
 
 _CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""  # noqa: E501 (verbatim, as published)
@@ -75,6 +79,24 @@ _QWEN35_SPECIALS = [
 ]
 
 
+# Qwen's added tokens that its tokenizer_config.json marks "special": false (Qwen2.5 to 3.6):
+# matched whole in any text, a user's too, as transformers does (a template splits content at </think>).
+_QWEN_PLAIN = (
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+
+
 @dataclass(frozen=True)
 class Preset:
     pattern: str
@@ -83,6 +105,7 @@ class Preset:
     eos_tokens: tuple[str, ...] = ()
     normalization: str | None = None  # Qwen's tokenizer NFC-normalizes the text first
     names: tuple[str, ...] = field(default=())
+    plain: tuple[str, ...] = ()  # special tokens that are not control tokens (_QWEN_PLAIN)
 
 
 def make_presets() -> list[Preset]:
@@ -118,6 +141,7 @@ def make_presets() -> list[Preset]:
             ("<|endoftext|>", "<|im_end|>"),
             "NFC",
             ("qwen3_5", "qwen3_6"),
+            _QWEN_PLAIN,
         ),
     ]
 
@@ -142,11 +166,17 @@ class TiktokenTokenizer:
         normalization: str | None = None,
         chat_templates: dict[str, str] | None = None,
         pad_token: str | None = None,
+        plain_tokens: set[str] | None = None,
     ):
         self.encoding = encoding
         self.backend = "tiktoken"
         self.normalization = normalization
         self.special_tokens = dict(encoding._special_tokens)
+        # the control ones (not Qwen's <think>, _QWEN_PLAIN): a user's text of one stays text (literal_spans)
+        self.control_tokens = {t: i for t, i in self.special_tokens.items() if t not in (plain_tokens or set())}
+        # tiktoken's split at special tokens, for encode's literal_spans (longest first where two start together)
+        by_length = sorted(self.special_tokens, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, by_length))) if by_length else None
         self._special_ids = set(self.special_tokens.values())
         self._special_text = {i: t for t, i in self.special_tokens.items()}
         self.vocab_size = encoding.max_token_value + 1
@@ -170,11 +200,35 @@ class TiktokenTokenizer:
         ids = self.encoding.encode_ordinary(token)
         return ids[0] if len(ids) == 1 else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.normalization:
-            text = unicodedata.normalize(self.normalization, text)
-        ids = self.encoding.encode(text, allowed_special="all")
+    def encode(self, text: str, add_special_tokens: bool = True, literal_spans: Sequence[Span] = ()) -> list[int]:
+        """`literal_spans`: where a special token's text is text (a user's, mlxcel/tokenizer/literal.py)."""
+        if literal_spans:
+            ids = self.encode_literal(text, sorted(literal_spans))
+        else:
+            if self.normalization:
+                text = unicodedata.normalize(self.normalization, text)
+            ids = self.encoding.encode(text, allowed_special="all")
         return [self.bos_token_id] + ids if add_special_tokens and self.add_bos_token else ids
+
+    def encode_literal(self, text: str, spans: list[Span]) -> list[int]:
+        """encode() with the special tokens that meet a span left as text: tiktoken's own loop for
+        a disallowed special (look again one character on), with encode_ordinary between."""
+        if self.normalization:  # each piece on its own, so the spans still point at the token texts
+            cuts = sorted({0, len(text), *(c for span in spans for c in span)})
+            pieces = [unicodedata.normalize(self.normalization, text[a:b]) for a, b in zip(cuts, cuts[1:])]
+            ends = dict(zip(cuts[1:], itertools.accumulate(map(len, pieces))))
+            starts = {a: ends.get(a, 0) for a in cuts}
+            text, spans = "".join(pieces), [(starts[s], ends[e]) for s, e in spans]
+        ids: list[int] = []
+        start = search = 0
+        while self._special_pattern is not None and (match := self._special_pattern.search(text, search)):
+            if match.group() in self.control_tokens and overlaps(match.start(), match.end(), spans):
+                search = match.start() + 1
+                continue
+            ids += self.encoding.encode_ordinary(text[start : match.start()])
+            ids.append(self.special_tokens[match.group()])
+            start = search = match.end()
+        return ids + self.encoding.encode_ordinary(text[start:])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         ids = [i for i in map(int, ids) if i in self._known_ids]
@@ -217,6 +271,12 @@ def load_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+def read_config_plain_tokens(config: dict) -> set[str]:
+    """The added_tokens_decoder entries marked "special": false."""
+    decoder = (config.get("added_tokens_decoder") or {}).values()
+    return {v["content"] for v in decoder if isinstance(v, dict) and v.get("special") is False and "content" in v}
+
+
 def read_config_specials(config: dict) -> dict[str, int]:
     specials = {
         t: i for t, i in (config.get("special_tokens") or {}).items() if isinstance(t, str) and isinstance(i, int)
@@ -244,7 +304,9 @@ def load_tiktoken_tokenizer(folder: Path) -> TiktokenTokenizer:
     config = load_tokenizer_config(folder)
     preset = find_preset(path, len(ranks))
     pattern = config.get("pattern") or config.get("pat_str") or (preset.pattern if preset else None)
-    specials = read_config_specials(config) or (dict(preset.special_tokens) if preset else {})
+    specials = read_config_specials(config)
+    plain = read_config_plain_tokens(config) if specials else set(preset.plain if preset else ())
+    specials = specials or (dict(preset.special_tokens) if preset else {})
     if pattern is None:
         known = ", ".join(f"{p.names[0]} ({p.ranks} ranks)" for p in PRESETS)
         raise MlxcelError(
@@ -274,4 +336,5 @@ def load_tiktoken_tokenizer(folder: Path) -> TiktokenTokenizer:
         normalization=normalization,
         chat_templates=load_chat_templates(folder, config),
         pad_token=read_token_string(config.get("pad_token")),
+        plain_tokens=plain,
     )

@@ -16,8 +16,10 @@ user-defined pieces is hundreds of times slower; docs/benchmarks.md).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 Part = tuple[str, "int | None"]  # (text, None) for plain text, (token, id) for a whole token
+IsText = Callable[[int, int, int], bool]  # (start, end, id) of an occurrence -> leave it as text
 ORDERS = ("leftmost-longest", "longest-first")
 
 
@@ -58,38 +60,52 @@ class WholeTokenSplitter:
         # llama.cpp sorts by byte length (std::sort, ties unspecified): ties go by id here.
         self._rank = {t: (-len(t.encode()), i) for t, i in self.tokens.items()}
 
-    def split(self, text: str) -> list[Part]:
+    def split(self, text: str, literal: IsText | None = None) -> list[Part]:
+        """The text cut into plain parts and whole tokens. `literal(start, end, id)` True leaves
+        that occurrence as text (a special token's text typed by a user, mlxcel/tokenizer/literal.py):
+        leftmost-longest consumes it as text, as HF tokenizers' `encode_special_tokens` does;
+        longest-first lets shorter tokens still cut it, as llama.cpp's parse_special=false does."""
         if self._pattern is None:
             return [(text, None)] if text else []
         if self.order == "leftmost-longest":
-            return self._split_leftmost_longest(text)
-        return self._split_longest_first(text)
+            return self._split_leftmost_longest(text, literal)
+        return self._split_longest_first(text, literal)
 
-    def _split_leftmost_longest(self, text: str) -> list[Part]:
+    def _split_leftmost_longest(self, text: str, literal: IsText | None) -> list[Part]:
         parts: list[Part] = []
         pos = 0
         for match in self._pattern.finditer(text):
+            token_id = self.tokens[match.group()]
+            if literal is not None and literal(match.start(), match.end(), token_id):
+                continue  # text: the plain part runs on over it
             if match.start() > pos:
                 parts.append((text[pos : match.start()], None))
-            parts.append((match.group(), self.tokens[match.group()]))
+            parts.append((match.group(), token_id))
             pos = match.end()
         if pos < len(text):
             parts.append((text[pos:], None))
         return parts
 
-    def _split_longest_first(self, text: str) -> list[Part]:
+    def _split_longest_first(self, text: str, literal: IsText | None) -> list[Part]:
         present = {p for m in self._pattern.finditer(text) for p in self._prefixes[m.group(1)]}
-        parts: list[Part] = [(text, None)] if text else []
+        spans: list[tuple[int, int, int | None]] = [(0, len(text), None)] if text else []
         for token in sorted(present, key=self._rank.__getitem__):
-            cut: list[Part] = []
-            for part in parts:
-                if part[1] is not None:
-                    cut.append(part)
+            token_id = self.tokens[token]
+            cut: list[tuple[int, int, int | None]] = []
+            for start, end, part_id in spans:
+                if part_id is not None:
+                    cut.append((start, end, part_id))
                     continue
-                for k, piece in enumerate(part[0].split(token)):  # leftmost, non-overlapping
-                    if k:
-                        cut.append((token, self.tokens[token]))
-                    if piece:
-                        cut.append((piece, None))
-            parts = cut
-        return parts
+                piece_start = search = start
+                while (found := text.find(token, search, end)) >= 0:  # leftmost, non-overlapping
+                    search = found + len(token)
+                    if literal is not None and literal(found, search, token_id):
+                        continue
+                    if found > piece_start:
+                        cut.append((piece_start, found, None))
+                    cut.append((found, search, token_id))
+                    piece_start = search
+                if end > piece_start:
+                    cut.append((piece_start, end, None))
+            spans = cut
+        return [(text[start:end], part_id) for start, end, part_id in spans]

@@ -735,7 +735,9 @@ def main() -> None:
         register_resolvers()
         allow_environment_reads(names_given(sys.argv[1:]))
         if "--version" in sys.argv[1:]:  # (Hydra's would print Hydra's)
-            print(describe_version())
+            from mlxcel.outputs import AnswerStream
+
+            AnswerStream(sys.stdout).write(describe_version() + "\n")  # (`| head -0` too: quietly)
             sys.exit(0)
         args = translate_familiar_args(sys.argv[1:])
         sys.argv = [sys.argv[0], *use_recipe(quote_free_text(prefer_given_prompt(args)))]

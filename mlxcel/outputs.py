@@ -481,7 +481,7 @@ def write_failure_stats(out_dir: Path, exc: BaseException, report: dict | None =
 
 
 class AnswerStream:
-    """A single prompt's answer as it streams to stdout. A reader that goes away
+    """stdout for a single prompt's answer as it streams (and --version). A reader that goes away
     (`mlxcel-run ... | head`) ends the streaming, not the run: `write` says False from then on
     (the runner ends the row there, "cancelled", and the job completes) and the stream's
     descriptor is pointed at /dev/null, so the interpreter's last flush raises nothing either."""

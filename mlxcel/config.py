@@ -146,6 +146,10 @@ class TemplateConfig(Group):
     text: str | None = None
     file: str | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables: enable_thinking, tools, documents
+    # A special token's text in the messages (<|im_end|> typed by a user): text, tokenized as its
+    # characters (the template's own markup keeps its special tokens), or special (the old way:
+    # the rendered prompt is tokenized whole, so a user can write control tokens)
+    special_tokens_in_content: Literal["text", "special"] = "text"
 
     @model_validator(mode="after")
     def _check_override(self) -> TemplateConfig:

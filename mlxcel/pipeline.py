@@ -30,6 +30,7 @@ from mlxcel.structured.spec import ConstraintError, check_grammar, describe_spec
 from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_template_source
 from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
+from mlxcel.tokenizer.literal import encode_text, escape_spans
 from mlxcel.vision.stage import (
     ImageInputs,
     check_images_allowed,
@@ -326,20 +327,22 @@ class Pipeline:
             check_images_allowed(model, self.header.arch, paths)
         kwargs = template.kwargs if sample.row.tools is None else {**template.kwargs, "tools": sample.row.tools}
         messages = flatten_text_parts(sample.row.messages)
-        prompt = build_prompt(self.tokenizer, messages, self.template_source, template.kind != "none", kwargs)
+        templated = template.kind != "none"
+        literal = template.special_tokens_in_content == "text"  # (the user's special-token text stays text)
+        prompt = build_prompt(self.tokenizer, messages, self.template_source, templated, kwargs, literal)
         if model is None or not is_vision_model(model):
             self.check_length(prompt)
             return PreparedSample(sample, prompt, constraint=constraint)
-        templated = template.kind != "none"
-        token_ids, images = prepare_images(
-            model,
-            prompt.text,
-            prompt.token_ids,
-            paths,
-            lambda text: self.tokenizer.encode(text, add_special_tokens=not templated),
-        )
+        # a family that expands its placeholders in the text gets it with the user's special-token
+        # texts escaped, so they stay text when it is encoded again
+        escaped, escapes = escape_spans(prompt.text, prompt.literal_spans)
+
+        def encode_expanded(text: str) -> list[int]:
+            return encode_text(self.tokenizer, *escapes.unescape(text), add_special_tokens=not templated)
+
+        token_ids, images = prepare_images(model, escaped, prompt.token_ids, paths, encode_expanded)
         if images is not None:  # the history boundary moved with the expansion: no history piece
-            prompt = PromptTokens(prompt.text, token_ids, history_tokens=0)
+            prompt = PromptTokens(prompt.text, token_ids, history_tokens=0, literal_spans=prompt.literal_spans)
         self.check_length(prompt)
         return PreparedSample(sample, prompt, images=images, constraint=constraint)
 

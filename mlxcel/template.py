@@ -5,7 +5,9 @@ lstrip_blocks, its `tojson`, `raise_exception`, `strftime_now`, `{% generation %
 controls, `dict`/`namespace`; the tokenizer's special-token strings, `tools`, `documents` and
 template.kwargs as variables), so templates written for HF behave the same. A rendered prompt is
 encoded without added special tokens: the template writes bos itself where the model wants it
-(transformers does the same with tokenize=True).
+(transformers does the same with tokenize=True). A special token's text inside the messages is the
+user's, tokenized as text; the template's own markup keeps its special tokens (build_prompt,
+mlxcel/tokenizer/literal.py; template.special_tokens_in_content=special: the rendered text whole).
 
 The template: template.text / template.file, else a built-in (template=chatml|llama3|gemma|
 mistral), else the model's own (`tokenizer.chat_templates`: tokenizer_config.json, chat_template
@@ -34,6 +36,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.tokenizer.base import MlxcelTokenizer
+from mlxcel.tokenizer.literal import Escapes, encode_text, find_escapes
 
 NO_TEMPLATE_HINT = (
     "set template=none for a raw completion, template=chatml|llama3|gemma|mistral for a built-in one, "
@@ -103,6 +106,8 @@ class PromptTokens:
     text: str
     token_ids: list[int]
     history_tokens: int  # leading ids that encode the messages without the generation prompt
+    # where the messages' text holds a special token's text, tokenized as text (sorted [start, end))
+    literal_spans: tuple[tuple[int, int], ...] = ()
 
 
 def load_template_source(
@@ -493,8 +498,13 @@ def build_prompt(
     template_source: str | None,
     enabled: bool = True,
     kwargs: dict[str, Any] | None = None,
+    literal_content: bool = True,
 ) -> PromptTokens:
     """Render and encode a prompt, and find its history boundary.
+
+    With `literal_content` (template.special_tokens_in_content=text) a special token's text in
+    the messages, tools or documents is tokenized as text; the template's own markup keeps its
+    special tokens (mlxcel/tokenizer/literal.py). False: the rendered text is encoded as a whole.
 
     The history boundary is the token count of the rendering without the generation prompt,
     when those ids are a prefix of the full prompt's ids; otherwise 0 (no history piece: the
@@ -512,12 +522,47 @@ def build_prompt(
     if template_source is None:
         raise MlxcelError(f"the tokenizer has no chat template; {NO_TEMPLATE_HINT}")
     kwargs = dict(kwargs or {})
-    text = render_prompt(template_source, messages, tokenizer, add_generation_prompt=True, **kwargs)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    history_text = render_prompt(template_source, messages, tokenizer, add_generation_prompt=False, **kwargs)
-    history = tokenizer.encode(history_text, add_special_tokens=False)
+    escapes = find_content_escapes(tokenizer, messages, template_source, kwargs) if literal_content else None
+    text, spans = render_literal(template_source, messages, tokenizer, True, escapes, kwargs)
+    ids = encode_text(tokenizer, text, spans)
+    history_text, history_spans = render_literal(template_source, messages, tokenizer, False, escapes, kwargs)
+    history = encode_text(tokenizer, history_text, history_spans)
     history_tokens = len(history) if ids[: len(history)] == history else 0
-    return PromptTokens(text=text, token_ids=ids, history_tokens=history_tokens)
+    return PromptTokens(text=text, token_ids=ids, history_tokens=history_tokens, literal_spans=spans)
+
+
+# Template variables that carry the request's text, as the messages do (the rest are the operator's).
+_USER_VARIABLES = ("tools", "documents")
+
+
+def find_content_escapes(
+    tokenizer: MlxcelTokenizer, messages: list[dict[str, Any]], source: str, kwargs: dict[str, Any]
+) -> Escapes | None:
+    """The sentinels for the control tokens' texts in the messages, tools and documents (None:
+    there are none, and the prompt renders and encodes as it always did)."""
+    check_messages(messages)  # (its errors name the messages as given, not escaped)
+    user = [messages, *(kwargs.get(name) for name in _USER_VARIABLES)]
+    template_vars = [getattr(tokenizer, name, None) for name in _TEMPLATE_VARS]
+    return find_escapes(tokenizer, user, [str(source), kwargs, template_vars])
+
+
+def render_literal(
+    source: str,
+    messages: list[dict[str, Any]],
+    tokenizer: MlxcelTokenizer,
+    add_generation_prompt: bool,
+    escapes: Escapes | None,
+    kwargs: dict[str, Any],
+) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """The rendered text, and the spans of the control tokens' texts that came from the user."""
+    if escapes is None:
+        return render_prompt(source, messages, tokenizer, add_generation_prompt, **kwargs), ()
+    escaped = {k: escapes.escape(v) if k in _USER_VARIABLES else v for k, v in kwargs.items()}
+    try:
+        text = render_prompt(source, escapes.escape(messages), tokenizer, add_generation_prompt, **escaped)
+    except MlxcelError as exc:  # (a template's own message may quote the content)
+        raise MlxcelError(escapes.unescape(str(exc))[0]) from exc.__cause__
+    return escapes.unescape(text)
 
 
 def join_user_contents(messages: list[dict[str, Any]]) -> str:

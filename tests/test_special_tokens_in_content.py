@@ -127,6 +127,23 @@ def test_hf_metaspace_first_and_rstrip_tokens_split_as_in_the_whole_text(tmp_pat
     assert ids == [pieces.index(p) for p in ["▁", "<", "|", "e", "n", "d", "|", ">", "x"]]
 
 
+def test_merges_that_rebuild_a_control_token_from_text_are_cut(tmp_path):
+    """A vocabulary whose merges spell a special token (its text is also a plain piece): the
+    user's occurrence would come back as the control id, so its characters go one at a time."""
+    from tokenizers import AddedToken, Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<", "|", "x", ">", "<|", "<|x", "<|x|", "<|x|>", "a"]
+    merges = [("<", "|"), ("<|", "x"), ("<|x", "|"), ("<|x|", ">")]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges))
+    tok.add_special_tokens([AddedToken("<|x|>", special=True, normalized=False)])
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    ours = load_tokenizer(tmp_path)
+    assert ours.control_tokens == {"<|x|>": 7}
+    ids = ours.encode("a<|x|>a<|x|>", add_special_tokens=False, literal_spans=[(1, 6)])
+    assert ids == [8, 0, 1, 2, 1, 3, 8, 7]  # the template's <|x|> at the end stays the token
+
+
 # ---- the GGUF byte-level BPE (the embedded SmolLM2) ----
 @requires_smollm2
 def test_gguf_bpe_user_special_tokens_are_text():

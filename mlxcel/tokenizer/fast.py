@@ -84,13 +84,12 @@ class FastTokenizer:
         pos = 0
         for start, end, token in [*markup, (len(text), len(text), None)]:
             if start > pos:  # (a token's offsets cover the whitespace its lstrip/rstrip took)
-                encode = self.literal_tokenizer("first" if pos == 0 else "next").encode
-                inside = self.literal_tokenizer("inside").encode
+                where = "first" if pos == 0 else "next"
                 ids += encode_segment(
                     text[pos:start],
                     spans_within(pos, start, spans),
-                    lambda t, encode=encode: encode(t, add_special_tokens=False).ids,
-                    lambda t, inside=inside: inside(t, add_special_tokens=False).ids,
+                    lambda t, where=where: self.literal_tokenizer(where).encode(t, add_special_tokens=False).ids,
+                    lambda t: self.literal_tokenizer("inside").encode(t, add_special_tokens=False).ids,
                     self._control_ids,
                 )
             if token is not None:
@@ -104,16 +103,20 @@ class FastTokenizer:
         one ("inside": no prepended space at all). Built on first use."""
         if where not in self._literal_tokenizers:
             data = json.loads(self.tokenizer.to_str())
+            changed = dict(data)
             if where != "first":
                 schemes = {"first": "never", "always": "never"} if where == "inside" else {"first": "never"}
-                data["pre_tokenizer"] = set_prepend_schemes(data.get("pre_tokenizer"), schemes)
+                changed["pre_tokenizer"] = set_prepend_schemes(data.get("pre_tokenizer"), schemes)
             if where == "inside":
-                data["normalizer"] = drop_prepend_normalizers(data.get("normalizer"))
-            copy = Tokenizer.from_str(json.dumps(data))
-            copy.encode_special_tokens = True
-            copy.no_truncation()
-            copy.no_padding()
-            self._literal_tokenizers[where] = copy
+                changed["normalizer"] = drop_prepend_normalizers(data.get("normalizer"))
+            if where != "first" and changed == data:  # (byte-level BPE: one copy serves all three)
+                self._literal_tokenizers[where] = self.literal_tokenizer("first")
+            else:
+                copy = Tokenizer.from_str(json.dumps(changed))
+                copy.encode_special_tokens = True
+                copy.no_truncation()
+                copy.no_padding()
+                self._literal_tokenizers[where] = copy
         return self._literal_tokenizers[where]
 
     def find_added_around(self) -> tuple[list[int], list[int]]:

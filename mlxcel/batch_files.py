@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from mlxcel.errors import ConfigError, ConfigIssue
-from mlxcel.jobs import JobRow
+from mlxcel.job_row import JobRow
 from mlxcel.outputs import replace_file
 
 BATCH_OUTPUT_FILE = "batch_output.jsonl"

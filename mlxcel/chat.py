@@ -113,8 +113,9 @@ class ChatSession:
             signal.signal(signal.SIGINT, previous)
 
     def run_turn(self, text: str) -> None:
+        from mlxcel.generation_rows import make_generation_row
         from mlxcel.jobs import JobRow, Sample
-        from mlxcel.runner import make_generation_row, order_report
+        from mlxcel.runner import order_report
         from mlxcel.stats import measure_batch
 
         started = time.perf_counter()

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlxcel.resolvers import _FREE_TEXT, FREE_TEXT_KEYS, find_recipes_dir, register_resolvers  # noqa: F401 (re-exported)
+
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
-FREE_TEXT_KEYS = ("prompt.text", "prompt.system", "template.text")
-_FREE_TEXT = re.compile(r"^(\+{0,2})(" + "|".join(re.escape(k) for k in FREE_TEXT_KEYS) + r")=(.*)$", re.DOTALL)
 _STOP_STRINGS = re.compile(r"^\+{0,2}decode\.stop_strings=", re.DOTALL)
 # One complete Hydra quoted string (a backslash escapes the next character).
 _QUOTED = re.compile(r"""^(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")$""", re.DOTALL)
@@ -58,16 +58,6 @@ def find_conf_dir() -> Path:
 
 
 # ---- recipes: `mlxcel-run recipe=NAME [overrides]` runs recipes/NAME.yaml ----
-def find_recipes_dir() -> Path:
-    """recipes/ of a source checkout (plain or editable), else the recipes shipped as mlxcel.recipes."""
-    checkout = Path(__file__).resolve().parent.parent
-    if (checkout / "pyproject.toml").is_file() and (checkout / "recipes").is_dir():
-        return checkout / "recipes"
-    from importlib.resources import files
-
-    return Path(str(files("mlxcel") / "recipes"))  # the wheel maps recipes/ to mlxcel/recipes
-
-
 def list_recipes() -> list[str]:
     return sorted(path.stem for path in find_recipes_dir().glob("*.yaml"))
 
@@ -285,21 +275,6 @@ def translate_familiar_args(args: list[str]) -> list[str]:
     return [*out, f"prompt.text={quote_override_value(text) if text == 'null' or _QUOTED.match(text) else text}"]
 
 
-def register_resolvers() -> None:
-    """${mlxcel.recipes_dir:}: the folder of the shipped recipes, so a recipe can name its data
-    files (recipes/data/...) wherever mlxcel is installed and wherever it is run from;
-    ${mlxcel.pid:}: this process's id, in default run folder names (cached in the config, as
-    Hydra's ${now:} is: a launcher that runs jobs in other processes hands them the sweep folder
-    the first process named); `oc.env` reads only what the command line names (config_env.py)."""
-    from omegaconf import OmegaConf
-
-    from mlxcel.config_env import register_environment_resolver
-
-    OmegaConf.register_new_resolver("mlxcel.recipes_dir", lambda: str(find_recipes_dir()), replace=True)
-    OmegaConf.register_new_resolver("mlxcel.pid", lambda: str(os.getpid()), replace=True, use_cache=True)
-    register_environment_resolver()
-
-
 PROMPT_INPUTS = ("prompt.file", "prompt.messages", "prompt.rows")
 
 
@@ -369,9 +344,9 @@ def run_job(cfg: Any) -> Any:
     from hydra.types import RunMode
 
     from mlxcel.config import validate_config
-    from mlxcel.config_env import allow_environment_reads, names_given
     from mlxcel.errors import ConfigError
     from mlxcel.outputs import write_failure_stats
+    from mlxcel.resolvers import allow_environment_reads, names_given
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
@@ -428,8 +403,8 @@ def compose_config(overrides: list[str], extra: dict | None = None) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from mlxcel.config_env import allow_environment_reads, names_given
     from mlxcel.errors import ConfigError, ConfigIssue
+    from mlxcel.resolvers import allow_environment_reads, names_given
 
     register_resolvers()
     allow_environment_reads(names_given(list(overrides)))
@@ -495,7 +470,7 @@ def describe_hydra_error(ex: BaseException) -> str:
     from omegaconf.errors import OmegaConfBaseException
 
     from mlxcel.config import RENAMED_KEYS, describe_renamed
-    from mlxcel.config_env import find_refusal
+    from mlxcel.resolvers import find_refusal
 
     if isinstance(ex, MissingConfigException) and ex.missing_cfg_file:
         missing = describe_missing_option(ex.missing_cfg_file, ex.options)
@@ -701,9 +676,9 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from mlxcel.config_env import allow_environment_reads, names_given
     from mlxcel.hydra_guard import check_hydra_settings
     from mlxcel.outputs import STATS_FILE, terminate_on_sigterm, write_failure_stats
+    from mlxcel.resolvers import allow_environment_reads, names_given
 
     debug = os.environ.get("MLXCEL_DEBUG", "") not in ("", "0") or os.environ.get("HYDRA_FULL_ERROR") == "1"
     failures: list[BaseException] = []

@@ -47,3 +47,16 @@ class ConfigError(MlxcelError):
         if self.hint:
             lines.append(self.hint)
         return "\n".join(lines)
+
+
+class RepeatedKeyError(ValueError):
+    """A JSON object that names a key twice (json.loads would keep the last silently)."""
+
+
+def refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook for input a user wrote (rows, run files, answers)."""
+    keys = [key for key, _ in pairs]
+    repeated = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    if repeated is not None:
+        raise RepeatedKeyError(repeated)
+    return dict(pairs)

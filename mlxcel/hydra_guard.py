@@ -110,9 +110,8 @@ def check_hydra_settings(args: list[str], conf_dir: Path):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from mlxcel.cli import register_resolvers
-    from mlxcel.config_env import allow_environment_reads, names_given
     from mlxcel.config_expansion import check_config_folder, check_interpolation_sizes
+    from mlxcel.resolvers import allow_environment_reads, names_given, register_resolvers
 
     register_resolvers()
     allow_environment_reads(names_given(args))
@@ -257,7 +256,7 @@ def resolve_hydra_node(cfg, parts: tuple[str, ...] | None = None) -> dict:
             resolved[part] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
         return resolved
     except OmegaConfBaseException as ex:
-        from mlxcel.config_env import find_refusal
+        from mlxcel.resolvers import find_refusal
 
         key = getattr(ex, "full_key", None) or "hydra"
         if find_refusal(ex):
@@ -449,7 +448,7 @@ def check_sweep_overrides(overrides: list[str]) -> None:
 def check_sweeper_params(params: dict, overrides: list[str]) -> None:
     """hydra.sweeper.params becomes each job's overrides, which a job process reads as its command
     line: the same rules, and no environment read the real command line did not name."""
-    from mlxcel.config_env import _NAMED, names_given
+    from mlxcel.resolvers import _NAMED, names_given
 
     given = names_given(overrides)
     for key, value in params.items():

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError, Terminated
+from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError, Terminated, refuse_repeated_keys
 
 CONFIG_FILE = "config.resolved.json"
 GENERATIONS_FILE = "generations.jsonl"
@@ -258,7 +258,6 @@ TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", type(None): "n
 
 def read_row(path: Path, number: int, line: bytes) -> dict:
     """Line `number` of generations.jsonl as a row; a damaged one is a config error naming it."""
-    from mlxcel.jobs import refuse_repeated_keys
 
     parsed = False
     try:
@@ -318,7 +317,6 @@ def read_run_file(path: Path, fix: str) -> bytes:
 def read_run_json(path: Path, fix: str) -> dict:
     """config.resolved.json or stats.json as the JSON object a run wrote; a damaged one is a config
     error naming the file (and line)."""
-    from mlxcel.jobs import refuse_repeated_keys
 
     data = read_run_file(path, fix)
     try:

@@ -142,7 +142,7 @@ class JobWorker:
 
     def poll(self, idle: bool) -> FeedUpdate:
         """RowFeed: the rows the driver sent since the last poll (blocks while nothing runs)."""
-        from mlxcel.runner import make_error_row
+        from mlxcel.generation_rows import make_error_row
 
         update = FeedUpdate()
         items = [self.inbox.get()] if idle else []
@@ -172,7 +172,7 @@ class JobWorker:
         return not stream.stopped  # a stop string ends the row
 
     def on_row_done(self, index: int, result) -> None:
-        from mlxcel.runner import make_generation_row
+        from mlxcel.generation_rows import make_generation_row
 
         prepared, stream, request = self.rows.pop(index)
         stream.finalize()

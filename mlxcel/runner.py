@@ -20,7 +20,8 @@ from mlxcel.config import RunConfig
 from mlxcel.devices import claim_gpu, select_device
 from mlxcel.engine import RowResult
 from mlxcel.errors import MlxcelError
-from mlxcel.jobs import expand_samples, hash_row, hash_samples, input_files, load_job_rows
+from mlxcel.generation_rows import make_error_row, make_generation_row
+from mlxcel.jobs import expand_samples, hash_samples, input_files, load_job_rows
 from mlxcel.outputs import (
     HEADLINE_FIELDS,
     AnswerStream,
@@ -42,7 +43,6 @@ from mlxcel.stats import (
     measure_batch,
     read_environment,
 )
-from mlxcel.structured.matcher import judge_returned_text
 
 
 @dataclass
@@ -274,45 +274,6 @@ def run_batch(
                 )
                 record(make_generation_row(batch[row], result, detokenizers[row].text))
         raise
-
-
-def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) -> dict:
-    sample, prompt = prepared.sample, prepared.prompt
-    judge_returned_text(prepared.constraint, result, text)  # (a text a stop string cut is judged itself)
-    return {
-        "id": sample.row.id,
-        "sample": sample.index,
-        "messages": sample.row.messages,
-        "input_sha256": hash_row(sample.row),  # what the row asked; a resume checks the input still asks it
-        "prompt": prompt.text,
-        "text": text,
-        "token_ids": result.token_ids,
-        "prompt_token_ids": prompt.token_ids,
-        "history_tokens": prompt.history_tokens,
-        "finish_reason": result.finish_reason,
-        "prompt_tokens": result.prompt_tokens,
-        "cached_tokens": result.cached_tokens,  # of prompt_tokens, adopted from the prompt cache
-        "generated_tokens": len(result.token_ids),
-        **({"logprobs": result.logprobs} if result.logprobs is not None else {}),  # decode.logprobs > 0
-        **({"error": result.error} if result.error else {}),  # a row the engine could not run
-        # structured output: False when the row ended (max_tokens, a stop string) before its answer was whole
-        **({"constraint_satisfied": result.constraint_satisfied} if result.constraint_satisfied is not None else {}),
-        **(result.timing or {}),  # the scheduler's queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
-    }
-
-
-def make_error_row(prepared: PreparedSample) -> dict:
-    sample = prepared.sample
-    return {
-        "id": sample.row.id,
-        "sample": sample.index,
-        "messages": sample.row.messages,
-        "input_sha256": hash_row(sample.row),
-        "text": "",
-        "token_ids": [],
-        "finish_reason": "error",
-        "error": prepared.error,
-    }
 
 
 def order_report(report: dict) -> dict:

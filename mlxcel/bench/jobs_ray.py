@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.bench.harness import align_columns, count_repeated_rows, log
-from mlxcel.bench.jobs import JobRun, compose_config, format_run
+from mlxcel.bench.job_runs import JobRun, compose_config, format_run
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.progress import Progress
 

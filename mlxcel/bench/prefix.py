@@ -35,10 +35,8 @@ import numpy as np
 from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment, reexec_with_openblas, split_models
 from mlxcel.bench.checkpoints import prepare_checkpoint
 from mlxcel.bench.harness import log
+from mlxcel.bench.job_runs import Job, JobRun, format_run
 from mlxcel.bench.jobs import (
-    Job,
-    JobRun,
-    format_run,
     load_mlxcel,
     measure,
     name_model,

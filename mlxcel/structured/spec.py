@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import MlxcelError, refuse_repeated_keys
 
 SPEC_KINDS = ("json_schema", "regex", "choice", "grammar")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -152,7 +152,8 @@ def make_answer_check(schema: dict | bool):
 
 def is_valid_json_answer(validator, text: str) -> bool:
     """Whether `text` is one JSON value, with no object key given twice, that the schema's
-    validator (make_answer_check) accepts. A schema jsonschema cannot apply (a $ref it cannot
+    validator (make_answer_check) accepts (json.loads would keep a repeated key's last value:
+    `{"a": 1, "\\u0061": "x"}` is not whole). A schema jsonschema cannot apply (a $ref it cannot
     resolve, a malformed keyword) accepts nothing: satisfied means checked."""
     try:
         answer = json.loads(text, object_pairs_hook=refuse_repeated_keys, parse_constant=refuse_constant)
@@ -162,14 +163,6 @@ def is_valid_json_answer(validator, text: str) -> bool:
         return bool(validator.is_valid(answer))
     except Exception:  # noqa: BLE001 (jsonschema's errors about the schema itself: not checked, not valid)
         return False
-
-
-def refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json.loads would keep a repeated key's last value: `{"a": 1, "\\u0061": "x"}` is not whole."""
-    answer = dict(pairs)
-    if len(answer) != len(pairs):
-        raise ValueError("a key is repeated")
-    return answer
 
 
 def refuse_constant(name: str) -> None:

@@ -7,13 +7,15 @@ rows (the engine ends them at the next step)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -51,8 +53,10 @@ class ServeApp:
         model_aliases: set[str],
         records: ServeRecords,
         keys: set[str],
+        log: TextIO | None = None,
     ):
         self.engine, self.settings, self.records = engine, settings, records
+        self.log = log  # one line a client that went away (None: stderr)
         self.model_id, self.model_aliases = model_id, model_aliases | {model_id}
         self.keys = keys
         self.max_body = int(settings.max_body_mb * 1024 * 1024)
@@ -75,6 +79,7 @@ class ServeApp:
             )
 
     async def read_json(self, request: Request) -> Any:
+        check_content_type(request.headers.get("content-type"))
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise ApiError(413, f"the request body is over serve.max_body_mb ({self.settings.max_body_mb} MB)")
@@ -85,16 +90,16 @@ class ServeApp:
                 raise ApiError(413, f"the request body is over serve.max_body_mb ({self.settings.max_body_mb} MB)")
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise ApiError(400, "the request body is nested too deeply") from None
+        except ValueError as exc:  # (bad JSON, bad UTF-8, an integer past Python's 4300 digits)
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
     def check_model(self, name: str) -> None:
         if name not in self.model_aliases:
             raise ApiError(
                 404,
-                f"model '{name}' is not served here; this server serves '{self.model_id}'",
+                f"model {name[:200]!r} is not served here; this server serves {self.model_id!r}",
                 "model",
                 "model_not_found",
             )
@@ -108,8 +113,19 @@ class ServeApp:
             self.check_key(request)
         except ApiError as error:
             return self.error_response(error, request, "models")
-        model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlxcel"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self.describe_model()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the model (any of its names), or OpenAI's 404 model_not_found."""
+        try:
+            self.check_key(request)
+            self.check_model(request.path_params["model"])
+        except ApiError as error:
+            return self.error_response(error, request, "models")
+        return JSONResponse(self.describe_model())
+
+    def describe_model(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlxcel"}
 
     async def chat(self, request: Request) -> Response:
         return await self.complete(request, "chat")
@@ -155,7 +171,13 @@ class ServeApp:
                 shutil.rmtree(images, ignore_errors=True)
             return Response(status_code=499)
         if parsed.stream:
-            return StreamingResponse(
+            try:
+                await self.wait_started(job)
+            except ApiError as error:
+                if images:
+                    shutil.rmtree(images, ignore_errors=True)
+                return self.error_response(error, request, endpoint, started)
+            return EventStream(
                 self.stream_answer(job, parsed, request, started, images),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -189,6 +211,39 @@ class ServeApp:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     # ---- answers ----
+    async def wait_started(self, job: Job) -> None:
+        """Until the engine has taken a streamed request's rows: what it refuses (a prompt over the
+        context, a bad token id, max_tokens past the context) is raised here, before the status
+        line, as the request's own 4xx. The events that came along stay queued for the stream."""
+        taken: list[tuple] = []
+        while True:
+            try:
+                events = await job.next_events()
+            except asyncio.CancelledError:  # (uvicorn's last resort at shutdown)
+                self.engine.cancel(job)
+                raise
+            for position, event in enumerate(events):
+                failure = read_failure(event)
+                if failure is not None:
+                    self.engine.cancel(job)  # (its other choices)
+                    raise failure
+                if event[0] == "started":
+                    job.events.extendleft(reversed(taken + events[position + 1 :]))
+                    if job.events:
+                        job.wake.set()
+                    return
+                taken.append(event)
+
+    def log_disconnect(self, job: Job, started: float) -> None:
+        """One line a client that went away (uvicorn would print an ASGI traceback)."""
+        kind = "stream" if job.streaming else "answer"
+        seconds = time.perf_counter() - started
+        print(
+            f"mlxcel-serve: {job.id}: the client disconnected {seconds:.1f} s into its {kind}; its rows are cancelled",
+            file=self.log if self.log is not None else sys.stderr,
+            flush=True,
+        )
+
     async def wait_events(self, job: Job, request: Request):
         """The job's events in batches (all that arrived since the last: a reader that lags
         behind the engine catches up in one go); raises ClientDisconnect when the client goes away."""
@@ -223,6 +278,7 @@ class ServeApp:
         except ClientDisconnect:
             self.engine.cancel(job)
             self.records.add_answer(job, done, started, first, "disconnected")
+            self.log_disconnect(job, started)
             return Response(status_code=499)
         except asyncio.CancelledError:  # (uvicorn's last resort at shutdown: the request keeps its row)
             self.engine.cancel(job)
@@ -231,9 +287,7 @@ class ServeApp:
         failed = next((d for d in done.values() if d["finish_reason"] == "error"), None)
         if failed is not None:
             self.engine.cancel(job)  # (its other choices)
-            return self.error_response(
-                ApiError(400, failed["error"] or "the row could not run"), request, job.endpoint, started
-            )
+            return self.error_response(describe_row_failure(failed), request, job.endpoint, started)
         self.records.add_answer(job, done, started, first, "ok")
         top = (parsed.top_logprobs or 0) if job.endpoint == "chat" else parsed.logprobs
         choices = []
@@ -331,7 +385,7 @@ class ServeApp:
                         flush(index, out)
                         done[index] = d
                         if d["finish_reason"] == "error":
-                            error = ApiError(400, d["error"] or "the row could not run")
+                            error = describe_row_failure(d)
                             out.append(f"data: {json.dumps(error.body())}\n\n")
                             yield "".join(out)
                             self.engine.cancel(job)
@@ -351,12 +405,57 @@ class ServeApp:
             yield "data: [DONE]\n\n"
             finished = True
             self.records.add_answer(job, done, started, first, "ok")
+        except ClientDisconnect:  # (our watcher saw it first: the stream ends here, quietly)
+            pass
         finally:
             if not finished:  # the client went away (the response task was cancelled) or a write failed
                 self.engine.cancel(job)
                 self.records.add_answer(job, done, started, first, "disconnected")
+                self.log_disconnect(job, started)
             if images:
                 shutil.rmtree(images, ignore_errors=True)
+
+
+def read_failure(event: tuple) -> ApiError | None:
+    """An engine event's error: the request's own ("error", ApiError), or a row that ended with
+    finish_reason "error" (the scheduler refused it, or its constraint failed)."""
+    if event[0] == "error":
+        return event[1]
+    if event[0] == "done" and event[2]["finish_reason"] == "error":
+        return describe_row_failure(event[2])
+    return None
+
+
+def describe_row_failure(done: dict) -> ApiError:
+    return ApiError(400, done["error"] or "the row could not run")
+
+
+class EventStream(StreamingResponse):
+    """A stream whose client went away ends quietly: Starlette raises ClientDisconnect out of the
+    response when a write fails (ASGI 2.4 servers), which uvicorn prints as an ASGI traceback. The
+    generator is closed here, so its `finally` records the request now, not at garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass
+        finally:
+            await self.body_iterator.aclose()
+
+
+def check_content_type(header: str | None) -> None:
+    """A body must say it is JSON (`application/json`, or a `+json` type); none said is taken as
+    JSON, as FastAPI does. `curl -d` sends form encoding: it gets 415 naming the header to add."""
+    if header is None:
+        return
+    media = header.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(
+            415,
+            f"the request body must be JSON sent as Content-Type: application/json (got {header[:100]!r})",
+            code="unsupported_media_type",
+        )
 
 
 async def watch_disconnect(request: Request, job: Job) -> None:
@@ -374,7 +473,7 @@ def make_app(serve: ServeApp) -> Starlette:
         error = ApiError(
             404,
             f"no route {request.method} {request.url.path} "
-            "(/v1/chat/completions, /v1/completions, /v1/models, /health)",
+            "(/v1/chat/completions, /v1/completions, /v1/models, /v1/models/{model}, /health)",
         )
         return JSONResponse(error.body(), status_code=404)
 
@@ -389,8 +488,18 @@ def make_app(serve: ServeApp) -> Starlette:
     routes = [
         Route("/health", serve.health, methods=["GET"]),
         Route("/v1/models", serve.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", serve.model, methods=["GET"]),  # (ids hold slashes: org/name)
         Route("/v1/chat/completions", serve.chat, methods=["POST"]),
         Route("/v1/completions", serve.completions, methods=["POST"]),
     ]
     handlers = {404: not_found, 405: method_not_allowed, 500: server_error, Exception: server_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        refresh = asyncio.ensure_future(serve.records.keep_fresh())  # stats.json every few seconds
+        try:
+            yield
+        finally:
+            refresh.cancel()
+
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -160,7 +160,7 @@ class Server:
         self.records = ServeRecords(self.outputs, report, settings.log_text, pipeline.header.fingerprint[:16])
         self.records.engine = self.engine
         self.app = make_app(
-            ServeApp(self.engine, settings, self.model_id, {str(cfg.model.path)}, self.records, self.keys)
+            ServeApp(self.engine, settings, self.model_id, {str(cfg.model.path)}, self.records, self.keys, self.log)
         )
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host}:{port}/v1"
@@ -175,7 +175,7 @@ class Server:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + ANSWER_SECONDS,
-            lifespan="off",
+            lifespan="on",  # (the app's lifespan keeps stats.json fresh)
         )
         self.uvicorn = make_uvicorn_server(config, self)
         self.uvicorn.run(sockets=[self.sock])

@@ -95,6 +95,7 @@ class ServeEngine:
         self.rows: dict[int, tuple[Job, Choice]] = {}
         self.next_row = 0
         self.outbox: list[tuple[Job, tuple]] = []
+        self.starting: list[Job] = []  # requests whose rows the scheduler takes this iteration
         self.lock = threading.Lock()
         self.accepted_rows = 0  # rows of accepted requests that have not ended (the queue's fill)
         self.scheduler: BatchScheduler | None = None
@@ -175,6 +176,7 @@ class ServeEngine:
                     "rows_decoding_sum": state.rows_decoding_sum,
                     "iterations": state.iterations,
                 }
+                self.announce_started()
                 self.flush()
         except BaseException as exc:  # every waiting request gets an answer, then the server reports it
             self.failure = exc
@@ -238,10 +240,23 @@ class ServeEngine:
             self.rows[index] = (job, choice)
             job.rows.append(index)
             rows.append((index, request))
+        self.starting.append(job)
         return rows
+
+    def announce_started(self) -> None:
+        """("started",) for the requests whose rows the scheduler took in this iteration, after
+        any of those rows it refused (a "done" with finish_reason "error"): a stream's status
+        line waits for this, so a request that cannot run is a 400, not a 200 with an error event.
+        Said at the iteration's first token or its end, whichever comes first (the scheduler
+        checks new rows before it draws)."""
+        for job in self.starting:
+            self.post(job, ("started",))
+        self.starting.clear()
 
     def make_rows(self, job: Job) -> list[tuple[int, RowRequest, Choice]]:
         prompts = [self.prepare(job, prompt) for prompt in job.prompts]
+        for prompt, _ in prompts:
+            check_room(job.max_tokens, len(prompt.token_ids), self.pipeline.max_context)
         try:
             chain = self.pipeline.chain_for(job.sampler)
         except (MlxcelError, ValueError, OverflowError, MemoryError) as exc:  # (the request's own values)
@@ -289,6 +304,9 @@ class ServeEngine:
         return tokens, None
 
     def on_token(self, row: int, token: int) -> bool:
+        if self.starting:  # (the scheduler has checked this iteration's new rows: their streams may start)
+            self.announce_started()
+            self.flush()
         job, choice = self.rows[row]
         piece = choice.stream.add_token(token)
         choice.generated += 1
@@ -350,6 +368,20 @@ class ServeEngine:
             loop.call_soon_threadsafe(deliver, batch)
         except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
             pass
+
+
+def check_room(max_tokens: int | None, prompt_tokens: int, context: int) -> None:
+    """A request's own max_tokens must fit after its prompt, as OpenAI answers (400), not be cut
+    to the context silently: a client asking for 10**6 tokens would wait minutes for a context's
+    worth. The server's default (decode.max_tokens) is cut to the context, as a job's is."""
+    if max_tokens is not None and prompt_tokens + max_tokens > context:
+        raise ApiError(
+            400,
+            f"max_tokens (or max_completion_tokens) is {max_tokens}, but this model's context is {context} tokens "
+            f"and the prompt takes {prompt_tokens}: ask for at most {max(context - prompt_tokens, 0)}",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 def describe_start_failure(exc: Exception) -> ApiError:

@@ -34,6 +34,7 @@ def convert_messages(messages: list, folder: Path | None, image_dirs: list[Path]
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object", f"messages.{i}")
+        check_types(message, i)
         message = {k: v for k, v in message.items() if k != "name" or message.get("role") == "tool"}
         if message.get("role") == "developer":
             message["role"] = "system"
@@ -53,12 +54,43 @@ def convert_messages(messages: list, folder: Path | None, image_dirs: list[Path]
     return converted
 
 
+def check_types(message: dict, i: int) -> None:
+    """JSON types as OpenAI's API takes them: our Message schema turns a number into text (a
+    config's `content: 123` is meant), which a request's `"content": 123` is not."""
+    for key in ("role", "name", "tool_call_id"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ApiError(
+                400, f"messages[{i}].{key}: expected a string, got {name_type(value)}", f"messages.{i}.{key}"
+            )
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise ApiError(
+            400,
+            f"messages[{i}].content: expected a string or an array of content parts, got {name_type(content)}",
+            f"messages.{i}.content",
+        )
+
+
+def name_type(value: Any) -> str:
+    """A JSON value's type as an error names it."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string")):
+        if isinstance(value, kind):
+            return name
+    return "an array" if isinstance(value, list) else "an object"
+
+
 def convert_part(part: Any, folder: Path | None, where: str, image_dirs: list[Path]) -> dict:
     if not isinstance(part, dict):
         raise ApiError(400, f"{where} must be an object", where)
     kind = part.get("type")
     if kind == "text":
-        return {"type": "text", "text": part.get("text")}
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ApiError(400, f"{where}.text: expected a string, got {name_type(text)}", f"{where}.text")
+        return {"type": "text", "text": text}
     if kind != "image_url":
         raise ApiError(400, f"{where}: content part type '{kind}' is not supported (text, image_url)", f"{where}.type")
     url = part.get("image_url", {})

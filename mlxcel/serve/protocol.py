@@ -8,6 +8,7 @@ sampling fields onto our sampler chain, over the server's configured chain.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -21,6 +22,8 @@ MAX_CHOICES = 16  # n: rows of one request (each holds a KV reservation)
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions API
 MAX_STOP_STRINGS = 4  # as OpenAI
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's and vLLM's
+NO_LOGPROB = -9999.0  # a token the chain left no chance: OpenAI's figure (JSON has no -Infinity)
 # Accepted and ignored: they change nothing a local server does (docs/serve.md lists them).
 IGNORED_FIELDS = frozenset(
     {
@@ -50,6 +53,7 @@ class ApiError(Exception):
     ):
         # (an exception's text can carry a lone surrogate from the request: the answer must encode)
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        message = message.replace("\r", "\\r").replace("\n", "\\n")  # (one line, whatever a key holds)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
@@ -73,7 +77,7 @@ class SamplingFields(BaseModel):
     top_p: Annotated[Float, Field(ge=0, le=1)] | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
@@ -345,9 +349,15 @@ def describe_logprobs(tokenizer, entry: dict, top: int) -> dict:
     it) with the tokens as text: what make_*_logprobs take."""
     return {
         "text": describe_token(tokenizer, entry["token"]),
-        "logprob": entry["logprob"],
-        "top": [(describe_token(tokenizer, t), lp) for t, lp in entry["top"][:top]],
+        "logprob": finite_logprob(entry["logprob"]),
+        "top": [(describe_token(tokenizer, t), finite_logprob(lp)) for t, lp in entry["top"][:top]],
     }
+
+
+def finite_logprob(value: float) -> float:
+    """A logprob JSON can carry: a token masked out (top_k, a grammar) has -inf, which a whole
+    answer cannot encode at all and a stream would write as the invalid `-Infinity`."""
+    return value if math.isfinite(value) else NO_LOGPROB
 
 
 def make_choice(endpoint: str, index: int, text: str, finish_reason: str, entries: list[dict] | None, top: int) -> dict:

@@ -1,9 +1,11 @@
 """The server's run folder: config.resolved.json (never the API keys), a row per request in
 generations.jsonl (its text and prompt only with serve.log_text=true), and stats.json, rewritten
-every few seconds and at shutdown: requests by status, tokens, throughput, TTFT percentiles."""
+every 5 s (requests in flight or not) and at shutdown: requests by status, rows in flight, tokens,
+throughput, TTFT percentiles."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter, deque
 
@@ -69,6 +71,13 @@ class ServeRecords:
         self.outputs.append_generation(row)
         self.maybe_write_stats()
 
+    async def keep_fresh(self) -> None:
+        """stats.json rewritten every STATS_EVERY_SECONDS while the server runs, not only when a
+        request ends: a request of minutes shows its rows in flight and decode steps as it goes."""
+        while True:
+            await asyncio.sleep(max(0.0, self.written_at + STATS_EVERY_SECONDS - time.perf_counter()))
+            self.maybe_write_stats()
+
     def maybe_write_stats(self) -> None:
         if time.perf_counter() - self.written_at >= STATS_EVERY_SECONDS:
             self.write_stats()
@@ -92,6 +101,7 @@ class ServeRecords:
                 "generated_tokens": self.tokens["completion"],
                 "generated_tok_per_sec_over_uptime": round(self.tokens["completion"] / uptime, 3) if uptime else None,
                 "ttft_ms": {**percentiles(ttfts), "count": len(ttfts)},  # (as mlxcel-run's row_ttft_ms)
+                "rows_in_flight": self.engine.accepted_rows if self.engine is not None else 0,
                 "decode_steps": steps,
                 "occupancy": round(totals.get("rows_decoding_sum", 0) / steps, 3) if steps else None,
             }

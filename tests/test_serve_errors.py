@@ -21,7 +21,7 @@ import pytest
 from mlxcel.serve.engine import ServeEngine
 from mlxcel.serve.messages import convert_messages
 from mlxcel.serve.protocol import ApiError, CompletionRequest, parse_request
-from tests.serve_fixtures import running_server
+from tests.serve_fixtures import running_server, wait_for_idle
 
 CONTEXT = 512  # the tiny Llama's max_position_embeddings
 MODEL = ("model=hf", "serve.model_name=m", "runner.prompt_cache=false", "runner.max_rows=4", "decode.max_tokens=3")
@@ -97,16 +97,22 @@ def test_a_stream_the_engine_refuses_is_a_400_before_it_starts(server, path, bod
     error = strict_json(text)["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert read_rows(server)[-1]["status"] == 400
-    assert server.engine.accepted_rows == 0 or wait_idle(server)
+    wait_for_idle(server.engine, 30)  # (the refused request holds no row)
     status, kind, text = send(server, "/v1/completions", {"model": "m", "prompt": "hello", "stream": True})
     assert status == 200 and kind.startswith("text/event-stream") and read_events(text)[-1] == "[DONE]", text
 
 
-def wait_idle(server) -> bool:
-    from tests.serve_fixtures import wait_for_idle
-
-    wait_for_idle(server.engine, 30)
-    return True
+def test_a_stream_whose_row_the_scheduler_refuses_is_a_400(tmp_path, tiny_llama):
+    """The scheduler's own refusal (a row whose KV reservation is past runner.kv_budget_gb) comes
+    as a row that ended with finish_reason "error" before the engine says "started": a 400 too."""
+    budget = ("runner.kv_budget_gb=0.0001",)  # (~190 tokens of the tiny Llama's KV: the warm-up fits)
+    with running_server(tmp_path / "run", *MODEL, *budget, f"model.path={tiny_llama}") as server:
+        body = {"model": "m", "prompt": "hello", "max_tokens": 400, "n": 2, "stream": True}
+        status, _, text = send(server, "/v1/completions", body)
+        assert status == 400 and "runner.kv_budget_gb" in strict_json(text)["error"]["message"], text
+        wait_for_idle(server.engine, 30)
+        status, _, text = send(server, "/v1/completions", {**body, "max_tokens": 4})
+        assert status == 200 and read_events(text)[-1] == "[DONE]", text
 
 
 def test_a_stream_that_starts_keeps_every_event(server):
@@ -278,7 +284,7 @@ def test_a_client_that_goes_away_is_one_line_not_a_traceback(tmp_path, tiny_llam
 
     from starlette.responses import StreamingResponse
 
-    from tests.serve_fixtures import chat_body, wait_for_idle
+    from tests.serve_fixtures import chat_body
 
     async def never(self, receive):
         await asyncio.Event().wait()

@@ -252,7 +252,8 @@ def mutate(rng: random.Random, body: dict, fields: list[str]) -> None:
 
 
 def make_cases(rng: random.Random) -> list[tuple]:
-    """(method, path, body bytes or None, content type) for each request."""
+    """(method, path, body bytes or None, content type, the status it must get or None: any 4xx or
+    200) for each request."""
     cases = []
     for _ in range(REQUESTS):
         roll = rng.random()
@@ -261,13 +262,13 @@ def make_cases(rng: random.Random) -> list[tuple]:
             for _ in range(rng.choice([1, 1, 2])):
                 mutate(rng, body, CHAT_FIELDS)
             body.setdefault("stream", rng.random() < 0.3)  # (a stream is checked before its status line too)
-            cases.append(("POST", "/v1/chat/completions", dump(body), "application/json"))
+            cases.append(("POST", "/v1/chat/completions", dump(body), "application/json", None))
         elif roll < 0.65:
             body = base_completion()
             for _ in range(rng.choice([1, 1, 2])):
                 mutate(rng, body, COMPLETION_FIELDS)
             body.setdefault("stream", rng.random() < 0.3)
-            cases.append(("POST", "/v1/completions", dump(body), "application/json"))
+            cases.append(("POST", "/v1/completions", dump(body), "application/json", None))
         elif roll < 0.75:
             chat = rng.random() < 0.6
             body = {
@@ -275,14 +276,14 @@ def make_cases(rng: random.Random) -> list[tuple]:
                 **rng.choice(VALID_CHAT if chat else VALID_COMPLETION),
             }
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            cases.append(("POST", path, dump(body), "application/json"))
+            cases.append(("POST", path, dump(body), "application/json", 200))  # (these must answer)
         elif roll < 0.85:
             path = rng.choice(["/v1/models", "/health", "/v1/models/", "/v1/", "/", "/v1/embeddings"])
             if rng.random() < 0.6:
                 path = "/v1/models/" + urllib.parse.quote(rng.choice(ODD_MODEL_IDS), safe="/")
-            cases.append((rng.choice(["GET", "GET", "POST", "DELETE", "PUT"]), path, None, None))
+            cases.append((rng.choice(["GET", "GET", "POST", "DELETE", "PUT"]), path, None, None, None))
         else:
-            cases.append(("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), *odd_body(rng)))
+            cases.append(("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), *odd_body(rng), None))
     return cases
 
 
@@ -339,6 +340,7 @@ def send(port: int, method: str, path: str, body: bytes | None, content_type: st
 def check_answer(status: int, headers: dict, data: bytes, case: tuple) -> None:
     shown = f"{case[0]} {case[1]} ({case[3]}): {(case[2] or b'')[:300]!r} -> {status} {data[:400]!r}"
     assert status < 500, shown
+    assert case[4] is None or status == case[4], shown
     if status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
         events = [line[6:] for line in data.decode().splitlines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", shown
@@ -376,7 +378,7 @@ def test_a_seeded_fuzz_gets_4xx_or_200_and_never_5xx(server):
     statuses: dict[int, int] = {}
     failures: list[str] = []
     for case in cases:
-        method, path, body, content_type = case
+        method, path, body, content_type, _ = case
         if body is not None:
             body = body.replace(b"IMAGES/", f"{server.image_folder}/".encode())
         status, headers, data = send(port, method, path, body, content_type)

@@ -205,6 +205,19 @@ def test_seeds_outside_64_bits_are_400s(seed, ok):
     assert err.value.status == 400 and err.value.param == "seed", err.value.message
 
 
+@pytest.mark.parametrize("key", ["1" * 5000, "\u00b2", "\u0663", "+1", "1_0"])
+def test_logit_bias_keys_are_ascii_token_ids(key):
+    """int() cannot read "²" (which isdigit() takes) nor 5000 digits: they were 500s; "٣" was read
+    as token 3 (odd ids of the fuzz's kind)."""
+    from mlxcel.sampling.config import SamplerConfig
+    from mlxcel.serve.protocol import ChatRequest, make_sampler_config
+
+    request = parse_request(ChatRequest, {"model": "m", "messages": [], "logit_bias": {key: 1}})
+    with pytest.raises(ApiError) as err:
+        make_sampler_config(SamplerConfig(), request, 100)
+    assert err.value.status == 400 and err.value.param == "logit_bias", err.value.message
+
+
 def test_an_integer_past_pythons_digit_limit_is_a_400(server):
     """json.loads raises a plain ValueError (not a JSONDecodeError) for 5000 digits: it was a 500."""
     body = b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"

@@ -81,7 +81,7 @@ class ServeApp:
     async def read_json(self, request: Request) -> Any:
         check_content_type(request.headers.get("content-type"))
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
+        if length is not None and length.isascii() and length.isdigit() and int(length[:20]) > self.max_body:
             raise ApiError(413, f"the request body is over serve.max_body_mb ({self.settings.max_body_mb} MB)")
         body = bytearray()
         async for chunk in request.stream():

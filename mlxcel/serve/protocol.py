@@ -260,7 +260,8 @@ def make_sampler_config(base: SamplerConfig, request: SamplingFields, vocab_size
     if request.logit_bias:
         bias = {}
         for key, value in request.logit_bias.items():
-            if not key.isdigit() or int(key) >= vocab_size:
+            # (ASCII digits only: "²".isdigit() and int() cannot read it; 5000 digits are past int()'s limit)
+            if not (key.isascii() and key.isdigit() and len(key) <= 12) or int(key) >= vocab_size:
                 raise ApiError(400, f"logit_bias keys are token ids in [0, {vocab_size}); got {key!r}", "logit_bias")
             bias[int(key)] = value
         processors["logit_bias"] = {**processors.get("logit_bias", {}), "bias": bias}

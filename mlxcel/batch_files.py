@@ -3,7 +3,7 @@
 
 Each input line is a request as OpenAI's Batch API and vLLM's `run-batch` take it:
 `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}`.
-The body is checked as the server checks a request (mlxcel.serve.protocol): its sampling fields
+The body is checked as the server checks a request (mlxcel.openai_protocol): its sampling fields
 become the row's own sampler chain, `max_tokens`, `seed`, `n`, `stop` and `logprobs` the row's. A
 line that cannot run (bad JSON, an unknown field, a repeated custom_id) becomes an error result
 for that line; the rest of the job runs. The job's rows are keyed by custom_id, so a resume skips
@@ -75,7 +75,7 @@ def make_bad_row(row_id: str, custom_id: str | None, error: str) -> JobRow:
 
 
 def read_batch_line(line: str, number: int, system: str | None, sampler, vocab_size: int | None) -> JobRow:
-    from mlxcel.serve.protocol import (
+    from mlxcel.openai_protocol import (
         ApiError,
         ChatRequest,
         CompletionRequest,
@@ -133,8 +133,8 @@ def read_batch_line(line: str, number: int, system: str | None, sampler, vocab_s
 def read_prompt(request, endpoint: str, system: str | None) -> tuple[list[dict], bool]:
     """(messages, raw): a chat's messages (prompt.system first unless it has one), or a
     completion's single text prompt as a raw user turn."""
-    from mlxcel.serve.messages import convert_messages
-    from mlxcel.serve.protocol import ApiError
+    from mlxcel.openai_messages import convert_messages
+    from mlxcel.openai_protocol import ApiError
 
     if endpoint == "completion":
         prompts = request.prompts()
@@ -170,7 +170,7 @@ def write_batch_output(folder: Path, rows: list[JobRow], generations: list[dict]
 
 def make_result_line(row: JobRow, samples: list[dict | None], error: str | None, tokenizer) -> dict:
     """The Batch API's result line: the endpoint's answer as the server gives it, or the error."""
-    from mlxcel.serve.protocol import ApiError, describe_logprobs, make_answer, make_choice, make_usage
+    from mlxcel.openai_protocol import ApiError, describe_logprobs, make_answer, make_choice, make_usage
 
     request_id = uuid.uuid5(uuid.NAMESPACE_OID, f"{row.id}").hex  # stable across resumes
     line = {"id": f"batch_req_{request_id[:24]}", "custom_id": row.batch.get("custom_id")}

@@ -85,8 +85,8 @@ def test_a_whole_history_window_still_works_and_a_window_is_no_wider_than_the_co
 
 
 def test_a_request_asking_for_a_huge_sampler_window_is_a_400():
+    from mlxcel.openai_protocol import ApiError, ChatRequest, make_sampler_config, parse_request
     from mlxcel.sampling.config import SamplerConfig
-    from mlxcel.serve.protocol import ApiError, ChatRequest, make_sampler_config, parse_request
 
     for sampler in ({"min_keep": HUGE}, {"processors": {"dry": {"last_n": HUGE}}}):
         request = parse_request(

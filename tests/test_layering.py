@@ -70,3 +70,18 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_the_check_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_job_side_does_not_reach_into_the_server():
+    """OpenAI's request mapping (openai_protocol, openai_messages) is shared: jobs and batch files
+    read rows through it without importing mlxcel.serve, and it imports neither side."""
+    graph = import_graph()
+    for module in (
+        "mlxcel.jobs",
+        "mlxcel.batch_files",
+        "mlxcel.runner",
+        "mlxcel.openai_protocol",
+        "mlxcel.openai_messages",
+    ):
+        assert not [m for m in graph[module] if m.startswith("mlxcel.serve")], module
+    assert not {"mlxcel.jobs", "mlxcel.batch_files", "mlxcel.runner"} & graph["mlxcel.openai_protocol"]

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
+from mlxcel.openai_messages import convert_messages
+from mlxcel.openai_protocol import ApiError, CompletionRequest, parse_request
 from mlxcel.serve.engine import ServeEngine
-from mlxcel.serve.messages import convert_messages
-from mlxcel.serve.protocol import ApiError, CompletionRequest, parse_request
 from tests.serve_fixtures import running_server, wait_for_idle
 
 CONTEXT = 512  # the tiny Llama's max_position_embeddings
@@ -209,8 +209,8 @@ def test_seeds_outside_64_bits_are_400s(seed, ok):
 def test_logit_bias_keys_are_ascii_token_ids(key):
     """int() cannot read "²" (which isdigit() takes) nor 5000 digits: they were 500s; "٣" was read
     as token 3 (odd ids of the fuzz's kind)."""
+    from mlxcel.openai_protocol import ChatRequest, make_sampler_config
     from mlxcel.sampling.config import SamplerConfig
-    from mlxcel.serve.protocol import ChatRequest, make_sampler_config
 
     request = parse_request(ChatRequest, {"model": "m", "messages": [], "logit_bias": {key: 1}})
     with pytest.raises(ApiError) as err:

@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 
 from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.openai_protocol import ApiError, ChatRequest, CompletionRequest, make_sampler_config, parse_request
 from mlxcel.serve import cli as serve_cli
 from mlxcel.serve.engine import ServeEngine
-from mlxcel.serve.protocol import ApiError, ChatRequest, CompletionRequest, make_sampler_config, parse_request
 from tests.serve_fixtures import request_json, running_server
 
 MODEL = ("model=hf", "serve.model_name=m", "runner.prompt_cache=false", "runner.max_rows=4")
@@ -151,7 +151,7 @@ def test_sampler_sizes_out_of_bounds_are_400s_naming_the_key(sampler, field):
 def test_a_config_error_from_the_sampler_schema_is_a_400(monkeypatch):
     """Whatever the sampler's schema raises for a request's mlxcel.sampler is a 400 naming it: a
     pydantic error (test_serve_protocol) or a ConfigError a check raises itself."""
-    import mlxcel.serve.protocol as protocol
+    import mlxcel.openai_protocol as protocol
     from mlxcel.sampling.config import SamplerConfig
 
     base = SamplerConfig()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from mlxcel.openai_protocol import ApiError, ChatRequest, CompletionRequest, make_sampler_config, parse_request
 from mlxcel.sampling.config import SamplerConfig
 from mlxcel.serve.cli import add_serve_group, load_api_keys
-from mlxcel.serve.protocol import ApiError, ChatRequest, CompletionRequest, make_sampler_config, parse_request
 
 GREEDY = SamplerConfig.model_validate({"selector": {"kind": "greedy"}})
 MESSAGES = [{"role": "user", "content": "hi"}]

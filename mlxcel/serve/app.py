@@ -22,9 +22,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxcel.serve.engine import Job, ServeEngine, describe_exception
-from mlxcel.serve.messages import convert_messages, has_data_urls
-from mlxcel.serve.protocol import (
+from mlxcel.openai_messages import convert_messages, has_data_urls
+from mlxcel.openai_protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -39,6 +38,7 @@ from mlxcel.serve.protocol import (
     parse_request,
     read_constraint,
 )
+from mlxcel.serve.engine import Job, ServeEngine, describe_exception
 from mlxcel.serve.records import ServeRecords
 
 

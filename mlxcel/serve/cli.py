@@ -64,8 +64,8 @@ def load_api_keys(path: str | None) -> set[str]:
 
 def warm_up(engine) -> None:
     """One short request through the engine, so the first client does not pay for kernel builds."""
+    from mlxcel.openai_protocol import ApiError
     from mlxcel.serve.engine import Job
-    from mlxcel.serve.protocol import ApiError
 
     async def run() -> None:
         job = Job(

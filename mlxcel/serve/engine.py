@@ -19,8 +19,8 @@ from mlxcel.engine.request import RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
 from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
+from mlxcel.openai_protocol import ApiError, describe_logprobs
 from mlxcel.sampling.config import SamplerConfig
-from mlxcel.serve.protocol import ApiError, describe_logprobs
 from mlxcel.structured.matcher import judge_returned_text
 from mlxcel.template import PromptTokens
 from mlxcel.tokenizer import TextStream

@@ -9,8 +9,8 @@ import asyncio
 import time
 from collections import Counter, deque
 
+from mlxcel.openai_protocol import count_usage
 from mlxcel.outputs import RunOutputs
-from mlxcel.serve.protocol import count_usage
 from mlxcel.stats import percentiles
 
 STATS_EVERY_SECONDS = 5.0

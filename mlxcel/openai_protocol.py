@@ -1,4 +1,6 @@
-"""OpenAI's request and response shapes for /v1/chat/completions and /v1/completions.
+"""OpenAI's request and response shapes for /v1/chat/completions and /v1/completions: the
+mapping mlxcel-serve, batch files (mlxcel.batch_files) and JSONL rows share, so it belongs to
+neither side.
 
 Requests are checked here, before anything reaches the engine: a field we do not know or do not
 support is a 400 that names it (never silently ignored); the fields that change nothing for a

@@ -10,7 +10,7 @@ import binascii
 from pathlib import Path
 from typing import Any
 
-from mlxcel.serve.protocol import ApiError
+from mlxcel.openai_protocol import ApiError
 
 IMAGE_SUFFIXES = {
     "image/png": ".png",

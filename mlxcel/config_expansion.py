@@ -74,22 +74,11 @@ def check_interpolation_sizes(cfg: Any) -> None:
     root = OmegaConf.to_container(cfg, resolve=False)
     sizes: dict[tuple, int] = {}
 
-    def node_at(path: tuple) -> Any:
-        node = root
-        for part in path:
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
-
     def size_of(path: tuple) -> int:
         if path in sizes:
             return sizes[path]
         sizes[path] = 0  # a cycle: OmegaConf reports it
-        node = node_at(path)
+        node = select(root, path)
         if isinstance(node, dict):
             total = sum(size_of((*path, str(k))) for k in node)
         elif isinstance(node, list):
@@ -97,7 +86,7 @@ def check_interpolation_sizes(cfg: Any) -> None:
         elif isinstance(node, str):
             total = len(node) + sum(size_of(ref) for ref in references(node, path[:-1]))
         else:
-            total = len(str(node))
+            total = 0 if node is KeyError else len(str(node))  # (a name that is no key: a resolver's text)
         sizes[path] = total = min(total, MAX_RESOLVED_CHARS + 1)
         return total
 
@@ -118,6 +107,18 @@ def check_interpolation_sizes(cfg: Any) -> None:
             )
 
     walk(root, ())
+
+
+def select(node: Any, path: tuple) -> Any:
+    """The value at `path` (keys, list indices as digits) in plain data; KeyError where there is none."""
+    for part in path:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return KeyError
+    return node
 
 
 def references(text: str, parent: tuple) -> list[tuple]:

@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mlxcel.config_expansion import select
 from mlxcel.errors import ConfigError, ConfigIssue
 
 ALLOWED_TARGETS = {
@@ -280,17 +281,6 @@ def iter_leaves(node: Any, path: tuple = ()):
             yield from iter_leaves(value, (*path, str(i)))
     else:
         yield path, node
-
-
-def select(node: Any, path: tuple) -> Any:
-    for part in path:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return KeyError
-    return node
 
 
 def dotted(path: tuple) -> str:

@@ -259,19 +259,10 @@ TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", type(None): "n
 def read_row(path: Path, number: int, line: bytes) -> dict:
     """Line `number` of generations.jsonl as a row; a damaged one is a config error naming it."""
 
-    parsed = False
-    try:
-        row = json.loads(line.decode("utf-8"), object_pairs_hook=refuse_repeated_keys)
-    except UnicodeDecodeError as exc:
-        problem = f"is not UTF-8 text (byte {exc.start + 1})"
-    except RecursionError:
-        problem = "is not valid JSON (nested too deeply to read)"
-    except json.JSONDecodeError as exc:
-        problem = f"is not valid JSON ({exc.msg} at column {exc.colno})"
-    except ValueError as exc:  # jobs.RepeatedKeyError
-        problem = f"is not valid JSON (the key {exc.args[0]!r} appears twice)"
-    else:
-        problem, parsed = describe_row_problem(row), True
+    row, problem = parse_json(line)
+    parsed = problem is None
+    if parsed:
+        problem = describe_row_problem(row)
     if problem is None:
         return row
     raise ConfigError(
@@ -282,6 +273,23 @@ def read_row(path: Path, number: int, line: bytes) -> dict:
             has_value=not parsed,  # (the line's start says where it broke; a field's problem names the field)
         )
     )
+
+
+def parse_json(data: bytes, lines: bool = False) -> tuple[Any, str | None]:
+    """A JSON text a user may have edited: (its value, None) or (None, why it cannot be read);
+    `lines`: a file of several lines, whose problems name the line."""
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=refuse_repeated_keys), None
+    except UnicodeDecodeError as exc:
+        where = f"line {data.count(NEWLINE, 0, exc.start) + 1}: " if lines else ""
+        return None, f"{where}is not UTF-8 text (byte {exc.start + 1})"
+    except RecursionError:
+        return None, "is not valid JSON (nested too deeply to read)"
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}: " if lines else ""
+        return None, f"{where}is not valid JSON ({exc.msg} at column {exc.colno})"
+    except ValueError as exc:  # errors.RepeatedKeyError
+        return None, f"is not valid JSON (the key {exc.args[0]!r} appears twice)"
 
 
 def describe_row_problem(row: Any) -> str | None:
@@ -319,18 +327,9 @@ def read_run_json(path: Path, fix: str) -> dict:
     error naming the file (and line)."""
 
     data = read_run_file(path, fix)
-    try:
-        value = json.loads(data.decode("utf-8"), object_pairs_hook=refuse_repeated_keys)
-    except UnicodeDecodeError as exc:
-        problem = f"line {data.count(NEWLINE, 0, exc.start) + 1}: is not UTF-8 text"
-    except RecursionError:
-        problem = "is not valid JSON (nested too deeply to read)"
-    except json.JSONDecodeError as exc:
-        problem = f"line {exc.lineno}: is not valid JSON ({exc.msg} at column {exc.colno})"
-    except ValueError as exc:  # jobs.RepeatedKeyError
-        problem = f"is not valid JSON (the key {exc.args[0]!r} appears twice)"
-    else:
-        problem = None if isinstance(value, dict) else f"is not a JSON object (it is {type(value).__name__})"
+    value, problem = parse_json(data, lines=True)
+    if problem is None and not isinstance(value, dict):
+        problem = f"is not a JSON object (it is {type(value).__name__})"
     if problem is None:
         return value
     raise ConfigError(ConfigIssue(f"{path}", f"{problem}; the file was edited or damaged: {fix}", has_value=False))

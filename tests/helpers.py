@@ -355,16 +355,15 @@ def run_alone(model, sampler, prompt: list[int], row_id, max_tokens: int, **requ
 
 
 def run_cli(tmp_path: Path, *args: str, env: dict | None = None, run: str = "run") -> subprocess.CompletedProcess:
-    run_dir = tmp_path / run
+    return run_mlxcel(tmp_path, f"hydra.run.dir={tmp_path / run}", *args, env=env)
+
+
+def run_mlxcel(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m mlxcel ARGS` in `cwd`, this checkout's code, no traceback switch."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     full_env.pop("MLXCEL_DEBUG", None)
     return subprocess.run(
-        [sys.executable, "-m", "mlxcel", f"hydra.run.dir={run_dir}", *args],
-        cwd=tmp_path,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, "-m", "mlxcel", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600
     )
 
 

@@ -5,10 +5,8 @@ bombs. Each is refused before Hydra acts on it; what mlxcel ships still passes."
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,7 @@ import pytest
 from mlxcel.cli import find_conf_dir, quote_free_text, read_job_config, use_recipe
 from mlxcel.errors import ConfigError
 from mlxcel.hydra_guard import check_hydra_settings
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import run_mlxcel as run_in
 
 
 def check(*args: str):
@@ -285,17 +282,7 @@ def test_env_copy_from_a_recipe_is_refused(tmp_path, monkeypatch):
 
 # ---- end to end: the canary stays unmade, no folder is created ----
 def run_mlxcel(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MYSECRET": "s3cret-value"}
-    env.pop("MLXCEL_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "mlxcel", *args],
-        check=False,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_in(tmp_path, *args, env={"MYSECRET": "s3cret-value"})
 
 
 @pytest.mark.slow  # a subprocess

@@ -14,6 +14,7 @@ import pytest
 from mlxcel.cli import find_conf_dir, quote_free_text, use_recipe
 from mlxcel.errors import ConfigError
 from mlxcel.hydra_guard import check_hydra_settings
+from tests.helpers import run_mlxcel as run_in
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -106,17 +107,7 @@ def test_a_recipe_path_must_be_a_yaml_job_file(value, tmp_path):
 
 
 def run_mlxcel(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MYSECRET": "s3cret-value"}
-    env.pop("MLXCEL_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "mlxcel", *args],
-        check=False,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_in(tmp_path, *args, env={"MYSECRET": "s3cret-value"})
 
 
 @pytest.mark.slow  # a subprocess

@@ -16,23 +16,28 @@ pytestmark = [pytest.mark.slow, requires_smollm2]  # loads the real embedded mod
 SCHEMA = json.loads((REPO / "recipes" / "data" / "person.schema.json").read_text())
 
 
-def test_fifty_extractions_all_validate_against_the_schema(tmp_path):
-    result = run_cli(tmp_path, "recipe=structured_extraction")
+def test_the_extraction_recipe_validates_against_the_schema(tmp_path):
+    """The structured_extraction recipe on its first 12 rows: all 50 take ~20 minutes on the
+    reference BLAS a Linux machine without OpenBLAS runs (the test's time, not its point)."""
+    rows_file = tmp_path / "people.jsonl"
+    lines = (REPO / "recipes" / "data" / "people.jsonl").read_text().splitlines(keepends=True)
+    rows_file.write_text("".join(lines[:12]))
+    result = run_cli(tmp_path, "recipe=structured_extraction", f"prompt.file={rows_file}")
     assert result.returncode == 0, result.stderr
     stats, rows, config = read_run(tmp_path)
-    assert len(rows) == 50 and config["decode"]["constraint"]["json_schema"].endswith("person.schema.json")
+    assert len(rows) == 12 and config["decode"]["constraint"]["json_schema"].endswith("person.schema.json")
     for row in rows:
         assert row["finish_reason"] == "stop" and row["constraint_satisfied"] is True, row
         jsonschema.validate(json.loads(row["text"]), SCHEMA)
     assert stats["constraints"] == {
-        "rows": 50,
-        "satisfied": 50,
-        "kinds": {"json_schema": 50},
+        "rows": 12,
+        "satisfied": 12,
+        "kinds": {"json_schema": 12},
         "mask_ms": stats["constraints"]["mask_ms"],
     }
     # the documents' facts come through (the model reads them; the mask only shapes the answer)
     ages = [json.loads(row["text"])["age"] for row in rows]
-    assert len(set(ages)) > 10
+    assert len(set(ages)) > 6
 
 
 CITY = {

@@ -477,3 +477,17 @@ CHAINS = {
     },
     "adaptive_p": {"processors": {"min_p": {"p": 0.02}}, "selector": {"kind": "adaptive_p", "target": 0.3}},
 }
+
+
+def first_config_error(**groups) -> str:
+    """The first line of the config error that validating these groups (on the embedded model,
+    prompt "hi") gives."""
+    from mlxcel.config import validate_config
+    from mlxcel.errors import ConfigError
+
+    data = {"model": {"path": "embedded:smollm2"}, "prompt": {"text": "hi"}, **groups}
+    try:
+        validate_config(data)
+    except ConfigError as raised:
+        return raised.format().splitlines()[0]
+    raise AssertionError(f"no config error for {groups}")

@@ -14,6 +14,7 @@ import pytest
 from mlxcel.cli import find_conf_dir, quote_free_text, use_recipe
 from mlxcel.errors import ConfigError
 from mlxcel.hydra_guard import check_hydra_settings
+from tests.helpers import first_config_error as validate
 from tests.helpers import run_mlxcel as run_in
 
 REPO = Path(__file__).resolve().parent.parent
@@ -367,15 +368,6 @@ def test_a_single_prompt_stopped_by_ctrl_c_keeps_its_partial_row(tmp_path, tiny_
 
 
 # ---- values that must be checked, exit codes, messages that name the problem ----
-def validate(**groups):
-    from mlxcel.config import validate_config
-
-    data = {"model": {"path": "embedded:smollm2"}, "prompt": {"text": "hi"}, **groups}
-    with pytest.raises(ConfigError) as raised:
-        validate_config(data)
-    return raised.value.format().splitlines()[0]
-
-
 @pytest.mark.parametrize(
     "groups, line",
     [

@@ -16,18 +16,10 @@ from pathlib import Path
 import pytest
 
 from mlxcel.errors import ConfigError, MlxcelError
+from tests.helpers import first_config_error as validate
 
 REPO = Path(__file__).resolve().parent.parent
 HUGE = 10**12
-
-
-def validate(**groups):
-    from mlxcel.config import validate_config
-
-    data = {"model": {"path": "embedded:smollm2"}, "prompt": {"text": "hi"}, **groups}
-    with pytest.raises(ConfigError) as raised:
-        validate_config(data)
-    return raised.value.format().splitlines()[0]
 
 
 # ---- item 9: sampler sizes ----

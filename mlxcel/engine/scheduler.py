@@ -45,7 +45,7 @@ from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
 from mlxcel.sampling.rows import GroupedRowsSampler
-from mlxcel.structured.matcher import MaskBuffer, consume_token
+from mlxcel.structured.matcher import MaskBuffer, consume_token, is_satisfied
 from mlxcel.vision.stage import merge_embeddings
 
 KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by default
@@ -938,8 +938,8 @@ class BatchScheduler:
             else:
                 token_logprobs = logprobs[i] if logprobs is not None else None
                 apply_token(result, row.index, token, token_logprobs, stop_ids, row.limit, on_token)
-            if result.finish_reason is not None and row.matcher is not None:  # (whole, and valid: Constraint.judge)
-                result.constraint_satisfied = row.request.constraint.judge(row.matcher, result.token_ids)
+            if result.finish_reason is not None and row.matcher is not None:  # (the text: judge_returned_text)
+                result.constraint_satisfied = is_satisfied(row.matcher)
             if result.finish_reason is not None:
                 self.live.pop(row.index, None)
                 row.finished_at = now

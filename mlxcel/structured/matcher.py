@@ -4,9 +4,10 @@
 distinct spec (kept, as a job's rows and a server's requests repeat them); each row takes its own
 matcher from one (`new_matcher`). `fill_masks` computes a batch's masks with llguidance's
 executor (Rust threads, the GIL released) while the device runs the forward pass; the sampler
-chain applies them (sampling/processors.apply_token_bitmask). `Constraint.judge` says whether a
-row's answer is whole and valid (its `constraint_satisfied`), `judge_returned_text` whether the
-text a row returns is (a stop string may cut it short of the tokens the matcher read).
+chain applies them (sampling/processors.apply_token_bitmask). The scheduler reports whether a
+row's matcher ended in an accepting state; `judge_returned_text` then judges the text the row
+returns (a stop string may cut it short of the tokens the matcher read; a JSON answer must also
+validate), once, outside the decode loop's step.
 """
 
 from __future__ import annotations
@@ -37,37 +38,25 @@ class Constraint:
         self.kind = describe_spec(spec)
         self.end_ids = end_ids  # the EOS ids the grammar allows once the answer is whole: they end the row
         self._matcher = matcher  # at the start state, copied for each row (compiling is the costly part)
-        self._owner = owner  # the tokenizers it was compiled for
+        self._owner = owner  # the tokenizer it was compiled for (judge_text tokenizes with it)
         self._answer_check = None  # a JSON schema's jsonschema validator, made on first use
 
     def new_matcher(self):
         return self._matcher.deep_copy()
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._owner.tokenizer.decode(token_ids)
-
-    def judge(self, matcher, token_ids: list[int]) -> bool:
-        """Whether a row's answer, `token_ids` (the matcher has read them), is whole and valid:
-        the matcher is in an accepting state, not its error state, and a JSON schema's answer
-        validates (jsonschema: llguidance accepts keys written with \\u escapes, unchecked)."""
-        return is_satisfied(matcher) and self.is_valid_answer(token_ids)
-
     def judge_text(self, text: str) -> bool:
-        """Whether `text` alone is a whole, valid answer: a new matcher reads it (as llguidance
-        tokenizes it; the grammar reads bytes, whatever the tokens)."""
+        """Whether `text`, the answer a row returns, is whole and valid: a new matcher reads it (as
+        llguidance tokenizes it; the grammar reads bytes, whatever the tokens), and a JSON schema's
+        answer validates (jsonschema: llguidance accepts keys written with \\u escapes, unchecked).
+        Judged on the returned text, so a stop string that cut it short counts."""
         matcher = self.new_matcher()
         tokens = self._owner.ll_tokenizer.tokenize_str(text)
-        if matcher.try_consume_tokens(tokens) != len(tokens):
+        if matcher.try_consume_tokens(tokens) != len(tokens) or not is_satisfied(matcher):
             return False
-        return is_satisfied(matcher) and self.is_valid_answer(text)
-
-    def is_valid_answer(self, answer: list[int] | str) -> bool:
-        """True but for a JSON schema's answer (tokens or text) that jsonschema does not accept."""
         if self.kind != "json_schema":
             return True
         if self._answer_check is None:
             self._answer_check = make_answer_check(self.spec["json_schema"])
-        text = answer if isinstance(answer, str) else self.decode(answer)
         return is_valid_json_answer(self._answer_check, text)
 
 
@@ -214,14 +203,12 @@ def is_satisfied(matcher) -> bool:
 
 
 def judge_returned_text(constraint: Constraint | None, result, text: str) -> bool | None:
-    """A finished row's constraint_satisfied for the text it returns, set on `result` (a RowResult:
-    its token_ids, its constraint_satisfied as the scheduler judged them) and returned. Where a stop
-    string cut the text short of the tokens, the text is judged on its own: satisfied means the
-    returned text is a whole match."""
-    satisfied = result.constraint_satisfied
-    if constraint is not None and satisfied is not None and text != constraint.decode(result.token_ids):
-        result.constraint_satisfied = satisfied = constraint.judge_text(text)
-    return satisfied
+    """A finished row's constraint_satisfied, set on `result` (a RowResult) and returned: the
+    scheduler's verdict from the matcher's state is replaced by the verdict on the text the row
+    returns (None: the row had no constraint). Judged once, where the text is known."""
+    if constraint is not None and result.constraint_satisfied is not None:
+        result.constraint_satisfied = constraint.judge_text(text)
+    return result.constraint_satisfied
 
 
 __all__ = [

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlxcel.errors import first_line
 from mlxcel.resolvers import _FREE_TEXT, FREE_TEXT_KEYS, find_recipes_dir, register_resolvers  # noqa: F401 (re-exported)
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -572,10 +573,6 @@ def join_sentences(lines: list[str]) -> str:
     for line in lines:
         text += ("" if not text else " " if text[-1] in ".:;!?" or line.startswith("(") else "; ") + line
     return text
-
-
-def first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def run_command(command: Callable[[list[str]], int]) -> None:

@@ -60,3 +60,8 @@ def refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
     if repeated is not None:
         raise RepeatedKeyError(repeated)
     return dict(pairs)
+
+
+def first_line(text: str) -> str:
+    """A multi-line message's first non-empty line (Hydra's, OmegaConf's, a library's)."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")

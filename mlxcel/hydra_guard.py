@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel.config_expansion import select
-from mlxcel.errors import ConfigError, ConfigIssue
+from mlxcel.errors import ConfigError, ConfigIssue, first_line
 
 ALLOWED_TARGETS = {
     "callbacks": {"mlxcel.hydra_callbacks.SweepSummary"},
@@ -265,10 +265,6 @@ def resolve_hydra_node(cfg, parts: tuple[str, ...] | None = None) -> dict:
         refuse(key, f"cannot be resolved before the job runs ({first_line(str(ex))})")
     finally:
         HydraConfig.instance().cfg = previous
-
-
-def first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def iter_leaves(node: Any, path: tuple = ()):

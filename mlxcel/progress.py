@@ -49,10 +49,10 @@ class Progress:
         self.prompt_tokens += prompt_tokens
         self.show()
 
-    def add_token(self, key: Hashable) -> None:
-        if key not in self.live:  # (a caller that skipped start_row)
-            self.live[key] = 0
-            self.prefilled += 1
+    def add_token(self, key: Hashable, prompt_tokens: int = 0) -> None:
+        """A token drawn for row `key`; its first says the row's prompt (`prompt_tokens`) is in."""
+        if key not in self.live:
+            self.start_row(key, prompt_tokens)
         self.live[key] += 1
         self.tokens += 1
         if self.mode != "off":

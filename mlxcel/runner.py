@@ -238,14 +238,11 @@ def run_batch(
     `stream`: where a single prompt's answer streams; a reader that goes away ends the row there."""
     detokenizers = [pipeline.make_text_stream(stream is not None, p.sample.row.stop) for p in batch]
     keys = [p.sample.key for p in batch]
-    drawn = [0] * len(batch)
     finished: set[int] = set()
 
     def on_token(row: int, token: int) -> bool:
-        if not drawn[row]:  # its prompt is in: progress moves while the other rows prefill
-            progress.start_row(keys[row], len(batch[row].prompt.token_ids))
-        drawn[row] += 1
-        progress.add_token(keys[row])
+        # (a row's first token: its prompt is in, so progress moves while other rows prefill)
+        progress.add_token(keys[row], len(batch[row].prompt.token_ids))
         text = detokenizers[row].add_token(token)
         if stream is not None and text and not stream.write(text):
             return False  # the reader went away (`| head`): no one reads the rest

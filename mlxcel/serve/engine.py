@@ -17,7 +17,7 @@ from typing import Any
 
 from mlxcel.engine.request import RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import MlxcelError, first_line
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.openai_protocol import ApiError, describe_logprobs
 from mlxcel.sampling.config import SamplerConfig
@@ -395,8 +395,6 @@ def describe_start_failure(exc: Exception) -> ApiError:
 
 def describe_exception(exc: BaseException) -> str:
     """One line: the message's first, or the exception's name when it has none (a bare MemoryError)."""
-    from mlxcel.cli import first_line
-
     return first_line(str(exc)) or type(exc).__name__
 
 

@@ -42,43 +42,6 @@ _O200K_PATTERN = (  # tiktoken's o200k_base, its seven alternatives one per line
 )
 _QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (verbatim, as published)
 _QWEN35_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (verbatim, as published)
-_QWEN35_SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-    "<|audio_start|>",
-    "<|audio_end|>",
-    "<tts_pad>",
-    "<tts_text_bos>",
-    "<tts_text_eod>",
-    "<tts_text_bos_single>",
-    "<|audio_pad|>",
-]
-
-
 # Qwen's added tokens that its tokenizer_config.json marks "special": false (Qwen2.5 to 3.6):
 # matched whole in any text, a user's too, as transformers does (a template splits content at </think>).
 _QWEN_PLAIN = (
@@ -95,6 +58,32 @@ _QWEN_PLAIN = (
     "<think>",
     "</think>",
 )
+
+
+_QWEN35_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    *_QWEN_PLAIN,
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
+]
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,12 @@ def at_most(high: float, message: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def memory_gb(default: str) -> Any:
+    """A memory budget in GB: (0, MAX_MEMORY_GB], or null for `default`."""
+    message = f"must be a number of GB in (0, {MAX_MEMORY_GB:g}] (null: {default})"
+    return Annotated[float, Field(gt=0), at_most(MAX_MEMORY_GB, message)] | None
+
+
 class Group(BaseModel):
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
@@ -556,25 +562,10 @@ class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
     max_rows: Annotated[PositiveInt, at_most(MAX_ROWS, f"must be an integer in [1, {MAX_ROWS}]")] = 8  # rows at once
-    # KV cache cap; None: 40% of device memory (RAM on the CPU)
-    kv_budget_gb: (
-        Annotated[
-            float,
-            Field(gt=0),
-            at_most(MAX_MEMORY_GB, f"must be a number of GB in (0, {MAX_MEMORY_GB:g}] (null: 40% of device memory)"),
-        ]
-        | None
-    ) = None
+    kv_budget_gb: memory_gb("40% of device memory") = None  # KV cache cap (RAM on the CPU)
     # the prompt cache: rows that start with a cached prefix prefill only the rest (docs/jobs.md)
     prompt_cache: Bool = True
-    prompt_cache_gb: (  # None: 10% of device memory (RAM on the CPU)
-        Annotated[
-            float,
-            Field(gt=0),
-            at_most(MAX_MEMORY_GB, f"must be a number of GB in (0, {MAX_MEMORY_GB:g}] (null: 10% of device memory)"),
-        ]
-        | None
-    ) = None
+    prompt_cache_gb: memory_gb("10% of device memory") = None  # (RAM on the CPU)
     prompt_cache_dir: str | None = None  # save entries here and load them in later jobs (one folder per machine)
     resume: Bool = False  # continue the run folder hydra.run.dir: skip ids already written
     dry_run: Bool = False  # validate, render and tokenize every prompt; load no weights

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,7 @@ def check_hydra_settings(args: list[str], conf_dir: Path):
     for key, folder in (("--config-dir", parsed.config_dir), ("--config-path", parsed.config_path)):
         if folder is not None and "://" not in folder:
             check_config_folder(key, Path(folder))
+    shipped = compose_baseline(conf_dir, parsed.overrides)  # (before: it builds a global Hydra of its own)
     with composer(parsed, conf_dir) as compose:
         try:
             cfg = compose(parsed.config_name or "config", list(parsed.overrides), RunMode.MULTIRUN)
@@ -141,8 +143,7 @@ def check_hydra_settings(args: list[str], conf_dir: Path):
         check_recorded_overrides(cfg, parsed.overrides)
         check_targets(OmegaConf.to_container(cfg.hydra, resolve=False))  # as written, then as resolved
         node = resolve_hydra_node(cfg)
-        baseline = resolve_hydra_node(compose_baseline(conf_dir, parsed.overrides))
-        check_changed_settings(node, baseline)
+        check_changed_settings(node, resolve_hydra_node(shipped))
         check_node(node, parsed.overrides)
         check_output_dirs(node)
         mode = node.get("mode")
@@ -159,48 +160,37 @@ def parse_hydra_args(args: list[str]):
     return get_args_parser().parse_args(args)
 
 
-class composer:
+@contextmanager
+def composer(parsed, conf_dir: Path):
     """Hydra's composition as hydra.main sets it up for these arguments: the primary config
-    folder (--config-path, else mlxcel's conf), --config-dir before the schema. A context: the
-    compose function lives while the global Hydra it builds does."""
+    folder (--config-path, else mlxcel's conf), --config-dir before the schema. Yields the compose
+    function, which lives while the global Hydra it builds does."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import _get_module_name_override, create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
 
-    def __init__(self, parsed, conf_dir: Path):
-        self.parsed, self.conf_dir = parsed, conf_dir
+    config_path = parsed.config_path if parsed.config_path is not None else str(conf_dir)
+    # hydra.main reads a relative --config-path from the module that declares the task (mlxcel.cli)
+    search_path = create_automatic_config_search_path(None, _get_module_name_override() or "mlxcel.cli", config_path)
+    if parsed.config_dir is not None:
+        extra = os.path.abspath(parsed.config_dir)
+        search_path.prepend(provider="command-line", path=f"file://{extra}", anchor=SearchPathQuery(provider="schema"))
+    GlobalHydra.instance().clear()
+    hydra = Hydra.create_main_hydra2(task_name="mlxcel", config_search_path=search_path)
 
-    def __enter__(self):
-        from hydra._internal.hydra import Hydra
-        from hydra._internal.utils import _get_module_name_override, create_automatic_config_search_path
-        from hydra.core.config_search_path import SearchPathQuery
-        from hydra.core.global_hydra import GlobalHydra
-
-        parsed = self.parsed
-        config_path = parsed.config_path if parsed.config_path is not None else str(self.conf_dir)
-        # hydra.main reads a relative --config-path from the module that declares the task (mlxcel.cli)
-        search_path = create_automatic_config_search_path(
-            None, _get_module_name_override() or "mlxcel.cli", config_path
+    def compose(config_name: str, overrides: list[str], run_mode):
+        return hydra.compose_config(
+            config_name=config_name,
+            overrides=overrides,
+            run_mode=run_mode,
+            with_log_configuration=False,
+            validate_sweep_overrides=False,
         )
-        if parsed.config_dir is not None:
-            extra = os.path.abspath(parsed.config_dir)
-            search_path.prepend(
-                provider="command-line", path=f"file://{extra}", anchor=SearchPathQuery(provider="schema")
-            )
-        GlobalHydra.instance().clear()
-        hydra = Hydra.create_main_hydra2(task_name="mlxcel", config_search_path=search_path)
 
-        def compose(config_name: str, overrides: list[str], run_mode):
-            return hydra.compose_config(
-                config_name=config_name,
-                overrides=overrides,
-                run_mode=run_mode,
-                with_log_configuration=False,
-                validate_sweep_overrides=False,
-            )
-
-        return compose
-
-    def __exit__(self, *exc) -> None:
-        from hydra.core.global_hydra import GlobalHydra
-
+    try:
+        yield compose
+    finally:
         GlobalHydra.instance().clear()
 
 

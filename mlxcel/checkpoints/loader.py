@@ -44,6 +44,9 @@ FAMILIES = {
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    # hybrids: recurrent layers beside attention (models/recurrent.py)
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",  # the vision-language folders: their language model
     # vision-language models (mlxcel/vision/stage.py has their contract)
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_vl",
@@ -218,7 +221,11 @@ def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
             weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
         apply_checkpoint_quantization(model, quantization, weights, config_path)
         info["quantization"] = describe_checkpoint_quantization(quantization)
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    kept = getattr(model, "float32_weights", ())  # parameters the family computes with in float32
+    weights = {
+        k: v.astype(mx.float32 if k.endswith(kept) and kept else dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
     apply_weights(model, weights, folder, origins)
     generation_config = (
         read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}

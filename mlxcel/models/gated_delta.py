@@ -1,0 +1,132 @@
+"""The gated delta rule (Gated DeltaNet: Qwen 3.5, Qwen3-Next), in plain MLX.
+
+Per value head, the state S [Dk, Dv] decays by exp(g), then takes the delta rule's correction for
+the token's key and value, and the token reads it with its query:
+
+    S = exp(g) * S;   S += k (beta * (v - k^T S));   y = q^T S
+
+Two forms compute it. `recurrent`: token by token (a decode step is one token). `chunked`: a
+prefill piece in chunks of CHUNK tokens, each chunk's tokens together in a few matmuls (the WY / UT
+transform of the DeltaNet papers, as transformers' torch_chunk_gated_delta_rule writes it), then one
+state update a chunk. Both take any state and give the same numbers to rounding, so a prompt may be
+cut anywhere. Masked positions (a row's padding) leave the state as it was: their k, beta and g
+are zeroed, which makes their update the identity in both forms.
+
+Shapes: q, k [B, L, Hk, Dk] (q already scaled by Dk^-0.5, both l2-normalised where the family
+does); v [B, L, Hv, Dv]; g (log decay, <= 0) and beta [B, L, Hv]; state [B, Hv, Dk, Dv], float32.
+Hv is a multiple of Hk: each query/key head serves Hv / Hk consecutive value heads.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+CHUNK = 64  # tokens a chunk: the within-chunk matrices are CHUNK x CHUNK
+RECURRENT_BELOW = 8  # pieces shorter than this run token by token (a chunk's fixed cost is not worth it)
+
+
+def gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """(y [B, L, Hv, Dv] in v's dtype, the state after the last token), by whichever form suits L."""
+    if mask is not None:
+        k, g, beta = apply_mask(k, g, beta, mask)
+    if q.shape[1] < RECURRENT_BELOW:
+        return recurrent(q, k, v, g, beta, state)
+    return chunked(q, k, v, g, beta, state)
+
+
+def apply_mask(k: mx.array, g: mx.array, beta: mx.array, mask: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Zero k, g and beta where mask [B, L] is False: those tokens neither decay nor write the state."""
+    keep = mask.astype(g.dtype)
+    return k * mask[..., None, None].astype(k.dtype), g * keep[..., None], beta * mask[..., None].astype(beta.dtype)
+
+
+def expand_heads(x: mx.array, heads: int) -> mx.array:
+    """[B, L, Hk, D] -> [B, L, heads, D]: each key head repeated for its value heads."""
+    repeat = heads // x.shape[2]
+    return x if repeat == 1 else mx.repeat(x, repeat, axis=2)
+
+
+def recurrent(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Token by token (decode; short pieces)."""
+    heads, dtype = v.shape[2], v.dtype
+    q, k = (expand_heads(x, heads).astype(mx.float32) for x in (q, k))
+    v, g, beta = v.astype(mx.float32), g.astype(mx.float32), beta.astype(mx.float32)
+    decay = mx.exp(g)
+    ys = []
+    for t in range(q.shape[1]):
+        state = state * decay[:, t, :, None, None]
+        k_t = k[:, t, :, :, None]  # [B, H, Dk, 1]
+        remembered = (state * k_t).sum(axis=-2)  # k^T S: [B, H, Dv]
+        delta = (v[:, t] - remembered) * beta[:, t, :, None]
+        state = state + k_t * delta[:, :, None, :]
+        ys.append((state * q[:, t, :, :, None]).sum(axis=-2))
+    y = ys[0][:, None] if len(ys) == 1 else mx.stack(ys, axis=1)
+    return y.astype(dtype), state
+
+
+def invert_unit_lower(strict: mx.array) -> mx.array:
+    """(I + N)^-1 for N strictly lower triangular [.., C, C] (so N^C = 0): the finite Neumann series
+    sum (-N)^i as the product (I - N)(I + N^2)(I + N^4)..., log2(C) squarings; no triangular solve
+    (MLX has it on the CPU only)."""
+    size = strict.shape[-1]
+    eye = mx.eye(size, dtype=strict.dtype)
+    power = -strict
+    inverse = eye + power
+    span = 2
+    while span < size:
+        power = power @ power
+        inverse = inverse @ (eye + power)
+        span *= 2
+    return inverse
+
+
+def chunked(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """CHUNK tokens at a time. The piece is padded to whole chunks with tokens that do nothing
+    (k, g, beta zero)."""
+    B, L = k.shape[:2]
+    heads, dtype = v.shape[2], v.dtype
+    pad = -L % CHUNK
+    # [B, H, L, D] in float32, as the reference computes
+    q, k = (expand_heads(x, heads).astype(mx.float32).transpose(0, 2, 1, 3) for x in (q, k))
+    v = v.astype(mx.float32).transpose(0, 2, 1, 3)
+    g, beta = (x.astype(mx.float32).transpose(0, 2, 1) for x in (g, beta))  # [B, H, L]
+    if pad:
+        q, k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
+        g, beta = (mx.pad(x, [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))
+    chunks = (L + pad) // CHUNK
+    q, k, v = (x.reshape(B, heads, chunks, CHUNK, -1) for x in (q, k, v))
+    g, beta = (x.reshape(B, heads, chunks, CHUNK) for x in (g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+
+    cum = mx.cumsum(g, axis=-1)  # log decay from the chunk's start to each token
+    lower = mx.tril(mx.ones((CHUNK, CHUNK), dtype=mx.bool_))
+    # decay between token j and a later token i of one chunk; zero above the diagonal
+    pairwise = mx.where(lower, mx.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], 0)), 0)
+    strict = mx.where(mx.tril(lower, -1), (k_beta @ k.swapaxes(-1, -2)) * pairwise, 0)
+    solve = invert_unit_lower(strict)
+    new_values = solve @ v_beta  # the delta rule's targets within the chunk ("u")
+    k_cumdecay = solve @ (k_beta * mx.exp(cum)[..., None])  # what each token reads of the chunk's start state
+    attention = (q @ k.swapaxes(-1, -2)) * pairwise  # within-chunk attention, causal
+    q_decayed = q * mx.exp(cum)[..., None]
+    k_decayed = k * mx.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = mx.exp(cum[..., -1])[..., None, None]  # [B, H, chunks, 1, 1]
+
+    outs = []
+    for c in range(chunks):
+        corrected = new_values[:, :, c] - k_cumdecay[:, :, c] @ state
+        outs.append(q_decayed[:, :, c] @ state + attention[:, :, c] @ corrected)
+        state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].swapaxes(-1, -2) @ corrected
+    y = outs[0] if chunks == 1 else mx.concatenate(outs, axis=2)  # [B, H, L + pad, Dv]
+    return y[:, :, :L].transpose(0, 2, 1, 3).astype(dtype), state

@@ -1,0 +1,287 @@
+"""Qwen 3.5 (dense): three Gated DeltaNet layers to each full-attention layer (`layer_types`).
+
+A linear-attention layer (GatedDeltaNet) keeps a fixed-size state per row (models/recurrent.py):
+the last kernel - 1 inputs of a depthwise causal convolution over its q/k/v projections, and the
+gated delta rule's [Dk, Dv] matrix per value head (models/gated_delta.py). Its output passes an
+RMSNorm gated by silu(z). A full-attention layer is Qwen3's (per-head q/k RMSNorm) with an output
+gate: q_proj gives each head's query and gate side by side, and the attention output is multiplied
+by sigmoid(gate) before o_proj; RoPE turns the first `partial_rotary_factor` of each head only
+(text positions: M-RoPE's three sections see the same position, so it is plain RoPE).
+
+RMSNorms other than the gated one are zero-centred in transformers (1 + weight); the weights are
+shifted by one at load, as mlx-lm's converted folders store them. `qwen3_5` checkpoints (the
+vision-language model) load their language model: the vision tower is not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxcel.models import llama
+from mlxcel.models.base import RoPE, swiglu
+from mlxcel.models.cache import KVCache, make_attention_mask
+from mlxcel.models.gated_delta import gated_delta
+from mlxcel.models.recurrent import RecurrentCache, causal_conv, token_mask
+
+REQUIRED_KEYS = (*llama.REQUIRED_KEYS, "linear_num_value_heads", "linear_num_key_heads")
+# zero-centred in transformers (1 + w): stored shifted by one, as mlx-lm's folders keep them
+SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", "_norm.weight")
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    layer_types: list[str] = field(default_factory=list)
+    linear_num_value_heads: int = 32
+    linear_num_key_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0
+
+    @classmethod
+    def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
+        config = text_config(config)
+        layers = config["num_hidden_layers"]
+        interval = config.get("full_attention_interval", 4)
+        default = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        types = config.get("layer_types") or default
+        if len(types) != layers or set(types) - {"full_attention", "linear_attention"}:
+            from mlxcel.errors import MlxcelError
+
+            raise MlxcelError(
+                f"config.json: layer_types must hold {layers} entries of full_attention / linear_attention, got {types}"
+            )
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        values = {
+            "layer_types": list(types),
+            "linear_num_value_heads": config["linear_num_value_heads"],
+            "linear_num_key_heads": config["linear_num_key_heads"],
+            "linear_key_head_dim": config.get("linear_key_head_dim", 128),
+            "linear_value_head_dim": config.get("linear_value_head_dim", 128),
+            "linear_conv_kernel_dim": config.get("linear_conv_kernel_dim", 4),
+            "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
+            # M-RoPE's sections over one text position are plain RoPE
+            "rope_scaling": None,
+        }
+        return super().from_config(config, **{**values, **overrides})
+
+
+def text_config(config: dict) -> dict:
+    """A `qwen3_5` (vision-language) config's language model settings; a text config as it is."""
+    if "text_config" not in config:
+        return config
+    text = dict(config["text_config"])
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    return text
+
+
+class Attention(llama.Attention):
+    """Qwen3's attention with per-head q/k norms, partial RoPE and a sigmoid output gate."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.q_proj = nn.Linear(args.hidden_size, 2 * self.n_heads * self.head_dim, bias=args.attention_bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = RoPE(int(self.head_dim * args.partial_rotary_factor), args.rope_theta)
+
+    def fuse(self) -> None:
+        pass  # the query/gate projection is twice the width the fused split expects
+
+    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        query_gate = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
+        q, gate = mx.split(query_gate, 2, axis=-1)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.rope_offset()
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = self.attend(q, k, v, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * silu(z), in float32 as transformers computes it."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, z: mx.array) -> mx.array:
+        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype) * self.weight
+        return (normed.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
+
+
+def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
+    """x / sqrt(sum(x^2) + eps) in float32 (as the FLA kernels and transformers' fallback)."""
+    x = x.astype(mx.float32)
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_v_heads, self.num_k_heads = args.linear_num_value_heads, args.linear_num_key_heads
+        self.head_k_dim, self.head_v_dim = args.linear_key_head_dim, args.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            from mlxcel.errors import MlxcelError
+
+            raise MlxcelError(
+                f"config.json: linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_k_heads})"
+            )
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = args.linear_conv_kernel_dim
+        hidden = args.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = mx.ones((self.num_v_heads,))
+        self.A_log = mx.zeros((self.num_v_heads,))
+        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def initial_states(self, rows: int) -> list[mx.array]:
+        """A fresh row's state: the conv window (activations' dtype) and the delta rule's matrices (fp32)."""
+        return [
+            mx.zeros((rows, self.kernel - 1, self.conv_dim), dtype=self.norm.weight.dtype),
+            mx.zeros((rows, self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype=mx.float32),
+        ]
+
+    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+        B, L, _ = x.shape
+        (conv_state, state), leads = cache.read(self.initial_states)
+        mask = token_mask(leads, L)
+        qkv = self.in_proj_qkv(x)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        mixed, conv_state = causal_conv(qkv, conv_state, self.conv1d.weight, leads)
+        q, k, v = mx.split(nn.silu(mixed), [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = l2_normalize(q.reshape(B, L, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
+        k = l2_normalize(k.reshape(B, L, self.num_k_heads, self.head_k_dim))
+        v = v.reshape(B, L, self.num_v_heads, self.head_v_dim)
+        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        a = self.in_proj_a(x).astype(mx.float32)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
+        y, state = gated_delta(q, k, v, g, beta, state, mask)
+        cache.write([conv_state, state], L)
+        z = self.in_proj_z(x).reshape(B, L, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm(y, z).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, kind: str):
+        super().__init__()
+        self.is_linear = kind == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: Any, cache) -> mx.array:
+        normed = self.input_layernorm(x)
+        h = x + (self.linear_attn(normed, cache) if self.is_linear else self.self_attn(normed, mask, cache))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, kind) for kind in args.layer_types]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(llama.Model):
+    supports_padded_prefill = False  # a padded token would advance the recurrent state
+    supports_compiled_decode = False  # the recurrent layers' steps run eagerly
+    float32_weights = (".A_log",)  # the decay's log: bf16 would move every step's decay
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.args = args
+        self.model_type = args.model_type
+        self.model = TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list:
+        pad = mx.array(left_pad, dtype=mx.int32) if left_pad is not None and any(left_pad) else None
+        return [
+            RecurrentCache(batch_size, left_pad if pad is not None else None)
+            if layer.is_linear
+            else KVCache(batch_size, pad)
+            for layer in self.model.layers
+        ]
+
+    def make_masks(self, length: int, cache: list) -> list:
+        """The attention layers' mask (from the first one's cache); recurrent layers take none."""
+        first = next(c for c, layer in zip(cache, self.model.layers) if not layer.is_linear)
+        mask = make_attention_mask(length, first)
+        return [None if layer.is_linear else mask for layer in self.model.layers]
+
+    def state_bytes_per_row(self) -> int:
+        """A row's recurrent state in every linear-attention layer (the same at any position)."""
+        return sum(
+            sum(x.nbytes for x in layer.linear_attn.initial_states(1)) for layer in self.model.layers if layer.is_linear
+        )
+
+    def fuse_projections(self) -> None:
+        pass
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {unwrap_name(k): v for k, v in weights.items()}
+        weights = {k: v for k, v in weights.items() if k is not None and "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        # transformers' layout: conv1d weights [C, 1, K] and zero-centred norms; mlx-lm's: [C, K, 1], shifted
+        from_transformers = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+        if from_transformers:
+            for key, value in weights.items():
+                if key.endswith("conv1d.weight"):
+                    weights[key] = value.moveaxis(2, 1)
+                elif key.endswith(SHIFTED_NORMS) and ".linear_attn." not in key:
+                    weights[key] = value + 1.0
+        return weights
+
+
+def unwrap_name(key: str) -> str | None:
+    """A checkpoint's tensor name as this model names it; None for what the text model does not
+    use (the vision tower, the multi-token-prediction head)."""
+    for prefix, ours in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ):
+        if key.startswith(prefix):
+            return ours + key[len(prefix) :]
+    if key.startswith(("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")):
+        return None
+    return key

@@ -1,0 +1,97 @@
+"""The second kind of layer state: a recurrent layer's fixed-size state per row.
+
+A linear-attention layer (Gated DeltaNet) or a state-space layer (Mamba-2) keeps, per row, the last
+`kernel - 1` inputs of its causal convolution and a recurrent matrix; both have the same size at
+position 100 and at position 100,000. What a layer keeps is the list of those arrays, [rows, ...]
+each, and the layer sees its cache through two calls:
+
+    states, leads = cache.read(initial)   # the call's rows' states; initial(rows) makes fresh ones
+    ...
+    cache.write(new_states)               # after the call's tokens
+
+`leads` (host ints per row, or None) counts the positions at the start of each row's line that are
+not its own tokens: a left-padded batch's padding (the batch engine) or a ragged prefill call's
+padding before each row's piece (the scheduler). A layer masks them out (token_mask) and keeps its
+convolution's window across them (causal_conv).
+
+Two caches implement it: RecurrentCache here, for a left-padded batch (the batch engine, direct
+calls, tests); PagedRecurrentCache (paged_state.py), each scheduler row's state in a slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+InitialStates = Callable[[int], list[mx.array]]  # rows -> fresh (zero) states for that many rows
+
+
+class RecurrentCache:
+    """One recurrent layer's state for a left-padded batch: `left_pad[b]` leading positions of row b
+    are padding (the batch engine pads rows to one length at their first piece)."""
+
+    # not a KV cache: nothing to trim, no positions to attend to
+    window = None
+
+    def __init__(self, batch_size: int = 1, left_pad: mx.array | None = None):
+        self.batch_size = batch_size
+        self.left_pad = None if left_pad is None else np.array(left_pad, dtype=np.int32)
+        self.states: list[mx.array] | None = None
+        self.offset = 0  # positions seen
+        self.planned = 0  # (plan_capacity sets it on every layer's cache; nothing to size here)
+
+    def read(self, initial: InitialStates) -> tuple[list[mx.array], np.ndarray | None]:
+        states = self.states if self.states is not None else initial(self.batch_size)
+        leads = None
+        if self.left_pad is not None and self.offset < self.left_pad.max():
+            leads = np.maximum(self.left_pad - self.offset, 0)
+        return states, leads
+
+    def write(self, states: list[mx.array], length: int) -> None:
+        self.states = states
+        self.offset += length
+
+    def trim(self, n: int) -> None:
+        if n:
+            raise ValueError("a recurrent layer's state cannot forget positions (padded prefill is off for it)")
+
+    @property
+    def state(self) -> list[mx.array]:
+        return list(self.states or [])
+
+
+def token_mask(leads: np.ndarray | None, length: int) -> mx.array | None:
+    """[B, L] True at each row's own tokens (past its leads); None when every position is one."""
+    if leads is None or not leads.any():
+        return None
+    return mx.array(np.arange(length)[None, :] >= leads[:, None])
+
+
+def causal_conv(
+    x: mx.array, conv_state: mx.array, weight: mx.array, leads: np.ndarray | None, bias: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """A depthwise causal convolution continuing from `conv_state`: x [B, L, C] (zero at leads),
+    conv_state [B, K-1, C] (the inputs before it), weight [C, K, 1] (MLX's Conv1d layout).
+    Returns (the output before any activation [B, L, C], the next conv_state).
+
+    A row's leads sit between its conv_state and its own tokens in x; they are moved in front of the
+    state, so each own token's window holds the state and the tokens before it, as if the row ran
+    alone (its leads' outputs are garbage, masked by the caller)."""
+    keep = conv_state.shape[1]
+    joined = mx.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+L, C]
+    if leads is not None and leads.any():
+        length = x.shape[1]
+        order = np.empty((len(leads), keep + length), dtype=np.int32)
+        for b, lead in enumerate(leads.tolist()):
+            order[b] = np.concatenate([keep + np.arange(lead), np.arange(keep), keep + lead + np.arange(length - lead)])
+        joined = mx.take_along_axis(joined, mx.array(order)[:, :, None], axis=1)
+    kernel = weight.shape[1]
+    # a depthwise conv as K shifted multiply-adds: MLX's grouped conv1d is slow for C groups of one
+    out = joined[:, 0 : joined.shape[1] - kernel + 1] * weight[:, 0, 0]
+    for k in range(1, kernel):
+        out = out + joined[:, k : joined.shape[1] - kernel + 1 + k] * weight[:, k, 0]
+    if bias is not None:
+        out = out + bias
+    return out, joined[:, joined.shape[1] - keep :]

@@ -18,7 +18,14 @@ from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowReques
 from mlxcel.engine.engine import OnRowDone, OnToken
 from mlxcel.engine.prompt_cache import PROMPT_CACHE_SHARE, PromptCache
 from mlxcel.engine.prompt_cache_files import describe_layout, describe_model_key, load_entries, save_entries
-from mlxcel.engine.scheduler import BatchScheduler, ScheduleState, device_memory_bytes, supports_scheduling
+from mlxcel.engine.scheduler import (
+    PROMPT_CACHE_OFF_HYBRID,
+    BatchScheduler,
+    ScheduleState,
+    device_memory_bytes,
+    recurrent_layers,
+    supports_scheduling,
+)
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
@@ -220,6 +227,9 @@ class Pipeline:
         if load_weights:
             loaded = load_weights_for(cfg, path, log, keep_weights)
         pipeline = cls(cfg, header, tokenizer, loaded, require_template)
+        if pipeline.prompt_cache is not None and any(recurrent_layers(loaded.model)):
+            pipeline.prompt_cache = None
+            say(log, f"prompt cache: {PROMPT_CACHE_OFF_HYBRID} ({header.arch})")
         pipeline.load_prompt_cache(path, log)
         return pipeline
 

@@ -41,6 +41,7 @@ class BatchStats:
     rows_decoding_sum: int = 0  # rows in each decode step, summed
     kv_budget_bytes: int = 0  # the scheduler's KV cap (0: the batch engine, which has none)
     kv_peak_bytes: int = 0
+    state_bytes: int = 0  # a hybrid's recurrent states, every row slot's (the same at any position)
     iterations: int = 0  # the scheduler's loop iterations
     host_ms: float = 0.0  # host work over them (not waiting on the device)
     row_ttft_ms: list[float] = field(default_factory=list)  # the scheduler's rows, from its start
@@ -73,6 +74,7 @@ class GenerationStats:
     row_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p95: start to a row's last token
     kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
+    recurrent_state_gb: float = 0.0  # a hybrid's recurrent layers' states (in the KV budget; 0: none)
     # the scheduler's host work per iteration: below the device's step time, the device bounds the job
     host_ms_per_step: float = 0.0
     # rows that adopted a prefix, prompt tokens adopted and computed, and the cache's entries; empty
@@ -108,6 +110,7 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         rows_decoding_sum=getattr(state, "rows_decoding_sum", 0),
         kv_budget_bytes=getattr(state, "kv_budget_bytes", 0),
         kv_peak_bytes=getattr(state, "kv_peak_bytes", 0),
+        state_bytes=getattr(state, "state_bytes", 0),
         iterations=getattr(state, "iterations", 0),
         host_ms=1000 * getattr(state, "host_seconds", 0.0),
         row_ttft_ms=[r.timing["ttft_ms"] for r in results if r.timing],
@@ -167,6 +170,7 @@ def make_generation_stats(
         row_latency_ms=percentiles([t for b in batches for t in b.row_latency_ms]),
         kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
+        recurrent_state_gb=round(max((b.state_bytes for b in batches), default=0) / 1e9, 4),
         host_ms_per_step=round(sum(b.host_ms for b in batches) / max(1, sum(b.iterations for b in batches)), 3),
         prompt_cache=summarize_prompt_cache(batches),
         constraints=summarize_constraints(batches),
@@ -191,6 +195,8 @@ def summarize_prompt_cache(batches: list[BatchStats]) -> dict:
     adopted = sum(b.cached_tokens for b in batches)
     computed = sum(b.prompt_tokens for b in batches) - adopted
     last = caches[-1]
+    if "off" in last:  # the scheduler turned it off for this model (why, in one line)
+        return {"off": last["off"]}
     return {
         "rows_adopted": sum(b.rows_adopted for b in batches),
         "adopted_tokens": adopted,

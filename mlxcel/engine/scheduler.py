@@ -41,6 +41,7 @@ from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import KVCache
 from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant, sliced_matmuls
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
+from mlxcel.models.recurrent import RecurrentCache
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
@@ -73,6 +74,10 @@ FEW_ROWS_ORDER = "after"
 INVARIANT_PIECE = 512
 OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow as rows need: PageTable.grow)
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
+PROMPT_CACHE_OFF_HYBRID = (
+    "off for this model: a cached prefix would need its recurrent layers' state at the prefix's end, "
+    "which is not snapshotted yet"
+)
 
 
 @dataclass
@@ -131,6 +136,7 @@ class ScheduleState:
     kv_budget_bytes: int = 0
     kv_peak_bytes: int = 0
     kv_peak_blocks: int = 0
+    state_bytes: int = 0  # a hybrid's recurrent states: every row slot's, held for the whole run
     decode_steps: int = 0
     rows_decoding_sum: int = 0  # summed over decode steps: occupancy = this / decode_steps
     iterations: int = 0
@@ -173,34 +179,51 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     )
     if images and hasattr(model, "make_prefill_extras") and not known:
         return False  # per-token prefill inputs the scheduler does not know
-    return all(type(c) in (KVCache, RotatingKVCache) for c in model.make_cache(1))
+    return all(type(c) in (KVCache, RotatingKVCache, RecurrentCache) for c in model.make_cache(1))
 
 
 def layer_windows(model) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as the family's own caches say."""
+    """Each cache entry's sliding window (None: full attention, or a recurrent layer), as the
+    family's own caches say: one entry per layer that keeps something."""
     return [getattr(c, "window", None) for c in model.make_cache(1)]
+
+
+def recurrent_layers(model) -> list[bool]:
+    """Which cache entries are a recurrent layer's fixed-size state (models/recurrent.py)."""
+    return [isinstance(c, RecurrentCache) for c in model.make_cache(1)]
+
+
+def state_bytes_per_row(model) -> int:
+    """A row's recurrent states in every recurrent layer: the same at any position."""
+    return model.state_bytes_per_row() if hasattr(model, "state_bytes_per_row") else 0
+
+
+def attention_module(model):
+    """The first attention layer's attention (a hybrid's first layers may be recurrent)."""
+    return next(layer.self_attn for layer in model.model.layers if "self_attn" in layer)
 
 
 def uses_kernels(model) -> tuple[bool, bool]:
     """(pool writes in place, decode attention in place): the paged kernels where they run
     (paged_attention.is_available); the decode kernel also needs llama's attend, which hands a
     PagedDecode mask to it."""
-    attention = model.model.layers[0].self_attn
+    attention = attention_module(model)
     in_place = paged_attention.is_available(attention.head_dim)
     return in_place, in_place and type(attention).attend is llama.Attention.attend
 
 
 def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
-    """Keys and values of one position in every layer: in the model's dtype, or with `kv_bits`
-    packed with a scale and a bias per group in full-attention layers."""
-    attention = model.model.layers[0].self_attn
+    """Keys and values of one position in every attention layer: in the model's dtype, or with
+    `kv_bits` packed with a scale and a bias per group in full-attention layers."""
+    attention = attention_module(model)
     dtype_size = model.model.embed_tokens.weight.dtype.size
     if dtype_size == 1 or str(model.model.embed_tokens.weight.dtype).startswith("mlx.core.uint"):
         dtype_size = 2  # quantized weights: activations (and the cache) are in the compute dtype
     dim = attention.head_dim
     full = dim * dtype_size
     quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
-    per_head = sum(full if window is not None else quantized for window in layer_windows(model))
+    kinds = zip(layer_windows(model), recurrent_layers(model))
+    per_head = sum(full if window is not None else quantized for window, recurrent in kinds if not recurrent)
     return 2 * attention.n_kv_heads * per_head
 
 
@@ -242,7 +265,10 @@ class BatchScheduler:
                 f"runner.batch_invariant=true cannot run {family}: {problem}; set runner.batch_invariant=false"
             )
         set_batch_invariant(model, batch_invariant)
-        self.prompt_cache = prompt_cache
+        # a recurrent layer's state at a cached prefix's end is not snapshotted (yet): no cache for hybrids
+        hybrid = any(recurrent_layers(model))
+        self.prompt_cache_off = PROMPT_CACHE_OFF_HYBRID if prompt_cache is not None and hybrid else None
+        self.prompt_cache = None if self.prompt_cache_off else prompt_cache
         self.keep_answers = keep_answers  # snapshot finished rows' answers too (a chat's next turn starts with them)
         # every prompt into the cache, not only what this job's rows share (a chat, a cache folder)
         self.snapshot_all = snapshot_all or keep_answers
@@ -290,24 +316,31 @@ class BatchScheduler:
         rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
         self.per_block = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size) * BLOCK_SIZE
+        # A hybrid's recurrent layers keep a fixed-size state per row slot: the slots' states come
+        # out of the budget first, for as many rows as fit with at least a block each.
+        self.state_bytes = state_bytes_per_row(self.model)
+        self.slots = self.max_rows
+        if self.state_bytes:
+            self.slots = max(1, min(self.max_rows, self.kv_budget_bytes // (self.state_bytes + self.per_block)))
+        state.state_bytes = self.slots * self.state_bytes
+        blocks_budget = max(self.kv_budget_bytes - state.state_bytes, self.per_block)
         runnable = self.check_rows(rows, request, on_row_done)
         if feed is None:
             # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
             sizes = sorted((count_blocks(self.reserved_positions(r, request)) for r in runnable), reverse=True)
         else:  # rows to come: room for max_rows rows of the whole context, within the budget
-            sizes = [count_blocks(self.max_context + (request.tile_size or 0))] * self.max_rows
+            sizes = [count_blocks(self.max_context + (request.tile_size or 0))] * self.slots
         per_block = self.per_block
-        num_blocks = max(1, min(sum(sizes[: self.max_rows]), self.kv_budget_bytes // per_block))
+        num_blocks = max(1, min(sum(sizes[: self.slots]), blocks_budget // per_block))
         kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
         most = num_blocks
         if feed is not None and not kernels[0]:  # plain pools start small, grow as rows arrive (PageTable.grow)
             num_blocks = min(num_blocks, count_blocks(OPEN_POOL_POSITIONS))
         positions = self.max_context + (request.tile_size or 0) + BLOCK_SIZE
-        table = PageTable(
-            num_blocks, self.max_rows, positions, *kernels, max_blocks=most, invariant=self.batch_invariant
-        )
+        table = PageTable(num_blocks, self.slots, positions, *kernels, max_blocks=most, invariant=self.batch_invariant)
+        windows = layer_windows(self.model)
         caches = make_paged_caches(
-            len(self.model.model.layers), table, layer_windows(self.model), request.kv_bits, request.kv_group_size
+            len(windows), table, windows, request.kv_bits, request.kv_group_size, recurrent_layers(self.model)
         )
         self.reuse = None
         if self.prompt_cache is not None:
@@ -326,6 +359,8 @@ class BatchScheduler:
                 self.reuse.release_all()
         state.kv_peak_bytes = state.kv_peak_blocks * per_block
         state.prompt_cache = self.reuse.summary() if self.reuse is not None else None
+        if self.prompt_cache_off:
+            state.prompt_cache = {"off": self.prompt_cache_off}
         timings.end = timings.end or time.perf_counter()
         yield state
 
@@ -347,11 +382,13 @@ class BatchScheduler:
     def check_rows(self, rows: list[Row], request: GenerationRequest, on_row_done) -> list[Row]:
         """The rows that can run; the others end now with finish_reason "error" (reported)."""
         for row in rows:
-            needed = count_blocks(self.reserved_positions(row, request)) * self.per_block
+            needed = count_blocks(self.reserved_positions(row, request)) * self.per_block + self.state_bytes
             if row.error is None and needed > self.kv_budget_bytes:
+                state = f" and {self.state_bytes / 1e9:.3f} GB of recurrent state" if self.state_bytes else ""
                 row.error = (
-                    f"needs {needed / 1e9:.3f} GB of KV cache (prompt {len(row.prompt)} + up to {row.limit} tokens); "
-                    f"runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or lower max_tokens"
+                    f"needs {(needed - self.state_bytes) / 1e9:.3f} GB of KV cache{state} (prompt {len(row.prompt)} + "
+                    f"up to {row.limit} tokens); runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or "
+                    "lower max_tokens"
                 )
             if row.error is not None:
                 row.result.finish_reason, row.result.error = "error", row.error
@@ -381,7 +418,7 @@ class BatchScheduler:
         batch = DecodeBatch()
         ragged = table.decode_kernel if self.ragged_prefill is None else self.ragged_prefill
         prefilling: deque[Row] = deque()
-        free_slots = list(range(self.max_rows))
+        free_slots = list(range(self.slots))
         inflight: deque[PendingDraw] = deque()
         leaving: list[Row] = []  # done drawing; their slot goes back once their tokens are read
         draws_queued = draws_read = 0
@@ -411,7 +448,7 @@ class BatchScheduler:
                 for row in self.check_rows(new, request, on_row_done):
                     self.live[row.index] = row
                     waiting.append(row)
-                self.cancel_rows(update.cancelled, waiting, prefilling, table, free_slots, on_row_done)
+                self.cancel_rows(update.cancelled, waiting, prefilling, table, caches, free_slots, on_row_done)
                 if not (waiting or prefilling or len(batch) or inflight):
                     state.iterations += 1
                     yield state
@@ -549,7 +586,7 @@ class BatchScheduler:
                     # every fed position: the prompt and each token drawn but the last
                     fed = len(row.prompt) + len(row.result.token_ids) - 1
                     submit(self.reuse.record(row, min(int(table.lengths[row.slot]), fed)), state)
-                table.release(row.slot)
+                release_slot(table, caches, row.slot)
                 free_slots.append(row.slot)
                 row.slot = -1
                 if self.reuse is not None:
@@ -562,7 +599,14 @@ class BatchScheduler:
             yield state
 
     def cancel_rows(
-        self, indices: list[int], waiting: deque, prefilling: deque, table: PageTable, free_slots: list, on_row_done
+        self,
+        indices: list[int],
+        waiting: deque,
+        prefilling: deque,
+        table: PageTable,
+        caches: list,
+        free_slots: list,
+        on_row_done,
     ) -> None:
         """A feed's rows that must stop: waiting or prefilling ones end now (their slot and blocks
         go back); decoding ones at their next token (read_draw), so none is read half-applied."""
@@ -577,7 +621,7 @@ class BatchScheduler:
                 if self.reuse is not None:
                     self.reuse.finish_prefill(row)
                     self.reuse.forget(row)
-                table.release(row.slot)
+                release_slot(table, caches, row.slot)
                 free_slots.append(row.slot)
                 row.slot = -1
             else:
@@ -694,11 +738,16 @@ class BatchScheduler:
         table.end()
         return logits
 
+    def tile_size(self, request: GenerationRequest) -> int | None:
+        """The request's tile, where the model's pieces may be padded: a padding token would
+        advance a recurrent layer's state, so a hybrid's pieces are never padded."""
+        return request.tile_size if getattr(self.model, "supports_padded_prefill", True) else None
+
     def plan_piece(self, row: Row, budget: int, request: GenerationRequest) -> tuple[int, int, int]:
         """(start, end, pad) of the row's next piece of at most `budget` tokens; end == start when
         the budget holds no whole tile. Pieces end at the history boundary (never padded there)
         and are padded to whole tiles where a tile is set; an image row is never padded."""
-        total, start, tile = len(row.prompt), row.prefilled, request.tile_size
+        total, start, tile = len(row.prompt), row.prefilled, self.tile_size(request)
         if row.request.images is not None or getattr(self.model, "longrope_limit", None) is not None:
             tile = None  # padding would need pad embeddings; it would count toward longrope's switch
         boundary = row.request.history_tokens
@@ -751,7 +800,7 @@ class BatchScheduler:
         ragged job's rows each bring a piece of their own length: one call each would bound the
         job. Widths are powers of two, so the attention meets few shapes (cuDNN builds a graph
         for each)."""
-        if request.kv_bits or request.tile_size or getattr(self.model, "longrope_limit", None) is not None:
+        if request.kv_bits or self.tile_size(request) or getattr(self.model, "longrope_limit", None) is not None:
             return None
         rows, spans, width = [], [], 0
         for row in prefilling:
@@ -976,6 +1025,14 @@ def advance_matchers(
     # ~0.3 ms of its host time a step at batch 32 on the H200, ratio 0.84 -> 0.89)
     masks = fill(matchers) if fill is not None else mx.array(request.constraints.fill_masks(matchers))
     return problems, masks, time.perf_counter() - began
+
+
+def release_slot(table: PageTable, caches: list, slot: int) -> None:
+    """A row's blocks go back to the pool, and its recurrent states (if any) are dropped."""
+    table.release(slot)
+    for cache in caches:
+        if hasattr(cache, "forget"):
+            cache.forget(slot)
 
 
 def first_half(caches: list) -> list[mx.array]:

@@ -500,13 +500,20 @@ def make_paged_caches(
     windows: list[int | None] | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
-) -> list[PagedKVCache]:
-    """One cache per layer; `windows` gives each layer's sliding window (None: full attention).
-    With `kv_bits`, full-attention layers store their pool quantized (windows stay as they are,
-    as in the batch engine: a window is already bounded)."""
+    recurrent: list[bool] | None = None,
+) -> list:
+    """One cache per layer; `windows` gives each layer's sliding window (None: full attention),
+    `recurrent` which layers keep a recurrent state instead (paged_state.py). With `kv_bits`,
+    full-attention layers store their pool quantized (windows stay as they are, as in the batch
+    engine: a window is already bounded; recurrent states are not keys and values)."""
+    from mlxcel.models.paged_state import PagedRecurrentCache
+
+    windows = windows or [None] * num_layers
     return [
-        QuantizedPagedKVCache(table, kv_bits, kv_group_size)
+        PagedRecurrentCache(table)
+        if is_recurrent
+        else QuantizedPagedKVCache(table, kv_bits, kv_group_size)
         if kv_bits and window is None
         else PagedKVCache(table, window)
-        for window in (windows or [None] * num_layers)
+        for window, is_recurrent in zip(windows, recurrent or [False] * len(windows))
     ]

@@ -34,7 +34,9 @@ class PagedRecurrentCache:
         step = self.table.step
         slots, fresh = step.slots, step.starts == 0
         leads = step.leads if step.leads.any() else None
-        if self.order is not None and np.array_equal(slots, self.order) and not fresh.any():
+        same_rows = self.order is not None and np.array_equal(slots, self.order)
+        # (a slot of `order` with a state of its own holds a new row: the dense one there has ended)
+        if same_rows and not fresh.any() and not any(slot in self.rows for slot in slots.tolist()):
             return self.dense, leads
         if len(slots) == 1 and not fresh[0] and int(slots[0]) in self.rows:
             return self.rows[int(slots[0])], leads

@@ -87,11 +87,22 @@ def causal_conv(
         for b, lead in enumerate(leads.tolist()):
             order[b] = np.concatenate([keep + np.arange(lead), np.arange(keep), keep + lead + np.arange(length - lead)])
         joined = mx.take_along_axis(joined, mx.array(order)[:, :, None], axis=1)
-    kernel = weight.shape[1]
-    # a depthwise conv as K shifted multiply-adds: MLX's grouped conv1d is slow for C groups of one
-    out = joined[:, 0 : joined.shape[1] - kernel + 1] * weight[:, 0, 0]
-    for k in range(1, kernel):
-        out = out + joined[:, k : joined.shape[1] - kernel + 1 + k] * weight[:, k, 0]
-    if bias is not None:
-        out = out + bias
+    if x.shape[1] == 1 and mx.default_device() == mx.gpu:  # a decode step: one compiled kernel chain
+        out = compiled_window_sum(joined, weight) if bias is None else compiled_window_sum_bias(joined, weight, bias)
+    else:
+        out = window_sum(joined, weight, bias)
     return out, joined[:, joined.shape[1] - keep :]
+
+
+def window_sum(joined: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """The depthwise conv over `joined` [B, K-1+L, C] as K shifted multiply-adds (MLX's grouped
+    conv1d is slow for C groups of one channel)."""
+    kernel, length = weight.shape[1], joined.shape[1] - weight.shape[1] + 1
+    out = joined[:, 0:length] * weight[:, 0, 0]
+    for k in range(1, kernel):
+        out = out + joined[:, k : length + k] * weight[:, k, 0]
+    return out if bias is None else out + bias
+
+
+compiled_window_sum = mx.compile(window_sum)
+compiled_window_sum_bias = mx.compile(window_sum)

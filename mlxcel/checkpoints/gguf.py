@@ -12,6 +12,13 @@ Mixture-of-experts files: Mixtral is arch `llama` plus `llama.expert_count` and 
 (`ffn_gate_inp`) and stacked-expert tensors (`ffn_{gate,up,down}_exps`, [E, out, in] as our
 SwitchLinear holds them); Qwen3-MoE is arch `qwen3moe`. Quantized experts load like any other
 tensor: Q4_0/Q4_1/Q8_0 stay packed (QuantizedSwitchLinear), K-quants are dequantized.
+
+Hybrid files (gated-delta linear attention beside full attention; llama.cpp's `qwen35`): the
+converter (convert_hf_to_gguf.py's Qwen3NextModel and _LinearAttentionVReorderBase) stores
+A = -exp(A_log) for A_log, the depthwise conv kernel squeezed to [channels, kernel], the
+zero-centred norms as 1 + w (as our families keep them: nothing to undo) and, where there are
+more value heads than key heads, the value heads tiled for ggml's broadcast. All undone here
+(undo_gated_delta_transforms); the `ssm.*` keys become transformers' linear_* settings.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ SUPPORTED_GGUF_ARCHS = {
     "gemma3": "gemma3_text",
     "phi3": "phi3",
     "qwen3moe": "qwen3_moe",
+    "qwen35": "qwen3_5_text",
 }
 # Architectures whose files may carry experts -> the MoE family they load as (llama with
 # expert_count > 0 is Mixtral; without it, dense llama)
@@ -46,6 +54,7 @@ MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 INTERLEAVED_ROPE_ARCHS = {"llama"}
 GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
+GATED_DELTA_ARCHS = {"qwen35"}  # linear-attention layers (ssm_* tensors, ssm.* keys)
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -88,6 +97,21 @@ _ARCH_TENSOR_NAMES = {
     "qwen3moe": make_moe_tensor_names("mlp"),
 }
 _ARCH_TENSOR_NAMES["gemma3"] = _ARCH_TENSOR_NAMES["gemma2"]
+# Qwen 3.5's linear-attention layers (gguf-py's tensor_mapping.py). Keys with a dot name a whole
+# tensor: transformers' dt_bias and A_log carry no .weight/.bias suffix (ssm_a holds A: see
+# undo_gated_delta_transforms).
+_ARCH_TENSOR_NAMES["qwen35"] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
 
 
 def load_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
@@ -182,6 +206,8 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
     if arch == "phi3":
         config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
         config["sliding_window"] = get("attention.sliding_window", None, required=False)
+    if arch in GATED_DELTA_ARCHS:
+        config.update(make_gated_delta_config(get, config, path))
     return family, config
 
 
@@ -226,6 +252,32 @@ def make_moe_config(family: str, get, config: dict, experts: int) -> dict:
         "mlp_only_layers": [],
         "moe_intermediate_size": get("expert_feed_forward_length", None, required=False)
         or config["intermediate_size"] // used,
+    }
+
+
+def make_gated_delta_config(get, config: dict, path: Path) -> dict:
+    """The linear-attention settings from the keys Qwen3NextModel.set_gguf_parameters writes:
+    ssm.state_size is the key head width, ssm.group_count the key heads, ssm.time_step_rank the
+    value heads and ssm.inner_size their total width. llama.cpp makes layer i recurrent unless
+    (i + 1) % full_attention_interval == 0 (default 4); RoPE turns rope.dimension_count of each head
+    (text positions only: the M-RoPE sections see one position, which is plain RoPE)."""
+    value_heads, inner = get("ssm.time_step_rank"), get("ssm.inner_size")
+    interval = get("full_attention_interval", 4)
+    if value_heads <= 0 or inner % value_heads or interval <= 0:
+        raise MlxcelError(
+            f"{path}: GGUF metadata gives ssm.inner_size {inner}, ssm.time_step_rank {value_heads} and "
+            f"full_attention_interval {interval}: the inner size must be a whole number of value heads, "
+            "and the interval positive"
+        )
+    layers = config["num_hidden_layers"]
+    return {
+        "linear_conv_kernel_dim": get("ssm.conv_kernel"),
+        "linear_key_head_dim": get("ssm.state_size"),
+        "linear_num_key_heads": get("ssm.group_count"),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+        "partial_rotary_factor": get("rope.dimension_count", config["head_dim"]) / config["head_dim"],
     }
 
 
@@ -288,9 +340,95 @@ def mark_unknown_token(metadata: dict[str, Any]) -> dict[str, Any]:
     return metadata
 
 
+def undo_converter_transforms(
+    weights: dict[str, mx.array], arch: str, config: dict, path: Path | None = None
+) -> dict[str, mx.array]:
+    """Renamed tensors back to the values our family holds, where llama.cpp's converter changed them."""
+    if arch in GEMMA_ARCHS:
+        return undo_gemma_norm_offset(weights)
+    if arch in GATED_DELTA_ARCHS:
+        return undo_gated_delta_transforms(weights, config, path)
+    return weights
+
+
 def undo_gemma_norm_offset(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """llama.cpp's converter stores Gemma norms as 1 + w; our Gemma RMSNorm adds the 1 itself."""
     return {k: v.astype(mx.float32) - 1 if k.endswith("norm.weight") else v for k, v in weights.items()}
+
+
+def undo_gated_delta_transforms(
+    weights: dict[str, mx.array], config: dict, path: Path | None = None
+) -> dict[str, mx.array]:
+    """Each linear-attention layer as transformers holds it. The converter (Qwen3NextModel.modify_tensors)
+    wrote ssm_a = -exp(A_log) and squeezed the conv kernel [C, 1, K] to [C, K] (ours: MLX's Conv1d
+    [C, K, 1]); with more value heads than key heads, _LinearAttentionVReorderBase also moved the value
+    heads from grouped by key head (transformers' order) to tiled, in in_proj_qkv's value rows, the conv's
+    value channels, in_proj_z, in_proj_a/b, A_log and dt_bias (rows), and out_proj (columns). A tensor
+    that is missing stays missing (the loader names it)."""
+    weights = dict(weights)
+    for layer in sorted({k.split(".linear_attn.")[0] for k in weights if ".linear_attn." in k}):
+        prefix = f"{layer}.linear_attn"
+        if f"{prefix}.A_log" in weights:
+            weights[f"{prefix}.A_log"] = mx.log(-weights[f"{prefix}.A_log"].astype(mx.float32))
+        if f"{prefix}.conv1d.weight" in weights:
+            weights[f"{prefix}.conv1d.weight"] = weights[f"{prefix}.conv1d.weight"][..., None]
+        if config["linear_num_value_heads"] != config["linear_num_key_heads"]:
+            try:
+                untile_layer_value_heads(weights, prefix, config)
+            except ValueError as exc:  # a tensor's width is not the heads the metadata gives
+                raise MlxcelError(
+                    f"{path or 'GGUF file'}: the tensors of {prefix} do not fit the GGUF metadata's ssm.* sizes "
+                    f"({exc}); is the file complete and from llama.cpp's converter?"
+                ) from exc
+    return weights
+
+
+def untile_layer_value_heads(weights: dict[str, mx.array], prefix: str, config: dict) -> None:
+    """A linear-attention layer's value heads back in transformers' order, in place."""
+    key_heads = config["linear_num_key_heads"]
+    untile = dict(key_heads=key_heads, per_key=config["linear_num_value_heads"] // key_heads)
+    key_dims = 2 * config["linear_key_head_dim"] * key_heads  # q and k rows (channels) come first
+    for name, start in (("in_proj_qkv", key_dims), ("conv1d", key_dims), ("in_proj_z", 0)):
+        for key in tensor_parts(weights, f"{prefix}.{name}"):
+            rest, heads = weights[key][:start], weights[key][start:]
+            weights[key] = mx.concatenate([rest, untile_value_heads(heads, 0, **untile)], axis=0)
+    rows = [*tensor_parts(weights, f"{prefix}.in_proj_a"), *tensor_parts(weights, f"{prefix}.in_proj_b")]
+    for key in (*rows, f"{prefix}.A_log", f"{prefix}.dt_bias"):
+        if key in weights:
+            weights[key] = untile_value_heads(weights[key], 0, **untile)
+    out = f"{prefix}.out_proj"
+    if f"{out}.scales" in weights and config["linear_value_head_dim"] % GGUF_GROUP_SIZE:
+        dequantize_gguf_tensor(weights, out)  # a head's columns split a quantization group
+    for key in tensor_parts(weights, out):
+        weights[key] = untile_value_heads(weights[key], -1, **untile)
+
+
+def tensor_parts(weights: dict[str, mx.array], prefix: str) -> list[str]:
+    """A layer's weight, and its scales and biases when it stays quantized (rows are independent; a
+    quantized row's columns move in whole groups)."""
+    return [f"{prefix}.{part}" for part in ("weight", "scales", "biases") if f"{prefix}.{part}" in weights]
+
+
+def untile_value_heads(x: mx.array, axis: int, key_heads: int, per_key: int) -> mx.array:
+    """Undo _reorder_v_heads along `axis`: value heads tiled over the key heads [(r, k)] back to grouped
+    by key head [(k, r)], each head's block (its width along `axis`, packed or not) kept whole."""
+    axis %= x.ndim
+    shape = x.shape
+    tiled = x.reshape(*shape[:axis], per_key, key_heads, -1, *shape[axis + 1 :])
+    return tiled.swapaxes(axis, axis + 1).reshape(shape)
+
+
+def dequantize_gguf_tensor(weights: dict[str, mx.array], prefix: str) -> None:
+    """One packed (weight, scales, biases) triple as a dense float32 weight, in place."""
+    bits = read_quantized_bits(weights, prefix)
+    weights[f"{prefix}.weight"] = mx.dequantize(
+        weights[f"{prefix}.weight"],
+        # GGUF scales are fp16; dequantize in fp32 or every weight is rounded to fp16 (~1e-3 off)
+        weights.pop(f"{prefix}.scales").astype(mx.float32),
+        weights.pop(f"{prefix}.biases").astype(mx.float32),
+        group_size=GGUF_GROUP_SIZE,
+        bits=bits,
+    )
 
 
 def rename_gguf_weights(
@@ -300,12 +438,17 @@ def rename_gguf_weights(
     names = {**_TENSOR_NAMES, **_ARCH_TENSOR_NAMES.get(arch, {})}
     renamed = {}
     for name, value in weights.items():
-        match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)", name)
-        if match is None or match.group(2) not in names:
+        match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)(?:\.(weight|bias|scales|biases))?", name)
+        layer, base, kind = match.groups() if match else (None, None, None)
+        whole = f"{base}.{kind}" if kind else base
+        if match is not None and whole in names:  # a whole tensor's name (ssm_a, ssm_dt.bias)
+            ours = names[whole]
+        elif match is not None and kind is not None and base in names:
+            ours = f"{names[base]}.{kind}"
+        else:
             raise MlxcelError(f"{path or 'GGUF file'}: unexpected tensor {name!r} for GGUF architecture {arch!r}")
-        layer, base, kind = match.groups()
         prefix = f"model.layers.{layer}." if layer is not None else ""
-        renamed[f"{prefix}{names[base]}.{kind}"] = value
+        renamed[f"{prefix}{ours}"] = value
     return renamed
 
 

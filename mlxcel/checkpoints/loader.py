@@ -47,6 +47,7 @@ FAMILIES = {
     # hybrids: recurrent layers beside attention (models/recurrent.py)
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",  # the vision-language folders: their language model
+    "nemotron_h": "nemotron_h",
     # vision-language models (mlxcel/vision/stage.py has their contract)
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_vl",
@@ -314,8 +315,7 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
         gguf.read_phi3_longrope(weights, metadata, config)
     gguf.check_expert_tensors(weights, config, arch, path)
     weights = gguf.rename_gguf_weights(weights, arch, path)
-    if arch in gguf.GEMMA_ARCHS:
-        weights = gguf.undo_gemma_norm_offset(weights)
+    weights = gguf.undo_converter_transforms(weights, arch, config, path)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     model = make_model(import_family(family_name, path), config, path, rope_traditional=config.pop("rope_traditional"))
     quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
@@ -365,15 +365,7 @@ def is_optimized_blas_loaded() -> bool:
 def dequantize_weights(weights: dict[str, mx.array], prefixes: list[str]) -> dict[str, mx.array]:
     weights = dict(weights)
     for prefix in prefixes:
-        bits = gguf.read_quantized_bits(weights, prefix)
-        weights[f"{prefix}.weight"] = mx.dequantize(
-            weights[f"{prefix}.weight"],
-            # GGUF scales are fp16; dequantize in fp32 or every weight is rounded to fp16 (~1e-3 off)
-            weights.pop(f"{prefix}.scales").astype(mx.float32),
-            weights.pop(f"{prefix}.biases").astype(mx.float32),
-            group_size=gguf.GGUF_GROUP_SIZE,
-            bits=bits,
-        )
+        gguf.dequantize_gguf_tensor(weights, prefix)
     return weights
 
 

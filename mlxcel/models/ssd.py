@@ -1,0 +1,136 @@
+"""Mamba-2's selective state-space update (SSD: Nemotron-H, Granite 4), in plain MLX.
+
+Per head h, the state S [P, N] (head_dim x state size) decays by exp(dt * A), takes the token's
+input x (scaled by dt) along its B, and the token reads it along its C; D adds the input back:
+
+    S = exp(dt A) S + dt x B^T;   y = S C + D x
+
+Two forms compute it. `recurrent`: token by token (a decode step is one token). `chunked`: a
+prefill piece in chunks of `chunk` tokens, each chunk's tokens together (its within-chunk part is
+a causal "attention" C_i . B_j exp(cum_i - cum_j) dt_j, the rest comes from the chunk's start
+state), then one state update a chunk. Both take any state and give the same numbers to rounding,
+so a prompt may be cut anywhere. Masked positions (a row's padding) leave the state as it was:
+their dt is zeroed, which makes their update the identity (no decay, nothing written).
+
+Shapes: x [B, L, H, P]; dt [B, L, H] (discretised: discretize_dt); A [H] (negative: -exp(A_log));
+B, C [B, L, G, N]; D [H]; state [B, H, P, N], float32. H is a multiple of G: each group's B and C
+serve H / G consecutive heads.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+CHUNK = 64  # tokens a chunk: the within-chunk matrices are CHUNK x CHUNK
+RECURRENT_BELOW = 8  # pieces shorter than this run token by token (a chunk's fixed cost is not worth it)
+
+
+def discretize_dt(dt: mx.array, dt_bias: mx.array, limit: tuple[float, float]) -> mx.array:
+    """softplus(dt + dt_bias) clipped to `limit` (time_step_limit), in float32."""
+    dt = nn.softplus(dt.astype(mx.float32) + dt_bias.astype(mx.float32))
+    low, high = limit
+    if low > 0 or high != float("inf"):
+        dt = mx.clip(dt, low, high)
+    return dt
+
+
+def ssd(
+    x: mx.array,
+    dt: mx.array,
+    A: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array | None,
+    state: mx.array,
+    mask: mx.array | None = None,
+    chunk: int = CHUNK,
+) -> tuple[mx.array, mx.array]:
+    """(y [B, L, H, P] in x's dtype, the state after the last token), by whichever form suits L.
+    `mask` [B, L]: False where a position is not the row's own (its dt is zeroed)."""
+    if mask is not None:
+        dt = mx.where(mask[..., None], dt, 0)
+    if x.shape[1] < RECURRENT_BELOW:
+        return recurrent(x, dt, A, B, C, D, state)
+    return chunked(x, dt, A, B, C, D, state, chunk)
+
+
+def by_group(x: mx.array, groups: int) -> mx.array:
+    """[B, L, H, ...] -> [B, G, H / G, L, ...]: heads split by the group whose B and C they read."""
+    b, length, heads = x.shape[:3]
+    moved = mx.moveaxis(x, 1, 2)  # [B, H, L, ...]
+    return moved.reshape(b, groups, heads // groups, length, *x.shape[3:])
+
+
+def recurrent(
+    x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array, D: mx.array | None, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Token by token (decode; short pieces)."""
+    batch, length, heads, head_dim = x.shape
+    groups, size = B.shape[2:]
+    dtype = x.dtype
+    x, dt = x.astype(mx.float32), dt.astype(mx.float32)
+    decay = mx.exp(dt * A.astype(mx.float32))  # [B, L, H]
+    B, C = B.astype(mx.float32), C.astype(mx.float32)
+    state = state.reshape(batch, groups, heads // groups, head_dim, size)
+    ys = []
+    for t in range(length):
+        x_t = (x[:, t] * dt[:, t, :, None]).reshape(batch, groups, -1, head_dim, 1)  # dt x: [B, G, R, P, 1]
+        b_t, c_t = B[:, t, :, None, None, :], C[:, t, :, None, :, None]  # [B, G, 1, 1, N], [B, G, 1, N, 1]
+        state = state * decay[:, t].reshape(batch, groups, -1, 1, 1) + x_t * b_t
+        ys.append((state @ c_t).reshape(batch, heads, head_dim))  # S C
+    y = ys[0][:, None] if length == 1 else mx.stack(ys, axis=1)
+    if D is not None:
+        y = y + x * D.astype(mx.float32)[:, None]
+    return y.astype(dtype), state.reshape(batch, heads, head_dim, size)
+
+
+def chunked(
+    x: mx.array,
+    dt: mx.array,
+    A: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array | None,
+    state: mx.array,
+    chunk: int = CHUNK,
+) -> tuple[mx.array, mx.array]:
+    """`chunk` tokens at a time. The piece is padded to whole chunks with tokens that do nothing
+    (dt zero)."""
+    batch, length, heads, head_dim = x.shape
+    groups, size = B.shape[2:]
+    dtype = x.dtype
+    pad = -length % chunk
+    x, dt, B, C = (v.astype(mx.float32) for v in (x, dt, B, C))
+    skip = None if D is None else x * D.astype(mx.float32)[:, None]
+    if pad:
+        x, B, C = (mx.pad(v, [(0, 0), (0, pad), (0, 0), (0, 0)]) for v in (x, B, C))
+        dt = mx.pad(dt, [(0, 0), (0, pad), (0, 0)])
+    chunks = (length + pad) // chunk
+    # heads by group, the sequence in chunks: x [B, G, R, c, T, P]; dt [B, G, R, c, T]; B, C [B, G, 1, c, T, N]
+    xs = by_group(x, groups).reshape(batch, groups, -1, chunks, chunk, head_dim)
+    dts = by_group(dt, groups).reshape(batch, groups, -1, chunks, chunk)
+    Bs, Cs = (mx.moveaxis(v, 1, 2).reshape(batch, groups, 1, chunks, chunk, size) for v in (B, C))
+
+    cum = mx.cumsum(dts * A.astype(mx.float32).reshape(1, groups, -1, 1, 1), axis=-1)  # log decay from the start
+    lower = mx.tril(mx.ones((chunk, chunk), dtype=mx.bool_))
+    # decay from token j to a later token i of one chunk; zero above the diagonal
+    pairwise = mx.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], -mx.inf))
+    scores = (Cs @ Bs.swapaxes(-1, -2)) * pairwise * dts[..., None, :]  # [B, G, R, c, T, T]
+    within = scores @ xs  # each token's output from its own chunk
+    to_end = mx.exp(cum[..., -1:] - cum) * dts  # weight of token j in its chunk's final state
+    written = (xs * to_end[..., None]).swapaxes(-1, -2) @ Bs  # [B, G, R, c, P, N]
+    chunk_decay = mx.exp(cum[..., -1])[..., None, None]  # [B, G, R, c, 1, 1]
+    from_start = mx.exp(cum)[..., None]  # [B, G, R, c, T, 1]
+
+    state = state.reshape(batch, groups, -1, head_dim, size).astype(mx.float32)
+    outs = []
+    for c in range(chunks):
+        # what each token reads of the chunk's start state: (S C_i) decayed to i
+        outs.append(within[:, :, :, c] + from_start[:, :, :, c] * (Cs[:, :, :, c] @ state.swapaxes(-1, -2)))
+        state = state * chunk_decay[:, :, :, c] + written[:, :, :, c]
+    y = outs[0] if chunks == 1 else mx.concatenate(outs, axis=3)  # [B, G, R, L + pad, P]
+    y = mx.moveaxis(y.reshape(batch, heads, length + pad, head_dim), 2, 1)[:, :length]
+    if skip is not None:
+        y = y + skip
+    return y.astype(dtype), state.reshape(batch, heads, head_dim, size)

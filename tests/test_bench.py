@@ -6,6 +6,7 @@ The tests that run mlx-lm skip without it: it is the `bench` extra, which CI doe
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import math
@@ -16,7 +17,10 @@ import pytest
 
 from mlxcel.bench import __main__ as bench_cli
 from mlxcel.bench.checkpoints import (
+    HYBRID_TYPES,
     RANDOM_SHAPES,
+    build_random_checkpoint,
+    list_hybrid_layer_types,
     list_weight_shapes,
     prepare_checkpoint,
     unpermute_from_llama_cpp,
@@ -35,6 +39,45 @@ requires_mlx_lm = pytest.mark.skipif(
     importlib.util.find_spec("mlx_lm") is None,
     reason="needs mlx-lm, the bench extra (not installed on CI): pip install -e '.[bench]'",
 )
+HYBRID_SHAPES = [name for name, shape in RANDOM_SHAPES.items() if shape["model_type"] in HYBRID_TYPES]
+TRANSFORMERS_CLASSES = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+}
+
+
+def shrink_hybrid_shape(name: str) -> dict:
+    """A Qwen 3.5 bench shape at a test's scale: its layout, layer order and options, a few dims wide
+    (two groups of three Gated DeltaNet layers and an attention layer; 8 experts, 2 per token)."""
+    shape = copy.deepcopy(RANDOM_SHAPES[name])
+    text = shape["text_config"]
+    text.update(
+        hidden_size=64,
+        num_hidden_layers=8,
+        layer_types=list_hybrid_layer_types(8),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    )
+    if text.get("num_experts"):
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    else:
+        text.update(intermediate_size=128)
+    return shape
+
+
+def build_tiny_hybrid(name: str, folder, dtype=mx.float32):
+    """The shape's folder at a test's scale, for mlxcel to load."""
+    family = RANDOM_SHAPES[name]["model_type"]  # the module mlxcel loads it with
+    if importlib.util.find_spec(f"mlxcel.models.{family}") is None:
+        pytest.skip(f"mlxcel has no {family} family yet (mlxcel/models/{family}.py)")
+    return build_random_checkpoint(folder, shrink_hybrid_shape(name), dtype)
 
 
 @requires_mlx_lm
@@ -106,6 +149,78 @@ def test_random_shapes_have_the_published_parameter_counts():
     }
     assert round(counts["qwen2.5-0.5b"] / 1e6) == 494  # Qwen2.5-0.5B: 0.49B
     assert round(counts["llama-3.2-1b"] / 1e6) == 1236  # Llama-3.2-1B: 1.24B
+
+
+@pytest.mark.parametrize("name", HYBRID_SHAPES)
+def test_hybrid_shapes_are_the_tensors_transformers_builds(name):
+    """The full-size config is one transformers reads, and the folder's tensors are its model's,
+    names and shapes, less the vision tower (built on the meta device: no memory)."""
+    import torch
+    import transformers
+
+    shape = RANDOM_SHAPES[name]
+    config = transformers.AutoConfig.for_model(**shape)
+    with torch.device("meta"):
+        model = getattr(transformers, TRANSFORMERS_CLASSES[shape["model_type"]])(config)
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("model.visual.")}
+    if config.tie_word_embeddings:
+        theirs.pop("lm_head.weight", None)
+    assert list_weight_shapes(shape) == theirs
+
+
+def test_hybrid_folders_are_in_transformers_layout(tmp_path):
+    """conv1d [C, 1, K], unit norms zero-centred (stored as 0) but the gated one, A_log in float32
+    in a bf16 folder (both engines compute the decay with it in float32)."""
+    folder = build_random_checkpoint(tmp_path / "dense", shrink_hybrid_shape("qwen3.5-0.8b"), mx.bfloat16)
+    weights = mx.load(str(folder / "model.safetensors"))
+    base = "model.language_model."
+    linear, attention = base + "layers.0.", base + "layers.3."
+    assert weights[linear + "linear_attn.conv1d.weight"].shape == (2 * 32 + 64, 1, 4)
+    assert weights[linear + "linear_attn.A_log"].dtype == mx.float32
+    assert weights[linear + "linear_attn.in_proj_qkv.weight"].dtype == mx.bfloat16
+    for key in (linear + "input_layernorm.weight", attention + "self_attn.q_norm.weight", base + "norm.weight"):
+        assert not weights[key].any().item(), key
+    assert weights[linear + "linear_attn.norm.weight"].all().item()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["torch_dtype"] == "bfloat16"
+    assert config["text_config"]["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+@pytest.mark.parametrize("name", HYBRID_SHAPES)
+def test_hybrid_checkpoints_load_in_mlxcel_as_transformers_reads_them(name, tmp_path):
+    """The folder means to mlxcel what it means to transformers: the same fp32 logits."""
+    import torch
+    import transformers
+
+    from mlxcel.checkpoints.loader import load_model
+
+    folder = build_tiny_hybrid(name, tmp_path / name)
+    tokens = [(37 * i + 11) % 400 + 100 for i in range(40)]
+    model = load_model(str(folder), dtype="float32").model
+    ours = np.array(model(mx.array([tokens]), model.make_cache()))
+    oracle = getattr(transformers, TRANSFORMERS_CLASSES[RANDOM_SHAPES[name]["model_type"]]).from_pretrained(
+        folder, dtype=torch.float32
+    )
+    with torch.no_grad():
+        theirs = oracle(torch.tensor([tokens])).logits.numpy()
+    assert ours.shape == theirs.shape == (1, 40, 512)
+    assert np.abs(ours - theirs).max() <= 1e-4
+
+
+@requires_mlx_lm
+@pytest.mark.parametrize("name", HYBRID_SHAPES)
+def test_bench_runs_both_engines_on_the_hybrid_shapes_and_they_agree(name, tmp_path):
+    from mlx.utils import tree_flatten
+
+    from mlxcel.bench.peers import load_peer
+
+    folder = prepare_checkpoint(str(build_tiny_hybrid(name, tmp_path / name)), tmp_path, mx.float32)
+    results = bench_model(name, folder, [12], [1, 2], gen=4, reps=1, dtype=mx.float32, warm_each_case=False)
+    assert [case.agreement() for case in results] == ["agree", "agree"]  # fp32, same weights
+    # mlx-lm cast to the bench dtype as mlx_lm.convert casts: its A_log stays float32, as mlxcel's
+    params = dict(tree_flatten(load_peer("mlx-lm", folder, mx.bfloat16).model.parameters()))
+    assert {v.dtype for k, v in params.items() if k.endswith(".A_log")} == {mx.float32}
+    assert {v.dtype for k, v in params.items() if not k.endswith(".A_log")} == {mx.bfloat16}
 
 
 @pytest.mark.slow

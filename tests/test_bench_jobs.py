@@ -12,6 +12,7 @@ import pytest
 
 from mlxcel.bench import jobs
 from mlxcel.bench.jobs import METRICS, draw_job
+from tests.test_bench import HYBRID_SHAPES, build_tiny_hybrid
 
 requires_mlx_lm = pytest.mark.skipif(
     importlib.util.find_spec("mlx_lm") is None,
@@ -78,6 +79,24 @@ def test_both_engines_run_the_job_and_agree(tiny_llama, tmp_path, capsys):
     assert model["rows_agree"] == 5 and model["token_ids_agree"] == "agree"  # fp32, same weights
     assert all(ratio > 0 for ratio in model["ratio"].values())
     assert f"{tiny_llama.name} greedy token ids: 5/5 rows agree" in lines
+
+
+def test_hybrid_rows_generate_their_drawn_lengths_through_the_scheduler(tmp_path, capsys):
+    folder = build_tiny_hybrid("qwen3.5-0.8b", tmp_path / "qwen3.5")
+    report, lines = run_tiny_job(folder, tmp_path, capsys, "mlxcel")
+    (model,) = report["models"]
+    assert model["rows"]["mlxcel"]["generated_tokens"] == report["job"]["output_lengths"]
+    assert model["scheduler"]["occupancy"] > 0  # the scheduler ran the rows, not the batch engine
+    assert f"{folder.name} mlxcel: 0 rows off their output length" in lines
+
+
+@requires_mlx_lm
+@pytest.mark.parametrize("name", HYBRID_SHAPES)
+def test_both_engines_run_the_hybrid_job_and_agree(name, tmp_path, capsys):
+    report, lines = run_tiny_job(build_tiny_hybrid(name, tmp_path / name), tmp_path, capsys, "mlxcel,mlx-lm")
+    (model,) = report["models"]
+    assert model["rows"]["mlx-lm"]["generated_tokens"] == report["job"]["output_lengths"]
+    assert model["rows_agree"] == 5 and model["token_ids_agree"] == "agree"  # fp32, same weights
 
 
 def test_bad_ranges_and_engines_are_refused():

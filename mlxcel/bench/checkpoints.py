@@ -6,6 +6,11 @@ mlx-lm read, so the two run the very same weights.
 - `qwen2.5-0.5b`, `llama-3.2-1b`: random weights in those models' shapes, seeded.
 - `llama-16x64`: a random Llama of 16 layers 64 wide (SmolLM2's vocabulary): a step costs the
   host's graph building like a 1B model's, little compute, so host-side orders show on a CPU.
+- `qwen3.5-0.8b`, `qwen3.5-moe-small`: hybrids (three Gated DeltaNet layers to one attention
+  layer) in the real Qwen 3.5 folders' layout: transformers 5's `qwen3_5` / `qwen3_5_moe`
+  configs (the text model's settings under `text_config`) and tensor names
+  (`model.language_model.*`, conv1d [C, 1, K], zero-centred norms), with no vision tower.
+  mlxcel's and mlx-lm's sanitize both read that layout, so the two run the same weights.
 - any other value: a path to an HF folder; its config gets a top-level `rope_theta` (mlx-lm reads
   nothing else, transformers 5 writes it under `rope_parameters`) and its weights are linked.
 
@@ -26,6 +31,38 @@ from mlxcel.checkpoints.loader import resolve_model_path
 
 WEIGHTS_FILE = "model.safetensors"  # mlx-lm globs model*.safetensors
 INIT_STD = 0.02  # the usual init scale: logits spread enough that greedy ties are rare
+
+
+def list_hybrid_layer_types(layers: int, interval: int = 4) -> list[str]:
+    """Qwen 3.5's layer order: every `interval`-th layer full attention, the rest Gated DeltaNet."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+# Qwen 3.5's text positions: M-RoPE's three sections see one position, so plain RoPE on the first
+# quarter of each head.
+QWEN3_5_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
+QWEN3_5_TEXT = {  # what Qwen3.5-0.8B and -35B-A3B share
+    "head_dim": 256,
+    "attn_output_gate": True,
+    "attention_bias": False,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "hidden_act": "silu",
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": QWEN3_5_ROPE,
+    "eos_token_id": 248044,
+}
 
 # Published shapes of the real models (their config.json), random weights; and one made-up shape.
 RANDOM_SHAPES = {
@@ -79,6 +116,50 @@ RANDOM_SHAPES = {
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen3.5-0.8B's language model, as its config.json gives it (no vision tower).
+    "qwen3.5-0.8b": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "text_config": {
+            **QWEN3_5_TEXT,
+            "model_type": "qwen3_5_text",
+            "hidden_size": 1024,
+            "intermediate_size": 3584,
+            "num_hidden_layers": 24,
+            "layer_types": list_hybrid_layer_types(24),
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "linear_num_value_heads": 16,
+            "tie_word_embeddings": True,
+        },
+    },
+    # Qwen/Qwen3.5-35B-A3B's language model cut to fit a benchmark: 8 of its 40 layers (two groups
+    # of three Gated DeltaNet and one attention layer) and 64 of its 256 experts, each layer as
+    # wide as the real one, each token still routed to 8 experts plus the shared one.
+    "qwen3.5-moe-small": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {
+            **QWEN3_5_TEXT,
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": 2048,
+            "num_hidden_layers": 8,
+            "layer_types": list_hybrid_layer_types(8),
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "linear_num_value_heads": 32,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "tie_word_embeddings": False,
+        },
     },
 }
 CHECKPOINT_NAMES = ("smollm2", *RANDOM_SHAPES)
@@ -184,7 +265,9 @@ def dequantize_gguf(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def list_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Llama / Qwen2 checkpoint."""
+    """HF tensor names and shapes of a Llama / Qwen2 / Qwen 3.5 checkpoint."""
+    if config["model_type"] in HYBRID_TYPES:
+        return list_qwen3_5_shapes(config)
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -217,15 +300,123 @@ def list_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")
+# RMSNorms that transformers computes as (1 + weight): a folder in its layout stores 0 for a unit norm
+ZERO_CENTRED_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "language_model.norm.weight",
+)
+
+
+def list_qwen3_5_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """transformers 5's Qwen3_5(Moe)ForConditionalGeneration tensors, less the vision tower and
+    the multi-token-prediction head (neither engine reads them)."""
+    text = config["text_config"]
+    hidden, vocab = text["hidden_size"], text["vocab_size"]
+    heads, kv_heads, head_dim = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    k_heads, v_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    key_dim, value_dim = k_heads * text["linear_key_head_dim"], v_heads * text["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim
+    base = "model.language_model."
+    shapes: dict[str, tuple[int, ...]] = {
+        base + "embed_tokens.weight": (vocab, hidden),
+        base + "norm.weight": (hidden,),
+    }
+    for i, kind in enumerate(text["layer_types"]):
+        p = f"{base}layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            shapes.update(
+                {
+                    a + "in_proj_qkv.weight": (conv_dim, hidden),
+                    a + "in_proj_z.weight": (value_dim, hidden),
+                    a + "in_proj_b.weight": (v_heads, hidden),
+                    a + "in_proj_a.weight": (v_heads, hidden),
+                    a + "conv1d.weight": (conv_dim, 1, text["linear_conv_kernel_dim"]),
+                    a + "dt_bias": (v_heads,),
+                    a + "A_log": (v_heads,),
+                    a + "norm.weight": (text["linear_value_head_dim"],),
+                    a + "out_proj.weight": (hidden, value_dim),
+                }
+            )
+        else:
+            a = p + "self_attn."
+            shapes.update(
+                {
+                    a + "q_proj.weight": (2 * heads * head_dim, hidden),  # each head's query and output gate
+                    a + "k_proj.weight": (kv_heads * head_dim, hidden),
+                    a + "v_proj.weight": (kv_heads * head_dim, hidden),
+                    a + "o_proj.weight": (hidden, heads * head_dim),
+                    a + "q_norm.weight": (head_dim,),
+                    a + "k_norm.weight": (head_dim,),
+                }
+            )
+        m = p + "mlp."
+        if text.get("num_experts"):
+            experts, inter, shared = (
+                text["num_experts"],
+                text["moe_intermediate_size"],
+                text["shared_expert_intermediate_size"],
+            )
+            shapes.update(
+                {
+                    m + "gate.weight": (experts, hidden),
+                    m + "experts.gate_up_proj": (experts, 2 * inter, hidden),
+                    m + "experts.down_proj": (experts, hidden, inter),
+                    m + "shared_expert.gate_proj.weight": (shared, hidden),
+                    m + "shared_expert.up_proj.weight": (shared, hidden),
+                    m + "shared_expert.down_proj.weight": (hidden, shared),
+                    m + "shared_expert_gate.weight": (1, hidden),
+                }
+            )
+        else:
+            inter = text["intermediate_size"]
+            shapes.update(
+                {
+                    m + "gate_proj.weight": (inter, hidden),
+                    m + "up_proj.weight": (inter, hidden),
+                    m + "down_proj.weight": (hidden, inter),
+                }
+            )
+    if not config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def make_initial_weight(
+    name: str, dims: tuple[int, ...], dtype: mx.Dtype, key: mx.array, zero_centred: bool
+) -> mx.array:
+    """A tensor's random start, as transformers initializes it where a normal draw would not do."""
+    if name.endswith(".A_log"):  # log of each head's decay rate, uniform in [0.01, 16]
+        # float32 as both engines compute with it (mlxcel's float32_weights, mlx-lm's cast_predicate)
+        return mx.log(mx.random.uniform(0.01, 16.0, dims, key=key))
+    if name.endswith(".dt_bias"):
+        return mx.ones(dims, dtype=dtype)
+    if name.endswith("norm.weight"):
+        unit = zero_centred and name.endswith(ZERO_CENTRED_NORMS)
+        return (mx.zeros if unit else mx.ones)(dims, dtype=dtype)
+    return (INIT_STD * mx.random.normal(dims, key=key)).astype(dtype)
+
+
 def build_random_checkpoint(folder: Path, shape: dict, dtype: mx.Dtype, seed: int = 0) -> Path:
     if is_complete(folder):
         return folder
+    zero_centred = shape["model_type"] in HYBRID_TYPES
     weights = {}
-    for index, (key, dims) in enumerate(sorted(list_weight_shapes(shape).items())):
-        if key.endswith("norm.weight"):
-            weights[key] = mx.ones(dims, dtype=dtype)
-        else:  # one key per tensor: the same weights whatever else changes
-            weights[key] = (INIT_STD * mx.random.normal(dims, key=mx.random.key(seed * 100003 + index))).astype(dtype)
-        mx.eval(weights[key])
+    for index, (name, dims) in enumerate(sorted(list_weight_shapes(shape).items())):
+        # one key per tensor: the same weights whatever else changes
+        weights[name] = make_initial_weight(name, dims, dtype, mx.random.key(seed * 100003 + index), zero_centred)
+        mx.eval(weights[name])
     config = {**shape, "torch_dtype": dtype_name(dtype)}
     return write_folder(folder, config, weights)
+
+
+def read_model_config(folder: Path) -> dict:
+    """A folder's config.json, a multimodal folder's text_config over it: where the bench finds
+    vocab_size and the special token ids."""
+    config = json.loads((folder / "config.json").read_text())
+    return {**config, **(config.get("text_config") or {})}

@@ -7,7 +7,6 @@ repetitions, and only medians over repetitions are compared.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.bench.checkpoints import read_model_config
 from mlxcel.bench.peers import ENGINES, Peer, Run, load_peer
 
 METRICS = {  # key -> (table label, higher is better)
@@ -120,7 +120,7 @@ def bench_model(
 
     A warm-up at a short prompt covers the CPU, where nothing compiles per shape; on a GPU
     `warm_each_case` adds one unmeasured run per case, since kernels are built per shape there."""
-    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    vocab_size = read_model_config(folder)["vocab_size"]
     peers = {name: load_peer(name, folder, dtype) for name in ENGINES}
     for batch in sorted({1, max(batch_sizes)}):
         warm_up(peers, make_prompts(batch, 16, vocab_size), 4)

@@ -50,7 +50,7 @@ from mlxcel.bench.__main__ import (
     reexec_with_openblas,
     split_models,
 )
-from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, prepare_checkpoint
+from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, prepare_checkpoint, read_model_config
 from mlxcel.bench.harness import (
     align_columns,
     compare_token_ids,
@@ -467,7 +467,7 @@ def measure(run: Callable[[Job], JobRun], job: Job, weight_bytes: int) -> JobRun
 
 
 def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dtype, work_dir: Path) -> ModelResult:
-    config = json.loads((folder / "config.json").read_text())
+    config = read_model_config(folder)
     vocab_size, special_ids = config["vocab_size"], read_special_ids(config)
     tokenizer_dir = prepare_tokenizer(vocab_size, work_dir)
     job = draw_job(args.rows, args.prompt_tokens, args.output_tokens, vocab_size, special_ids, args.seed)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
@@ -84,9 +84,21 @@ def load_peer(name: str, folder, dtype: mx.Dtype) -> Peer:
         from mlx_lm.utils import load_model as load_mlx_lm_model
 
         model, _ = load_mlx_lm_model(folder)
-        model.set_dtype(dtype)  # mlx-lm keeps the stored dtype; mlxcel casts to the bench dtype
+        cast_mlx_lm_model(model, dtype)
         mx.eval(model.parameters())
     return Peer(name, model, count_weight_bytes(model))
+
+
+def cast_mlx_lm_model(model, dtype: mx.Dtype) -> None:
+    """mlx-lm keeps the stored dtype, mlxcel casts to the bench dtype: cast as mlx_lm.convert does,
+    leaving what the family's cast_predicate keeps (Qwen 3.5's A_log stays float32, as in mlxcel)."""
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    model.update(
+        tree_map_with_path(
+            lambda path, x: x.astype(dtype) if keep(path) and mx.issubdtype(x.dtype, mx.floating) else x,
+            model.parameters(),
+        )
+    )
 
 
 def generate_mlxcel(model, prompts: list[list[int]], gen: int) -> Run:

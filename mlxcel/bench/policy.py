@@ -15,7 +15,6 @@ decodes). The settings alternate inside each repetition; medians are printed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxcel.bench.__main__ import describe_environment, parse_ints, reexec_with_openblas
-from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, prepare_checkpoint
+from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, prepare_checkpoint, read_model_config
 from mlxcel.bench.harness import log, make_prompts
 from mlxcel.checkpoints.loader import DTYPES, load_model, pick_dtype
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
@@ -77,7 +76,7 @@ def measure_dtypes(name: str, args: argparse.Namespace) -> list[str]:
     for dtype in args.dtypes:
         folder = prepare_checkpoint(name, args.work_dir.expanduser(), dtype)
         models[dtype] = load_model(str(folder), dtype=str(dtype).removeprefix("mlx.core.")).model
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    vocab = read_model_config(folder)["vocab_size"]
     prompt = make_prompts(1, args.dtype_prompt_len, vocab)[0]
     figures: dict[mx.Dtype, list[tuple[float, float]]] = {d: [] for d in args.dtypes}
     for model in models.values():
@@ -108,7 +107,7 @@ def measure_chunks(name: str, args: argparse.Namespace) -> list[str]:
     dtype = pick_dtype("auto")
     folder = prepare_checkpoint(name, args.work_dir.expanduser(), dtype)
     model = load_model(str(folder), dtype=str(dtype).removeprefix("mlx.core.")).model
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    vocab = read_model_config(folder)["vocab_size"]
     prompt = make_prompts(1, args.chunk_prompt_len, vocab)[0]
     for chunk in args.chunks:
         generate(model, prompt[: min(len(prompt), 2 * chunk)], 2, chunk)  # per-shape kernels, unmeasured

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import platform
 import sys
 import time
@@ -33,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment, reexec_with_openblas, split_models
-from mlxcel.bench.checkpoints import prepare_checkpoint
+from mlxcel.bench.checkpoints import prepare_checkpoint, read_model_config
 from mlxcel.bench.harness import log
 from mlxcel.bench.job_runs import Job, JobRun, format_run
 from mlxcel.bench.jobs import (
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         except (MlxcelError, ValueError) as exc:
             print(f"mlxcel.bench.prefix: {name}: {exc}", file=sys.stderr)
             return 1
-        config = json.loads((folder / "config.json").read_text())
+        config = read_model_config(folder)
         vocab = config["vocab_size"]
         allowed = np.setdiff1d(np.arange(min(100, vocab // 4), vocab), read_special_ids(config))
         pipeline = load_mlxcel(folder, prepare_tokenizer(vocab, work_dir), dtype, args.max_rows)

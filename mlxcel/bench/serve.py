@@ -70,7 +70,13 @@ import numpy as np
 
 from mlxcel import blas
 from mlxcel.bench.__main__ import add_checkpoint_arguments, describe_environment
-from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, RANDOM_SHAPES, dtype_name, prepare_checkpoint
+from mlxcel.bench.checkpoints import (
+    CHECKPOINT_NAMES,
+    RANDOM_SHAPES,
+    dtype_name,
+    prepare_checkpoint,
+    read_model_config,
+)
 from mlxcel.bench.harness import align_columns, explain_ratios, log
 from mlxcel.bench.jobs import MLX_LM_PREFILL_BATCH, draw_job, prepare_tokenizer, read_special_ids
 from mlxcel.checkpoints.loader import pick_dtype
@@ -265,7 +271,7 @@ def write_tokenizer(name: str, checkpoint: Path, folder: Path, work_dir: Path) -
         names = ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template")
         config.update({key: getattr(tokenizer, key) for key in names if getattr(tokenizer, key) is not None})
     else:
-        vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        vocab_size = read_model_config(checkpoint)["vocab_size"]
         source = prepare_tokenizer(vocab_size, work_dir)
         (folder / "tokenizer.json").symlink_to((source / "tokenizer.json").resolve())
         config["unk_token"] = "t0"
@@ -281,7 +287,7 @@ def draw_prompts(name: str, folder: Path, tokenizer, count: int, prompt_tokens: 
 
 def draw_id_prompts(folder: Path, count: int, prompt_tokens: int, seed: int) -> list[str]:
     """Random ids as bench.jobs draws them, written as the word-level tokenizer's words."""
-    config = json.loads((folder / "config.json").read_text())
+    config = read_model_config(folder)
     job = draw_job(count, (prompt_tokens,) * 2, (1, 1), config["vocab_size"], read_special_ids(config), seed)
     return [" ".join(f"t{i}" for i in prompt) for prompt in job.prompts]
 

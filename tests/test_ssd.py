@@ -145,3 +145,20 @@ def test_all_masked_keeps_the_state_exactly(inputs):
 def test_time_step_limit_clips(inputs):
     dt = ssd.discretize_dt(mx.array(inputs["dt"]), mx.array(inputs["dt_bias"]), (0.2, 0.5))
     assert float(dt.min()) >= 0.2 and float(dt.max()) <= 0.5
+
+
+def test_the_compiled_decode_step_equals_the_plain_one_at_any_batch():
+    """The GPU's decode step is compiled shapeless: rows joining and leaving change its batch."""
+    rng = np.random.default_rng(1)
+    for rows in (1, 3, 2):
+        args = [
+            rng.normal(size=(rows, HEADS, HEAD_DIM)),
+            rng.uniform(size=(rows, HEADS)),
+            -np.arange(1, HEADS + 1),
+            rng.normal(size=(rows, HEADS, STATE)),
+            rng.normal(size=(rows, HEADS, STATE)),
+            rng.normal(size=(rows, HEADS, HEAD_DIM, STATE)),
+        ]
+        args = [mx.array(np.asarray(a, dtype=np.float32)) for a in args]
+        for plain, compiled in zip(ssd.one_step(*args), ssd.compiled_step(*args)):
+            assert max_diff(plain, compiled) <= 1e-6

@@ -66,23 +66,34 @@ def recurrent(
     x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array, D: mx.array | None, state: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Token by token (decode; short pieces)."""
-    batch, length, heads, head_dim = x.shape
-    groups, size = B.shape[2:]
-    dtype = x.dtype
-    x, dt = x.astype(mx.float32), dt.astype(mx.float32)
-    decay = mx.exp(dt * A.astype(mx.float32))  # [B, L, H]
-    B, C = B.astype(mx.float32), C.astype(mx.float32)
-    state = state.reshape(batch, groups, heads // groups, head_dim, size)
+    heads, dtype = x.shape[2], x.dtype
+    repeat = heads // B.shape[2]
+    B, C = (v if repeat == 1 else mx.repeat(v, repeat, axis=2) for v in (B, C))  # each head's B and C
+    step = compiled_step if mx.default_device() == mx.gpu else one_step
+    A = A.astype(mx.float32)
     ys = []
-    for t in range(length):
-        x_t = (x[:, t] * dt[:, t, :, None]).reshape(batch, groups, -1, head_dim, 1)  # dt x: [B, G, R, P, 1]
-        b_t, c_t = B[:, t, :, None, None, :], C[:, t, :, None, :, None]  # [B, G, 1, 1, N], [B, G, 1, N, 1]
-        state = state * decay[:, t].reshape(batch, groups, -1, 1, 1) + x_t * b_t
-        ys.append((state @ c_t).reshape(batch, heads, head_dim))  # S C
-    y = ys[0][:, None] if length == 1 else mx.stack(ys, axis=1)
+    for t in range(x.shape[1]):
+        y, state = step(x[:, t], dt[:, t], A, B[:, t], C[:, t], state)
+        ys.append(y)
+    y = ys[0][:, None] if len(ys) == 1 else mx.stack(ys, axis=1)
     if D is not None:
-        y = y + x * D.astype(mx.float32)[:, None]
-    return y.astype(dtype), state.reshape(batch, heads, head_dim, size)
+        y = y + x.astype(mx.float32) * D.astype(mx.float32)[:, None]
+    return y.astype(dtype), state
+
+
+def one_step(
+    x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """One token: x [B, H, P], dt [B, H], A [H], B and C [B, H, N] (per head); (S C [B, H, P] fp32, S)."""
+    x, dt = x.astype(mx.float32), dt.astype(mx.float32)
+    written = (x * dt[..., None])[..., None] * B.astype(mx.float32)[..., None, :]  # dt x B^T: [B, H, P, N]
+    state = state * mx.exp(dt * A)[..., None, None] + written
+    return (state * C.astype(mx.float32)[..., None, :]).sum(axis=-1), state
+
+
+# On a GPU the step's elementwise ops are one kernel chain: a decode step is bound by the host's
+# per-op cost there. (The CPU would compile with the system's C++ compiler, for no gain.)
+compiled_step = mx.compile(one_step, shapeless=True)
 
 
 def chunked(

@@ -280,3 +280,20 @@ def test_preset_names_the_family_and_requires_a_path(tmp_path):
     model = validate_config(compose_run(["model=nemotron_h", f"model.path={tmp_path}"])).model
     assert model.families == ["nemotron_h"] and "nemotron_h" in list_supported_families()
     assert all(hub.startswith("nvidia/") for hub in model.hub_ids)
+
+
+def test_batch_invariant_rows_equal_alone_and_moe_is_refused(model, tmp_path):
+    """Nemotron-H without MoE runs batch-invariant on the CPU (each row's tokens as alone);
+    Nemotron 3's MoE layers group tokens by expert across rows: refused with that reason."""
+    with pytest.raises(MlxcelError, match="mixture-of-experts"):
+        BatchScheduler(model, 512, 8, batch_invariant=True)
+    dense_layers = ["linear_attention", "full_attention", "mlp"]
+    folder = write_nemotron_h(tmp_path / "dense", seed=2, layers_block_type=dense_layers)
+    dense = load_model(str(folder), dtype="float32").model
+
+    def run(prompts):
+        rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
+        request = GenerationRequest(rows, Sampler("greedy"), max_tokens=12)
+        return [r.token_ids for r in BatchScheduler(dense, 512, 8, batch_invariant=True).generate(request).results]
+
+    assert run(SCHEDULER_PROMPTS) == [run([p])[0] for p in SCHEDULER_PROMPTS]

@@ -17,13 +17,17 @@ from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.engine import OnRowDone, OnToken
 from mlxcel.engine.prompt_cache import PROMPT_CACHE_SHARE, PromptCache
-from mlxcel.engine.prompt_cache_files import describe_layout, describe_model_key, load_entries, save_entries
+from mlxcel.engine.prompt_cache_files import (
+    describe_layout,
+    describe_model_key,
+    describe_states,
+    load_entries,
+    save_entries,
+)
 from mlxcel.engine.scheduler import (
-    PROMPT_CACHE_OFF_HYBRID,
     BatchScheduler,
     ScheduleState,
     device_memory_bytes,
-    recurrent_layers,
     supports_scheduling,
 )
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
@@ -227,9 +231,6 @@ class Pipeline:
         if load_weights:
             loaded = load_weights_for(cfg, path, log, keep_weights)
         pipeline = cls(cfg, header, tokenizer, loaded, require_template)
-        if pipeline.prompt_cache is not None and any(recurrent_layers(loaded.model)):
-            pipeline.prompt_cache = None
-            say(log, f"prompt cache: {PROMPT_CACHE_OFF_HYBRID} ({header.arch})")
         pipeline.load_prompt_cache(path, log)
         return pipeline
 
@@ -246,8 +247,10 @@ class Pipeline:
             "kv_group_size": cfg.decode.kv_group_size if cfg.decode.kv_bits else None,
         }
         self.prompt_cache_key = describe_model_key(path, self.header.fingerprint, settings)
-        layout = describe_layout(self.loaded.model, settings["dtype"], cfg.decode.kv_bits, cfg.decode.kv_group_size)
-        used = load_entries(self.prompt_cache, Path(folder), self.prompt_cache_key, layout, log or sys.stderr)
+        model = self.loaded.model
+        layout = describe_layout(model, settings["dtype"], cfg.decode.kv_bits, cfg.decode.kv_group_size)
+        states = describe_states(model)
+        used = load_entries(self.prompt_cache, Path(folder), self.prompt_cache_key, layout, log or sys.stderr, states)
         if used:
             say(log, f"prompt cache: {used} entries ({self.prompt_cache.cached_tokens} tokens) from {folder}")
 

@@ -7,6 +7,8 @@ row's tokens, few slots) must draw the tokens it draws alone, which are transfor
 
 from __future__ import annotations
 
+import io
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,7 +16,6 @@ import pytest
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.scheduler import (
-    PROMPT_CACHE_OFF_HYBRID,
     BatchScheduler,
     kv_bytes_per_position,
     recurrent_layers,
@@ -153,11 +154,65 @@ def test_state_and_blocks_share_the_kv_budget(hybrid):
     assert state.results[0].finish_reason == "error" and "recurrent state" in error and "kv_budget_gb" in error
 
 
-def test_the_prompt_cache_is_off_for_hybrids_and_says_why(hybrid):
-    model, expected = hybrid
-    got, state = schedule(model, PROMPTS, prompt_cache=PromptCache(10**8), chunk_size=16)
-    assert got == expected
-    assert state.prompt_cache == {"off": PROMPT_CACHE_OFF_HYBRID}
+# ---- the prompt cache: a prefix is adoptable where its recurrent states were recorded ----
+SHARED = PROMPT * 2  # 80 tokens every row starts with
+TAILS = [PROMPT[3:20], PROMPT[11:19], PROMPT[:30], PROMPT[25:31]]
+
+
+def test_rows_sharing_a_prefix_adopt_it_with_its_states(hybrid):
+    """The first row's piece ends where the shared prefix does (its states are recorded there);
+    the others adopt the prefix's keys, values and states, and draw the tokens they draw alone."""
+    model, _ = hybrid
+    prompts = [SHARED + tail for tail in TAILS]
+    alone = [schedule(model, [p])[0][0] for p in prompts]
+    got, state = schedule(model, prompts, prompt_cache=PromptCache(10**8), chunk_size=32)
+    assert got == alone
+    adopted = [r.cached_tokens for r in state.results]
+    assert adopted[0] == 0 and all(n == len(SHARED) for n in adopted[1:]), adopted
+
+
+def test_a_second_job_and_a_follow_up_turn_adopt_with_states(hybrid):
+    model, _ = hybrid
+    cache = PromptCache(10**8)
+    first = SHARED + TAILS[0]
+    schedule(model, [first], prompt_cache=cache, snapshot_all=True)
+    # the whole prompt but its last token is adoptable only at a piece's end: 64 of 97 (pieces of 32)
+    again, state = schedule(model, [first + TAILS[1]], prompt_cache=cache, chunk_size=32)
+    assert state.results[0].cached_tokens == len(first) and again == [schedule(model, [first + TAILS[1]])[0][0]]
+
+
+def test_a_cut_node_keeps_no_states_and_matches_cut_back_to_one_that_does():
+    cache = PromptCache(10**6)
+    kv = [[mx.zeros((6, 1))], []]
+    states = [[], [mx.ones((1, 2))]]
+    cache.insert([1, 2, 3, 4, 5, 6], 0, kv, states)
+    assert cache.match([1, 2, 3, 4, 5, 6, 7], with_states=True).length == 6
+    cache.insert([1, 2, 3, 9], 3, [[mx.zeros((1, 1))], []])  # splits the node after 3 tokens
+    assert cache.match([1, 2, 3, 9], with_states=True).length == 0  # no states at 3 nor at 4
+    assert cache.match([1, 2, 3, 4, 5, 6], with_states=True).length == 6
+    assert cache.match([1, 2, 3, 4, 5], with_states=True).length == 0
+    assert cache.nbytes == 7 * 4 + 2 * 4
+
+
+def test_saved_states_are_loaded_and_checked_against_the_model(hybrid, tmp_path):
+    from mlxcel.engine.prompt_cache_files import describe_layout, describe_states, load_entries, save_entries
+
+    model, _ = hybrid
+    first = PromptCache(10**8)
+    schedule(model, [SHARED + TAILS[0]], prompt_cache=first, snapshot_all=True, chunk_size=32)
+    assert save_entries(first, tmp_path, "key") == first.entries > 0
+    layout, states = describe_layout(model, "float32", None, 64), describe_states(model)
+    assert [len(kinds) for kinds in layout] == [0, 0, 0, 2] and [len(k) for k in states] == [2, 2, 2, 0]
+    second = PromptCache(10**8)
+    assert load_entries(second, tmp_path, "key", layout, states=states) == first.entries
+    prompt = SHARED + TAILS[2]
+    got, state = schedule(model, [prompt], prompt_cache=second, chunk_size=32)
+    assert state.results[0].cached_tokens == 64 and got == [schedule(model, [prompt])[0][0]]
+    # states of another shape (another model's) are refused, with the file named
+    wrong = [[((5, *shape[1:]), kind) for shape, kind in kinds] for kinds in states]
+    log = io.StringIO()
+    assert load_entries(PromptCache(10**8), tmp_path, "key", layout, log, states=wrong) == 0
+    assert "ignoring" in log.getvalue() and "0.s0 is [1, 3, 128]" in log.getvalue()
 
 
 def test_kv_bits_quantizes_the_attention_layers_only(hybrid):

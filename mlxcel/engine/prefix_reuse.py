@@ -3,6 +3,11 @@ their pieces are snapshotted as they are prefilled, and a row waits while anothe
 is prefilling the prefix it would adopt (so 256 rows sharing a system prompt prefill it once, not
 256 times in the first iterations).
 
+A hybrid's recurrent layers keep no state per position: a prefix is adoptable only where a node of
+the cache keeps their states, which a row records at the end of a prefill piece (the scheduler ends
+a piece where a row's shared prefix or its history ends, so the states are there). A finished
+row's answer is recorded without them (its state then is gone with the decode batch's next step).
+
 A row's cacheable prefix stops at its first image (placeholders look alike for different
 images, and M-RoPE positions shift after them), and is empty for rows whose KV differs from a
 text row's over the same tokens: Phi-4-multimodal's image rows (the vision LoRA applies to the
@@ -41,6 +46,9 @@ class PrefixReuse:
         self.inflight: dict[int, int] = {}  # block hash -> prefilling rows whose prefixes have that block
         self.row_blocks: dict[int, list[int]] = {}
         self.arrays: dict[int, np.ndarray] = {}  # row index -> its prompt as int32 (matched often)
+        # a hybrid's recurrent layers' caches (PagedRecurrentCache): their rows' states, not positions
+        self.recurrent = [hasattr(c, "row_states") for c in caches]
+        self.hybrid = any(self.recurrent)
 
     # ---- which positions a row may share ----
     def limit(self, row) -> int:
@@ -80,25 +88,26 @@ class PrefixReuse:
             if block not in self.inflight:
                 break
             shared += BLOCK_SIZE
-        return shared > 0 and shared > self.cache.match(self.prompt_array(row), self.limit(row)).length
+        return shared > 0 and shared > self.match(row, self.limit(row)).length
 
     def adopt(self, row) -> int:
         """Write the longest cached prefix of the admitted row's prompt (all but its last token,
         whose logits the row needs) into its blocks; returns the positions adopted."""
         for block in self.blocks(row):
             self.inflight[block] = self.inflight.get(block, 0) + 1
-        limit = min(self.limit(row), len(row.prompt) - 1)
-        prompt = self.prompt_array(row)
-        found = self.cache.match(prompt, limit)
-        length = found.length // self.align * self.align
+        found = self.match(row, min(self.limit(row), len(row.prompt) - 1))
+        while found.length % self.align:  # (a hybrid's match ends at a node: cut back to one aligned)
+            found = self.match(row, found.length // self.align * self.align)
+        length = found.length
         if length == 0:
             return 0
-        if length < found.length:
-            found = self.cache.match(prompt, length)
-        stored = found.stored()
+        stored, states = found.stored(), found.states() if self.hybrid else None
         index = self.index(row.slot, 0, length)
-        for cache, arrays in zip(self.caches, stored):
-            cache.write_positions(index, arrays)
+        for layer, (cache, arrays) in enumerate(zip(self.caches, stored)):
+            if self.recurrent[layer]:
+                cache.adopt(row.slot, states[layer])
+            else:
+                cache.write_positions(index, arrays)
         self.table.lengths[row.slot] = length
         self.cache.touch(found)
         self.hold(row, found)
@@ -113,18 +122,33 @@ class PrefixReuse:
         tokens = self.row_tokens(row, end)
         if not len(tokens):
             return []
+        states = self.row_states(row, len(tokens))
         have = self.cache.match(tokens).length
         stored = []
         if have < len(tokens):
             index = self.index(row.slot, have, len(tokens))
-            stored = [cache.read_positions(index) for cache in self.caches]
-            found = self.cache.insert(tokens, have, stored)
+            stored = [[] if kind else cache.read_positions(index) for cache, kind in zip(self.caches, self.recurrent)]
+            found = self.cache.insert(tokens, have, stored, states)
         else:
             found = self.cache.match(tokens)
+            if states is not None:
+                self.cache.attach_states(found, states)
             self.cache.touch(found)
         if row.index in self.pinned:
             self.hold(row, found)
-        return [a for layer in stored for a in layer]
+        return [a for layer in [*stored, *(states or [])] for a in layer]
+
+    def row_states(self, row, end: int) -> list | None:
+        """A hybrid's recurrent states of the row after `end` positions, where the caches hold
+        them (a prefill piece that ended there); None otherwise, or for a model without them."""
+        if not self.hybrid or int(self.table.lengths[row.slot]) != end:
+            return None
+        states = [cache.row_states(row.slot) if kind else [] for cache, kind in zip(self.caches, self.recurrent)]
+        return None if any(s is None for s in states) else states
+
+    def match(self, row, limit: int):
+        """The longest cached prefix of the row's prompt it can adopt (a hybrid's: with states)."""
+        return self.cache.match(self.prompt_array(row), limit, with_states=self.hybrid)
 
     def row_tokens(self, row, end: int) -> np.ndarray:
         """The tokens fed at positions [0, end), within what is worth a snapshot."""

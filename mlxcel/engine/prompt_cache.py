@@ -36,10 +36,15 @@ class Node:
     used: int = 0  # the cache's use counter when last matched or inserted
     pins: int = 0  # rows relying on this node (adopted it, or will extend it)
     saved: bool = False  # written to the cache folder already
+    # A hybrid's recurrent layers: their states after the node's last position (per layer, [1, ...]
+    # each; [] for attention layers), which `stored` cannot hold (a state is not per position).
+    # None where unknown (a split point, an answer): a hybrid's row adopts only up to a node with them.
+    states: Stored | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for layer in self.stored for a in layer)
+        arrays = [*self.stored, *(self.states or [])]
+        return sum(a.nbytes for layer in arrays for a in layer)
 
 
 @dataclass
@@ -50,6 +55,10 @@ class Match:
     length: int = 0
     nodes: list[Node] = field(default_factory=list)
     used: list[int] = field(default_factory=list)  # tokens of each node that the prefix covers
+
+    def states(self) -> Stored | None:
+        """A hybrid's recurrent states after the prefix (its last node's), or None."""
+        return self.nodes[-1].states if self.nodes and self.used[-1] == len(self.nodes[-1].tokens) else None
 
     def stored(self) -> Stored:
         """Every layer's arrays for the prefix's positions, joined along positions."""
@@ -72,8 +81,9 @@ class PromptCache:
         self.folder_error: str | None = None  # why runner.prompt_cache_dir takes no entries (said once)
 
     # ---- lookup ----
-    def match(self, tokens: list[int] | np.ndarray, limit: int | None = None) -> Match:
-        """The longest cached prefix of `tokens[:limit]`."""
+    def match(self, tokens: list[int] | np.ndarray, limit: int | None = None, with_states: bool = False) -> Match:
+        """The longest cached prefix of `tokens[:limit]`; `with_states`: the longest that ends
+        where a node keeps its recurrent states (what a hybrid's row can adopt)."""
         tokens = np.asarray(tokens[:limit] if limit is not None else tokens, dtype=np.int32)
         found, node, pos = Match(), self.root, 0
         while pos < len(tokens):
@@ -88,7 +98,7 @@ class PromptCache:
                 break
             node = child
         found.length = pos
-        return found
+        return cut_to_states(found) if with_states else found
 
     def touch(self, found: Match) -> None:
         self.clock += 1
@@ -100,11 +110,12 @@ class PromptCache:
             node.pins += delta
 
     # ---- insertion ----
-    def insert(self, tokens: list[int] | np.ndarray, start: int, stored: Stored) -> Match:
+    def insert(self, tokens: list[int] | np.ndarray, start: int, stored: Stored, states: Stored | None = None) -> Match:
         """Record that positions [start, len(tokens)) of `tokens` hold `stored` (per layer,
-        [len(tokens) - start, ...]). Only what the tree lacks is added, and only where the tree
-        already holds [0, start) (a prefix evicted meanwhile leaves a gap: nothing is added).
-        Returns the match of the whole of `tokens` afterwards (empty where nothing could be)."""
+        [len(tokens) - start, ...]), and a hybrid's recurrent `states` after the last of them.
+        Only what the tree lacks is added, and only where the tree already holds [0, start) (a
+        prefix evicted meanwhile leaves a gap: nothing is added). Returns the match of the whole
+        of `tokens` afterwards (empty where nothing could be)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         found = self.match(tokens)
         end = len(tokens)
@@ -125,8 +136,21 @@ class PromptCache:
             found.nodes.append(node)  # (split_at left `found` ending exactly at `parent`)
             found.used.append(len(node.tokens))
             found.length = end
+        if states is not None and found.length == end:
+            self.attach_states(found, states)
         self.touch(found)
         return found
+
+    def attach_states(self, found: Match, states: Stored) -> None:
+        """Keep `states` at the end of `found` (splitting its last node there), if none are kept yet."""
+        node = self.split_at(found)
+        if node is self.root or node.states is not None:
+            return
+        needed = sum(a.nbytes for layer in states for a in layer)
+        self.make_room(needed, keep=found.nodes)
+        if self.nbytes + needed <= self.budget_bytes:
+            node.states = states
+            self.nbytes += needed
 
     def split_at(self, found: Match) -> Node:
         """The node that ends exactly where `found` ends, splitting its last node if the match
@@ -143,7 +167,7 @@ class PromptCache:
             used=node.used,
             pins=node.pins,
             saved=node.saved,
-        )
+        )  # (no states: nothing knows a recurrent layer's state mid-node)
         node.parent.children[int(head.tokens[0])] = head
         node.tokens = node.tokens[used:].copy()
         node.stored = [[a[used:] for a in layer] for layer in node.stored]
@@ -186,6 +210,19 @@ class PromptCache:
     @property
     def cached_tokens(self) -> int:
         return sum(len(n.tokens) for n in self.iter_nodes())
+
+
+def cut_to_states(found: Match) -> Match:
+    """`found` cut back to the end of its last whole node that keeps recurrent states."""
+    keep = 0
+    for i, (node, used) in enumerate(zip(found.nodes, found.used)):
+        if used < len(node.tokens):
+            break
+        if node.states is not None:
+            keep = i + 1
+    found.nodes, found.used = found.nodes[:keep], found.used[:keep]
+    found.length = sum(found.used)
+    return found
 
 
 def count_common(a: np.ndarray, b: np.ndarray) -> int:

@@ -2,7 +2,8 @@
 shared system prompt is prefilled once per machine, not once per job.
 
 Layout: `<dir>/<model key>/<hash of the prefix's token ids>-<start>.safetensors`, one file per
-node: the KV of positions [start, end) of a prefix, every layer's arrays as `<layer>.<i>`, and in
+node: the KV of positions [start, end) of a prefix, every layer's arrays as `<layer>.<i>` (a hybrid's
+recurrent layers' states after `end` as `<layer>.s<i>`, where the node keeps them), and in
 its metadata the format version, the model key and the prefix's token ids [0, end). The model key
 hashes everything that changes what the KV holds: the checkpoint (its fingerprint, and each
 weights file's size and first and last megabyte, so two fine-tunes of one architecture differ),
@@ -31,7 +32,7 @@ import numpy as np
 
 import mlxcel
 from mlxcel.engine.prompt_cache import Node, PromptCache
-from mlxcel.engine.scheduler import layer_windows
+from mlxcel.engine.scheduler import attention_module, layer_windows, recurrent_layers
 
 # per layer, (shape after the positions axis, dtype) of each array its cache stores (read_positions)
 Layout = list[list[tuple[tuple[int, ...], mx.Dtype]]]
@@ -72,20 +73,40 @@ def describe_layout(model, dtype: str, kv_bits: int | None, kv_group_size: int) 
     """What each layer's paged cache stores for a position (PagedKVCache / QuantizedPagedKVCache
     read_positions): keys and values [kv_heads, head_dim] in the model's dtype, or with `kv_bits`
     in full-attention layers their quantized parts (packed, scales, biases each)."""
+    recurrent = recurrent_layers(model)
+    if any(recurrent):  # a hybrid: one entry per cache (its attention layers are alike)
+        attention = attention_module(model)
+        layers = [None if is_recurrent else attention for is_recurrent in recurrent]
+    else:
+        layers = [layer.self_attn for layer in model.model.layers]
     plain = []
-    for layer in model.model.layers:
-        attention = layer.self_attn
-        plain.append([((attention.n_kv_heads, attention.head_dim), getattr(mx, dtype))] * 2)
+    for attention in layers:
+        kv = [((attention.n_kv_heads, attention.head_dim), getattr(mx, dtype))] * 2 if attention else []
+        plain.append(kv)
     if not kv_bits:
         return plain
     layout = []
-    for (shape, kind), window in zip((layer[0] for layer in plain), layer_windows(model)):
+    for kinds, window in zip(plain, layer_windows(model)):
+        if not kinds:
+            layout.append([])  # a recurrent layer: nothing per position
+            continue
+        shape, kind = kinds[0]
         if window is not None:
             layout.append([(shape, kind)] * 2)
             continue
         parts = mx.quantize(mx.zeros((1, *shape), kind), group_size=kv_group_size, bits=kv_bits)
         layout.append([(p.shape[1:], p.dtype) for p in parts] * 2)
     return layout
+
+
+def describe_states(model) -> Layout | None:
+    """What a hybrid's recurrent layers keep after a prefix ([1, ...] arrays each, per cache entry;
+    [] for attention layers), from a one-token probe; None for a model without them."""
+    if not any(recurrent_layers(model)):
+        return None
+    cache = model.make_cache(1)
+    model(mx.array([[0]]), cache)
+    return [[(tuple(a.shape[1:]), a.dtype) for a in c.states] if hasattr(c, "states") else [] for c in cache]
 
 
 def checksum_arrays(arrays: dict[str, mx.array]) -> str:
@@ -124,6 +145,8 @@ def save_entries(cache: PromptCache, folder: Path, model_key: str, log: TextIO |
         tokens = prefix_of(node)
         start = len(tokens) - len(node.tokens)
         arrays = {f"{layer}.{i}": a for layer, stored in enumerate(node.stored) for i, a in enumerate(stored)}
+        for layer, states in enumerate(node.states or []):
+            arrays.update({f"{layer}.s{i}": a for i, a in enumerate(states)})
         metadata = {
             "format": str(FORMAT_VERSION),
             "model_key": model_key,
@@ -166,9 +189,17 @@ def refuse_folder(cache: PromptCache, reason: str, log: TextIO | None) -> None:
     print(message, file=log or sys.stderr, flush=True)
 
 
-def load_entries(cache: PromptCache, folder: Path, model_key: str, layout: Layout, log: TextIO | None = None) -> int:
+def load_entries(
+    cache: PromptCache,
+    folder: Path,
+    model_key: str,
+    layout: Layout,
+    log: TextIO | None = None,
+    states: Layout | None = None,
+) -> int:
     """Insert this model's saved nodes (shorter prefixes first, so parents come before children);
-    returns how many were used. A folder that cannot be made is said here, at the job's start."""
+    returns how many were used. A folder that cannot be made is said here, at the job's start.
+    `states`: a hybrid's recurrent states' layout (describe_states)."""
     target = folder / model_key
     try:
         target.mkdir(parents=True, exist_ok=True)
@@ -181,12 +212,12 @@ def load_entries(cache: PromptCache, folder: Path, model_key: str, layout: Layou
         if path.name.startswith("."):
             continue  # another job's file being written
         try:
-            entries.append(read_entry(path, model_key, layout))
+            entries.append(read_entry(path, model_key, layout, states))
         except (ValueError, RuntimeError, OSError, KeyError) as exc:
             print(f"mlxcel: prompt cache: ignoring {path} ({exc})", file=log or sys.stderr, flush=True)
     used = 0
-    for tokens, start, stored in sorted(entries, key=lambda e: len(e[0])):
-        found = cache.insert(tokens, start, stored)
+    for tokens, start, stored, kept in sorted(entries, key=lambda e: len(e[0])):
+        found = cache.insert(tokens, start, stored, kept)
         if found.length == len(tokens):
             for node in found.nodes:
                 node.saved = True
@@ -194,8 +225,11 @@ def load_entries(cache: PromptCache, folder: Path, model_key: str, layout: Layou
     return used
 
 
-def read_entry(path: Path, model_key: str, layout: Layout) -> tuple[np.ndarray, int, list[list[mx.array]]]:
-    """The file's (token ids, start, per-layer arrays), or ValueError saying why it is not used."""
+def read_entry(
+    path: Path, model_key: str, layout: Layout, states: Layout | None = None
+) -> tuple[np.ndarray, int, list[list[mx.array]], list[list[mx.array]] | None]:
+    """The file's (token ids, start, per-layer arrays, a hybrid's states or None), or ValueError
+    saying why it is not used."""
     if not path.is_file():  # a FIFO would block the job's start; a folder cannot be read
         raise ValueError("not a regular file")
     try:
@@ -209,7 +243,12 @@ def read_entry(path: Path, model_key: str, layout: Layout) -> tuple[np.ndarray, 
     tokens, start = read_token_ids(metadata)
     if path.name != f"{hash_tokens(model_key, tokens)}-{start}.safetensors":
         raise ValueError("its token ids do not match its name")
-    check_layout(arrays, layout, len(tokens) - start)
+    kept = {name: a for name, a in arrays.items() if ".s" in name}
+    if kept and states is None:
+        raise ValueError("it keeps recurrent states, and this model has none")
+    check_layout({name: a for name, a in arrays.items() if name not in kept}, layout, len(tokens) - start)
+    if kept:
+        check_layout(kept, states, 1, "s")
     if "sha256" not in metadata:
         raise ValueError("no checksum")
     if checksum_arrays(arrays) != metadata["sha256"]:
@@ -217,7 +256,10 @@ def read_entry(path: Path, model_key: str, layout: Layout) -> tuple[np.ndarray, 
     floats = [mx.isfinite(a).all() for a in arrays.values() if mx.issubdtype(a.dtype, mx.floating)]
     if floats and not mx.stack(floats).all().item():
         raise ValueError("its arrays hold NaN or infinite values")
-    return tokens, start, [[arrays[f"{layer}.{i}"] for i in range(len(kinds))] for layer, kinds in enumerate(layout)]
+    stored = [[arrays[f"{layer}.{i}"] for i in range(len(kinds))] for layer, kinds in enumerate(layout)]
+    if not kept:
+        return tokens, start, stored, None
+    return tokens, start, stored, [[kept[f"{layer}.s{i}"] for i in range(len(k))] for layer, k in enumerate(states)]
 
 
 def read_token_ids(metadata: dict[str, str]) -> tuple[np.ndarray, int]:
@@ -234,10 +276,11 @@ def read_token_ids(metadata: dict[str, str]) -> tuple[np.ndarray, int]:
     return np.array(ids, dtype=np.int32), int(start)
 
 
-def check_layout(arrays: dict[str, mx.array], layout: Layout, positions: int) -> None:
-    """Every array this model's layers store for `positions` positions, exactly, and no other."""
+def check_layout(arrays: dict[str, mx.array], layout: Layout, positions: int, prefix: str = "") -> None:
+    """Every array this model's layers store for `positions` positions (names `<layer>.<prefix><i>`),
+    exactly, and no other."""
     expected = {
-        f"{layer}.{i}": ((positions, *shape), kind)
+        f"{layer}.{prefix}{i}": ((positions, *shape), kind)
         for layer, kinds in enumerate(layout)
         for i, (shape, kind) in enumerate(kinds)
     }

@@ -74,10 +74,6 @@ FEW_ROWS_ORDER = "after"
 INVARIANT_PIECE = 512
 OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow as rows need: PageTable.grow)
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
-PROMPT_CACHE_OFF_HYBRID = (
-    "off for this model: a cached prefix would need its recurrent layers' state at the prefix's end, "
-    "which is not snapshotted yet"
-)
 
 
 @dataclass
@@ -265,10 +261,8 @@ class BatchScheduler:
                 f"runner.batch_invariant=true cannot run {family}: {problem}; set runner.batch_invariant=false"
             )
         set_batch_invariant(model, batch_invariant)
-        # a recurrent layer's state at a cached prefix's end is not snapshotted (yet): no cache for hybrids
-        hybrid = any(recurrent_layers(model))
-        self.prompt_cache_off = PROMPT_CACHE_OFF_HYBRID if prompt_cache is not None and hybrid else None
-        self.prompt_cache = None if self.prompt_cache_off else prompt_cache
+        self.prompt_cache = prompt_cache
+        self.hybrid = any(recurrent_layers(model))  # recurrent layers: pieces end where states are snapshotted
         self.keep_answers = keep_answers  # snapshot finished rows' answers too (a chat's next turn starts with them)
         # every prompt into the cache, not only what this job's rows share (a chat, a cache folder)
         self.snapshot_all = snapshot_all or keep_answers
@@ -359,8 +353,6 @@ class BatchScheduler:
                 self.reuse.release_all()
         state.kv_peak_bytes = state.kv_peak_blocks * per_block
         state.prompt_cache = self.reuse.summary() if self.reuse is not None else None
-        if self.prompt_cache_off:
-            state.prompt_cache = {"off": self.prompt_cache_off}
         timings.end = timings.end or time.perf_counter()
         yield state
 
@@ -751,6 +743,10 @@ class BatchScheduler:
         if row.request.images is not None or getattr(self.model, "longrope_limit", None) is not None:
             tile = None  # padding would need pad embeddings; it would count toward longrope's switch
         boundary = row.request.history_tokens
+        if self.hybrid and self.reuse is not None and not boundary:
+            # a prefix is adoptable only where its recurrent states were recorded: at a piece's
+            # end, so a piece ends where the row's shared prefix does (PrefixReuse)
+            boundary = self.reuse.snapshot_limit(row)
         span_end = boundary if start < boundary < total else total
         size = min(span_end - start, budget)
         if self.batch_invariant:  # the row's own pieces: ending on multiples of INVARIANT_PIECE, never padded

@@ -87,6 +87,15 @@ class PagedRecurrentCache:
         for i, slot in enumerate(slots.tolist()):
             self.rows[slot] = [x[i : i + 1] for x in states]
 
+    def row_states(self, slot: int) -> list[mx.array] | None:
+        """The states of the row in `slot` after its last prefill piece ([1, ...] each); None once
+        it decodes (the batch's arrays move on with every step)."""
+        return self.rows.get(slot)
+
+    def adopt(self, slot: int, states: list[mx.array]) -> None:
+        """The row in `slot` starts from a cached prefix: its states after that prefix."""
+        self.rows[slot] = states
+
     def forget(self, slot: int) -> None:
         """The row in `slot` ended: its own state goes (a decode batch's rows drop at its next step)."""
         self.rows.pop(slot, None)

@@ -1,13 +1,22 @@
-"""GGUF files of the hybrid families (llama.cpp's `qwen35`), written from tiny transformers
-checkpoints the way convert_hf_to_gguf.py writes them: its tensor names (gguf-py's tensor map), its
-transforms (Qwen3NextModel.modify_tensors: A_log -> -exp(A_log), dt_bias -> ssm_dt.bias, conv kernel
-squeezed, zero-centred norms + 1; _LinearAttentionVReorderBase: value heads grouped -> tiled), its
-tensor types (1-D, norms and the conv kept F32) and its metadata (ssm.* keys, full_attention_interval,
-rope.dimension_count). Oracle: our load of the same checkpoint from safetensors (and transformers for
-the logits); transformers' GGUF loader does not read these architectures."""
+"""GGUF files of the hybrid families (llama.cpp's `qwen35` and `nemotron_h`), written from tiny
+transformers checkpoints the way convert_hf_to_gguf.py writes them: the tensors it reads (the
+safetensors files), its tensor names (gguf-py's tensor map), its transforms, its tensor types (1-D
+tensors, norms and conv kernels kept F32) and its metadata keys.
+
+- qwen35 (Qwen3_5TextModel): Qwen3NextModel.modify_tensors (A_log -> -exp(A_log), dt_bias ->
+  ssm_dt.bias, conv kernel squeezed, zero-centred norms + 1) after _LinearAttentionVReorderBase's
+  value heads grouped -> tiled; ssm.* keys, full_attention_interval, rope.dimension_count.
+- nemotron_h (NemotronHModel -> GraniteHybridModel): Mamba blocks through Mamba2Model.modify_tensors
+  (A -> -exp(A_log) [H, 1], D [H, 1], norm [groups, width], conv squeezed), attention blocks through
+  LlamaModel's q/k permutation; per-layer head_count_kv and feed_forward_length arrays.
+
+Oracle: our load of the same checkpoint from safetensors (and transformers for the logits);
+transformers' GGUF loader reads neither architecture."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,13 +26,14 @@ import pytest
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
 from tests.family_fixtures import mlxcel_generate, save_widened
+from tests.gguf_fixtures import permute_for_llama_cpp
 from tests.helpers import load_reference, write_tiny_tokenizer
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-PROMPT = [(7 * i + 3) % 300 + 5 for i in range(80)]  # past the gated delta rule's 64-token chunk
+PROMPT = [(7 * i + 3) % 300 + 5 for i in range(80)]  # past the gated delta rule's and the SSD's 64-token chunk
 OTHER_ROW = [(5 * i + 11) % 290 + 7 for i in range(23)]
 GREEDY_TOKENS = 32
 # three Gated DeltaNet layers to one full-attention layer; two value heads per key head, so the
@@ -42,21 +52,49 @@ QWEN35_SHAPE = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-ARCHS = {"qwen35": gguf.MODEL_ARCH.QWEN35}
+NEMOTRON_H_SHAPE = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 16,
+    "n_groups": 2,
+    "conv_kernel": 4,
+    "chunk_size": 16,
+    "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
+    "layer_norm_epsilon": 1e-5,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+FAMILIES = {
+    "qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN35_SHAPE),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_H_SHAPE),
+}
 
 
-def make_qwen35_checkpoint(folder: Path, **overrides) -> Path:
+def make_checkpoint(folder: Path, arch: str, **overrides) -> Path:
+    config_class, model_class, shape = FAMILIES[arch]
     folder.mkdir(parents=True, exist_ok=True)
     vocab = write_tiny_tokenizer(folder)
-    config = transformers.Qwen3_5TextConfig(
-        **{**QWEN35_SHAPE, **overrides}, vocab_size=vocab, eos_token_id=2, bos_token_id=None, pad_token_id=0
+    config = getattr(transformers, config_class)(
+        **{**shape, **overrides}, vocab_size=vocab, eos_token_id=2, bos_token_id=None, pad_token_id=0
     )
     torch.manual_seed(0)
-    save_widened(transformers.Qwen3_5ForCausalLM(config), folder)
+    save_widened(getattr(transformers, model_class)(config), folder)
     return folder
 
 
 # --- convert_hf_to_gguf.py, as far as these architectures go --------------------------------------
+
+
+def read_checkpoint(folder: Path) -> dict:
+    """The tensors as the converter reads them: the safetensors files' names and values."""
+    from safetensors.torch import load_file
+
+    return {name: t.float() for path in sorted(folder.glob("*.safetensors")) for name, t in load_file(path).items()}
 
 
 def reorder_v_heads(t, dim: int, key_heads: int, per_key: int, head_dim: int):
@@ -72,9 +110,9 @@ def reorder_v_heads(t, dim: int, key_heads: int, per_key: int, head_dim: int):
 def reorder_linear_attention(name: str, t, hp: dict, inverse: bool = False):
     """_LinearAttentionVReorderBase.modify_tensors (more value heads than key heads only); `inverse`
     puts the heads back (tiled -> grouped: the same permutation with the two counts swapped)."""
-    nk, nv = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
-    if nk == nv or "linear_attn." not in name:
+    if "linear_attn." not in name or hp["linear_num_key_heads"] == hp["linear_num_value_heads"]:
         return t
+    nk, nv = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
     groups = (nv // nk, nk) if inverse else (nk, nv // nk)
     dk, dv = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
     qk = 2 * dk * nk
@@ -94,41 +132,13 @@ def reorder_linear_attention(name: str, t, hp: dict, inverse: bool = False):
     return t
 
 
-def convert_tensors(state: dict, hp: dict, arch: str):
-    """(GGUF name, float32 array) for each tensor, as the converter's modify_tensors yields them."""
-    names = gguf.get_tensor_name_map(ARCHS[arch], hp["num_hidden_layers"])
-    for name, t in state.items():
-        name = name.replace("language_model.", "")
-        if name.startswith("mtp"):
-            continue
-        t = reorder_linear_attention(name, t, hp)
-        if name.endswith(".A_log"):
-            t = -torch.exp(t)
-        elif name.endswith(".dt_bias"):
-            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
-        elif "conv1d" in name:
-            t = t.squeeze()
-        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-            t = t + 1
-        yield names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy().astype(np.float32)
-
-
-def tensor_type(name: str, data: np.ndarray, quant: str) -> str:
-    """prepare_tensors' rule: 1-D tensors, norms, the conv kernel, routers and names other than
-    *.weight stay F32; the rest take the file type."""
-    kept = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
-    if data.ndim <= 1 or name.endswith(("_norm.weight", *kept)) or not name.endswith(".weight"):
-        return "F32"
-    return quant
-
-
-def write_hybrid_gguf(folder: Path, arch: str, out: Path, quant: str = "F32", **metadata_overrides) -> Path:
-    """The file convert_hf_to_gguf.py writes for `folder` (its metadata keys as set_gguf_parameters
-    writes them; `metadata_overrides` replace ssm.* values to build broken files)."""
+def qwen35_hparams(folder: Path) -> dict:
+    """ModelBase.load_hparams: AutoConfig's dict, text_config moved to the top (TextModel)."""
     hp = transformers.AutoConfig.from_pretrained(folder).to_dict()
-    hp = {**hp, **hp.get("text_config", {})}
-    state = load_reference(folder).state_dict()
-    writer = gguf.GGUFWriter(str(out), arch)
+    return {**hp, **hp.get("text_config", {})}
+
+
+def write_qwen35_metadata(writer, arch: str, hp: dict, ssm_overrides: dict) -> None:
     # TextModel.set_gguf_parameters
     writer.add_block_count(hp["num_hidden_layers"])
     writer.add_context_length(hp["max_position_embeddings"])
@@ -147,18 +157,132 @@ def write_hybrid_gguf(folder: Path, arch: str, out: Path, quant: str = "F32", **
         "group_count": hp["linear_num_key_heads"],
         "time_step_rank": hp["linear_num_value_heads"],
         "inner_size": hp["linear_value_head_dim"] * hp["linear_num_value_heads"],
-        **metadata_overrides,
     }
-    for key, value in ssm.items():
+    for key, value in {**ssm, **ssm_overrides}.items():
         writer.add_uint32(f"{arch}.ssm.{key}", value)
     writer.add_full_attention_interval(hp.get("full_attention_interval", 4))
     writer.add_rope_dimension_count(int(hp["head_dim"] * hp.get("partial_rotary_factor", 0.25)))
+
+
+def convert_qwen35(tensors: dict, hp: dict):
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, hp["num_hidden_layers"])
+    for name, t in tensors.items():
+        name = name.replace("language_model.", "")  # Qwen2MoeModel.modify_tensors
+        if name.startswith("mtp"):
+            continue
+        t = reorder_linear_attention(name, t, hp)
+        if name.endswith(".A_log"):
+            t = -torch.exp(t)
+        elif name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        yield names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy()
+
+
+NEMOTRON_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+
+
+def nemotron_h_hparams(folder: Path) -> dict:
+    """The config.json NVIDIA ships (the one llama.cpp's Nemotron-H files were converted from): the
+    block pattern as a string, rms eps as norm_eps, no MoE keys (transformers 5's config object
+    always has num_experts_per_tok and spells the kinds differently, which sends the converter down
+    its nemotron_h_moe path)."""
+    hp = json.loads((folder / "config.json").read_text())
+    pattern = "".join(NEMOTRON_PATTERN[kind] for kind in hp.pop("layers_block_type"))
+    for key in ("num_experts_per_tok", "n_routed_experts", "moe_intermediate_size"):
+        hp.pop(key, None)
+    return {**hp, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern), "norm_eps": 1e-5}
+
+
+def write_nemotron_h_metadata(writer, arch: str, hp: dict, ssm_overrides: dict) -> None:
+    pattern, layers = hp["hybrid_override_pattern"], hp["num_hidden_layers"]
+    # TextModel / LlamaModel / GraniteModel (head_dim popped) / GraniteHybridModel / NemotronHModel
+    writer.add_block_count(layers)
+    writer.add_context_length(2**20)  # no RoPE: GraniteHybridModel's "any length"
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_head_count(hp["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(hp["norm_eps"])
+    writer.add_layer_norm_eps(hp["layer_norm_epsilon"])
+    writer.add_vocab_size(hp["vocab_size"])
+    writer.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
+    ssm = {
+        "conv_kernel": hp["conv_kernel"],
+        "state_size": hp["ssm_state_size"],
+        "group_count": hp["n_groups"],
+        "inner_size": hp["mamba_num_heads"] * hp["mamba_head_dim"],
+        "time_step_rank": hp["mamba_num_heads"],
+    }
+    for key, value in {**ssm, **ssm_overrides}.items():
+        writer.add_uint32(f"{arch}.ssm.{key}", value)
+    writer.add_head_count_kv([hp["num_key_value_heads"] if kind == "*" else 0 for kind in pattern])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_key_length(hp["head_dim"])
+    writer.add_value_length(hp["head_dim"])
+    writer.add_feed_forward_length([hp["intermediate_size"] if kind == "-" else 0 for kind in pattern])
+
+
+def convert_nemotron_h(tensors: dict, hp: dict):
+    """GraniteHybridModel.modify_tensors: Mamba blocks through Mamba2Model's, attention blocks
+    through LlamaModel's (q/k permuted), the rest through the name map alone."""
+    pattern = hp["hybrid_override_pattern"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NEMOTRON_H, hp["num_hidden_layers"])
+    groups, inner = hp["n_groups"], hp["mamba_num_heads"] * hp["mamba_head_dim"]
+    for name, t in tensors.items():
+        layer = re.search(r"\.(\d+)\.", name)
+        kind = pattern[int(layer.group(1))] if layer else None
+        if kind == "M":
+            if name.endswith(".dt_bias"):
+                name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+            new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if new_name.endswith("ssm_conv1d.weight"):
+                t = t.squeeze()
+            elif new_name.endswith(("ssm_a", "ssm_d")):
+                t = t.reshape(*t.shape, 1)
+            elif new_name.endswith("ssm_norm.weight"):
+                t = t.reshape(groups, inner // groups)
+            if name.endswith(".A_log"):
+                t = -torch.exp(t)
+            yield new_name, t.numpy()
+            continue
+        data = t.numpy()
+        if kind == "*" and name.endswith("q_proj.weight"):
+            data = permute_for_llama_cpp(data, hp["num_attention_heads"])
+        elif kind == "*" and name.endswith("k_proj.weight"):
+            data = permute_for_llama_cpp(data, hp["num_key_value_heads"])
+        yield names.get_name(name, try_suffixes=(".weight", ".bias")), data
+
+
+CONVERTERS = {
+    "qwen35": (qwen35_hparams, write_qwen35_metadata, convert_qwen35),
+    "nemotron_h": (nemotron_h_hparams, write_nemotron_h_metadata, convert_nemotron_h),
+}
+
+
+def tensor_type(name: str, data: np.ndarray, quant: str) -> str:
+    """prepare_tensors' rule: 1-D tensors, norms, conv kernels, routers and names other than
+    *.weight stay F32; the rest take the file type."""
+    kept = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+    if data.ndim <= 1 or name.endswith(("_norm.weight", *kept)) or not name.endswith(".weight"):
+        return "F32"
+    return quant
+
+
+def write_hybrid_gguf(folder: Path, arch: str, out: Path, quant: str = "F32", **ssm_overrides) -> Path:
+    """The file convert_hf_to_gguf.py writes for `folder` (`ssm_overrides` replace ssm.* values, to
+    build files whose metadata does not fit their tensors)."""
+    read_hparams, write_metadata, convert = CONVERTERS[arch]
+    hp = read_hparams(folder)
+    writer = gguf.GGUFWriter(str(out), arch)
+    write_metadata(writer, arch, hp, ssm_overrides)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(hp["vocab_size"])])
     writer.add_eos_token_id(2)
-    for name, data in convert_tensors(state, hp, arch):
+    for name, data in convert(read_checkpoint(folder), hp):
         qtype = gguf.GGMLQuantizationType[tensor_type(name, data, quant)]
-        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -191,53 +315,74 @@ def q8_0_reference_logits(folder: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
-    """The checkpoint, our safetensors load's logits and greedy rows, and transformers' logits."""
-    folder = make_qwen35_checkpoint(tmp_path_factory.mktemp("qwen35"))
-    logits, loaded = forward(folder)
-    with torch.no_grad():
-        reference = load_reference(folder)(torch.tensor([PROMPT])).logits[0].numpy()
-    greedy = mlxcel_generate(loaded.model, [PROMPT, OTHER_ROW], GREEDY_TOKENS)
-    return {"folder": folder, "logits": logits, "greedy": greedy, "reference": reference}
+def oracle(tmp_path_factory):
+    """arch -> its checkpoint, our safetensors load's logits and greedy rows (beside another row), and
+    transformers' logits; each built once for the module."""
+    built = {}
+
+    def build(arch: str) -> dict:
+        if arch not in built:
+            folder = make_checkpoint(tmp_path_factory.mktemp(arch), arch)
+            logits, loaded = forward(folder)
+            with torch.no_grad():
+                reference = load_reference(folder)(torch.tensor([PROMPT])).logits[0].numpy()
+            greedy = mlxcel_generate(loaded.model, [PROMPT, OTHER_ROW], GREEDY_TOKENS)
+            built[arch] = {"folder": folder, "logits": logits, "greedy": greedy, "reference": reference}
+        return built[arch]
+
+    return build
 
 
-def test_qwen35_f32_gguf_matches_the_safetensors_load(qwen35, tmp_path):
-    path = write_hybrid_gguf(qwen35["folder"], "qwen35", tmp_path / "f32.gguf")
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_f32_gguf_matches_the_safetensors_load(oracle, arch, tmp_path):
+    """fp32 logits within 1e-4 of the same checkpoint loaded from safetensors (1e-3 of transformers),
+    and 32 greedy tokens identical, beside another row."""
+    family = oracle(arch)
+    path = write_hybrid_gguf(family["folder"], arch, tmp_path / "f32.gguf")
     got, loaded = forward(path)
-    assert loaded.model.args.model_type == "qwen3_5_text" and not loaded.model.args.rope_traditional
-    assert loaded.model.args.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    assert loaded.model.args.partial_rotary_factor == 0.25
-    assert np.abs(got - qwen35["logits"]).max() <= 1e-4
-    assert np.abs(got - qwen35["reference"]).max() <= 1e-3
-    assert mlxcel_generate(loaded.model, [PROMPT, OTHER_ROW], GREEDY_TOKENS) == qwen35["greedy"]
+    assert np.abs(got - family["logits"]).max() <= 1e-4
+    assert np.abs(got - family["reference"]).max() <= 1e-3
+    assert mlxcel_generate(loaded.model, [PROMPT, OTHER_ROW], GREEDY_TOKENS) == family["greedy"]
+    args = loaded.model.args
+    if arch == "qwen35":
+        assert args.model_type == "qwen3_5_text" and not args.rope_traditional
+        assert args.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        assert args.partial_rotary_factor == 0.25
+    else:
+        assert args.layer_types == ["mamba", "mlp", "attention", "mlp", "mamba", "mlp"]
+        assert (args.num_key_value_heads, args.intermediate_size, args.n_groups) == (2, 128, 2)
 
 
-def test_qwen35_value_heads_must_be_put_back(qwen35, tmp_path, monkeypatch):
-    """The tiny checkpoint has two value heads per key head, so the converter's reordering moves
-    them: a loader that skipped undoing it would be caught by the test above."""
-    import mlxcel.checkpoints.gguf as gguf_module
-
-    path = write_hybrid_gguf(qwen35["folder"], "qwen35", tmp_path / "f32.gguf")
-    monkeypatch.setattr(gguf_module, "untile_layer_value_heads", lambda weights, prefix, config: None)
-    skipped, _ = forward(path)
-    assert np.abs(skipped - qwen35["logits"]).max() > 0.1
-
-
-def test_qwen35_q8_0_gguf_quantized_and_dequantized_agree(qwen35, tmp_path):
-    """Q8_0 matrices (the conv kernel, norms and 1-D tensors stay F32): kept packed, the value-head
-    reordering moves whole rows and whole quantization groups (a head is 32 columns)."""
-    path = write_hybrid_gguf(qwen35["folder"], "qwen35", tmp_path / "q8.gguf", quant="Q8_0")
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_q8_0_gguf_quantized_and_dequantized_agree(oracle, arch, tmp_path):
+    """Q8_0 matrices (conv kernels, norms and 1-D tensors stay F32), kept packed or dequantized, against
+    transformers with the same matrices rounded. Qwen 3.5's value-head reordering moves whole rows and
+    whole quantization groups (a head is 32 columns)."""
+    family = oracle(arch)
+    path = write_hybrid_gguf(family["folder"], arch, tmp_path / "q8.gguf", quant="Q8_0")
     dense, _ = forward(path, "dequantize")
     packed, loaded = forward(path, "quantized")
     assert loaded.info["weights"] == "quantized" and loaded.info["gguf_types"]["Q8_0"] > 0
     assert np.abs(dense - packed).max() <= 1e-3
-    assert np.abs(dense - q8_0_reference_logits(qwen35["folder"])).max() <= 1e-3
-    assert np.abs(dense - qwen35["logits"]).max() > 1e-3  # the file really was quantized
+    assert np.abs(dense - q8_0_reference_logits(family["folder"])).max() <= 1e-3
+    assert np.abs(dense - family["logits"]).max() > 1e-3  # the file really was quantized
+
+
+def test_qwen35_value_heads_must_be_put_back(oracle, tmp_path, monkeypatch):
+    """The tiny checkpoint has two value heads per key head, so the converter's reordering moves
+    them: a loader that skipped undoing it would be caught by the parity test."""
+    import mlxcel.checkpoints.gguf as gguf_module
+
+    family = oracle("qwen35")
+    path = write_hybrid_gguf(family["folder"], "qwen35", tmp_path / "f32.gguf")
+    monkeypatch.setattr(gguf_module, "untile_layer_value_heads", lambda weights, prefix, config: None)
+    skipped, _ = forward(path)
+    assert np.abs(skipped - family["logits"]).max() > 0.1
 
 
 def test_qwen35_q8_0_heads_narrower_than_a_group(tmp_path):
     """Value heads of 16 columns split a 32-column Q8_0 group: out_proj is dequantized to be put back."""
-    folder = make_qwen35_checkpoint(tmp_path / "narrow", linear_value_head_dim=16)
+    folder = make_checkpoint(tmp_path / "narrow", "qwen35", linear_value_head_dim=16)
     path = write_hybrid_gguf(folder, "qwen35", tmp_path / "q8.gguf", quant="Q8_0")
     dense, _ = forward(path, "dequantize")
     packed, loaded = forward(path, "quantized")
@@ -247,14 +392,15 @@ def test_qwen35_q8_0_heads_narrower_than_a_group(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("override", "message"),
+    ("arch", "override", "message"),
     [
-        ({"inner_size": 101}, r"ssm\.inner_size 101, ssm\.time_step_rank 4 .* whole number of value heads"),
-        ({"group_count": 3}, r"q8\.gguf: the tensors of model\.layers\.0\.linear_attn do not fit"),
+        ("qwen35", {"inner_size": 101}, r"ssm\.inner_size 101, ssm\.time_step_rank 4 .* whole number of value heads"),
+        ("qwen35", {"group_count": 3}, r"m\.gguf: the tensors of model\.layers\.0\.linear_attn do not fit"),
+        ("nemotron_h", {"inner_size": 129}, r"ssm\.inner_size 129 and ssm\.time_step_rank 8: .* whole number"),
     ],
 )
-def test_qwen35_metadata_that_does_not_fit_is_one_clear_error(qwen35, tmp_path, override, message):
-    path = write_hybrid_gguf(qwen35["folder"], "qwen35", tmp_path / "q8.gguf", **override)
+def test_metadata_that_does_not_fit_is_one_clear_error(oracle, tmp_path, arch, override, message):
+    path = write_hybrid_gguf(oracle(arch)["folder"], arch, tmp_path / "m.gguf", **override)
     with pytest.raises(MlxcelError, match=message) as caught:
         load_model(str(path), dtype="float32")
     assert "\n" not in str(caught.value)

@@ -18,7 +18,10 @@ converter (convert_hf_to_gguf.py's Qwen3NextModel and _LinearAttentionVReorderBa
 A = -exp(A_log) for A_log, the depthwise conv kernel squeezed to [channels, kernel], the
 zero-centred norms as 1 + w (as our families keep them: nothing to undo) and, where there are
 more value heads than key heads, the value heads tiled for ggml's broadcast. All undone here
-(undo_gated_delta_transforms); the `ssm.*` keys become transformers' linear_* settings.
+(undo_gated_delta_transforms); the `ssm.*` keys become transformers' linear_* settings. Mamba-2
+hybrids (`nemotron_h`): A stored as -exp(A_log) [H, 1], D as [H, 1], the grouped norm as
+[groups, width], the conv kernel squeezed (undo_mamba2_transforms); a layer's kind is read from the
+per-layer head_count_kv and feed_forward_length arrays, as llama.cpp reads it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ SUPPORTED_GGUF_ARCHS = {
     "phi3": "phi3",
     "qwen3moe": "qwen3_moe",
     "qwen35": "qwen3_5_text",
+    "nemotron_h": "nemotron_h",
 }
 # Architectures whose files may carry experts -> the MoE family they load as (llama with
 # expert_count > 0 is Mixtral; without it, dense llama)
@@ -55,6 +59,7 @@ EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps
 INTERLEAVED_ROPE_ARCHS = {"llama"}
 GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
 GATED_DELTA_ARCHS = {"qwen35"}  # linear-attention layers (ssm_* tensors, ssm.* keys)
+MAMBA2_ARCHS = {"nemotron_h"}  # Mamba-2 layers (ssm_* tensors, ssm.* keys)
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -111,6 +116,18 @@ _ARCH_TENSOR_NAMES["qwen35"] = {
     "ssm_a": "linear_attn.A_log",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+}
+# Nemotron-H: every block is a norm and one mixer (transformers' backbone.layers.N.mixer.*, renamed
+# by our family to mixer / self_attn / mlp by kind)
+_ARCH_TENSOR_NAMES["nemotron_h"] = {
+    "attn_norm": "norm",
+    "ssm_in": "mixer.in_proj",
+    "ssm_conv1d": "mixer.conv1d",
+    "ssm_dt.bias": "mixer.dt_bias",
+    "ssm_a": "mixer.A_log",
+    "ssm_d": "mixer.D",
+    "ssm_norm": "mixer.norm",
+    "ssm_out": "mixer.out_proj",
 }
 
 
@@ -208,6 +225,8 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config["sliding_window"] = get("attention.sliding_window", None, required=False)
     if arch in GATED_DELTA_ARCHS:
         config.update(make_gated_delta_config(get, config, path))
+    if arch in MAMBA2_ARCHS:
+        config.update(make_mamba2_config(get, config, path))
     return family, config
 
 
@@ -281,6 +300,43 @@ def make_gated_delta_config(get, config: dict, path: Path) -> dict:
     }
 
 
+def make_mamba2_config(get, config: dict, path: Path) -> dict:
+    """Nemotron-H's settings from the keys GraniteHybridModel and NemotronHModel.set_gguf_parameters
+    write. llama.cpp reads a block's kind from two per-layer arrays: head_count_kv > 0 is attention,
+    feed_forward_length > 0 an MLP, neither a Mamba-2 mixer. ssm.time_step_rank is the Mamba heads,
+    ssm.inner_size their total width, ssm.group_count the B/C groups. The converter drops
+    head_dim's RoPE (these attention layers have none) but keeps key_length."""
+    layers = config["num_hidden_layers"]
+    kv_heads = read_per_layer(get("attention.head_count_kv"), layers, "attention.head_count_kv", path)
+    ff = read_per_layer(get("feed_forward_length"), layers, "feed_forward_length", path)
+    heads, inner = get("ssm.time_step_rank"), get("ssm.inner_size")
+    if heads <= 0 or inner % heads:
+        raise MlxcelError(
+            f"{path}: GGUF metadata gives ssm.inner_size {inner} and ssm.time_step_rank {heads}: the inner size "
+            "must be a whole number of Mamba heads"
+        )
+    eps = get("attention.layer_norm_rms_epsilon", None, required=False)
+    return {
+        "layers_block_type": ["attention" if kv else "mlp" if width else "mamba" for kv, width in zip(kv_heads, ff)],
+        "num_key_value_heads": max(kv_heads) or config["num_attention_heads"],
+        "intermediate_size": max(ff),
+        "mamba_num_heads": heads,
+        "mamba_head_dim": inner // heads,
+        "ssm_state_size": get("ssm.state_size"),
+        "n_groups": get("ssm.group_count"),
+        "conv_kernel": get("ssm.conv_kernel"),
+        "layer_norm_epsilon": eps or get("attention.layer_norm_epsilon", 1e-5),
+    }
+
+
+def read_per_layer(value: Any, layers: int, key: str, path: Path) -> list[int]:
+    """A per-layer GGUF array (or one value for every layer), one entry a layer."""
+    values = value if isinstance(value, list) else [value] * layers
+    if len(values) != layers:
+        raise MlxcelError(f"{path}: GGUF metadata '{key}' holds {len(values)} entries for {layers} blocks")
+    return values
+
+
 def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, path: Path) -> None:
     """Before renaming (errors name llama.cpp's tensors): an MoE file holds every layer's router and
     stacked experts, expert_count of each; a file whose metadata names no experts holds none."""
@@ -348,6 +404,8 @@ def undo_converter_transforms(
         return undo_gemma_norm_offset(weights)
     if arch in GATED_DELTA_ARCHS:
         return undo_gated_delta_transforms(weights, config, path)
+    if arch in MAMBA2_ARCHS:
+        return undo_mamba2_transforms(weights)
     return weights
 
 
@@ -380,6 +438,24 @@ def undo_gated_delta_transforms(
                     f"{path or 'GGUF file'}: the tensors of {prefix} do not fit the GGUF metadata's ssm.* sizes "
                     f"({exc}); is the file complete and from llama.cpp's converter?"
                 ) from exc
+    return weights
+
+
+def undo_mamba2_transforms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Each Mamba-2 mixer as transformers holds it. Mamba2Model.modify_tensors (which NemotronHModel's
+    Mamba blocks go through) wrote ssm_a = -exp(A_log) and ssm_d as [H, 1], the grouped norm's weight
+    as [groups, width / groups] and the conv kernel squeezed to [C, K] (ours: MLX's Conv1d [C, K, 1]).
+    The attention blocks' q/k rows were permuted per head for interleaved RoPE (undo_permute); these
+    blocks have no RoPE and q.k is the same under one permutation of both, so they load as they are."""
+    weights = dict(weights)
+    for key in [k for k in weights if k.endswith(".mixer.A_log")]:
+        prefix = key[: -len(".A_log")]
+        weights[key] = mx.log(-weights[key].astype(mx.float32)).reshape(-1)
+        for name in ("D", "norm.weight"):
+            if f"{prefix}.{name}" in weights:
+                weights[f"{prefix}.{name}"] = weights[f"{prefix}.{name}"].reshape(-1)
+        if f"{prefix}.conv1d.weight" in weights:
+            weights[f"{prefix}.conv1d.weight"] = weights[f"{prefix}.conv1d.weight"][..., None]
     return weights
 
 

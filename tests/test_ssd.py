@@ -162,3 +162,27 @@ def test_the_compiled_decode_step_equals_the_plain_one_at_any_batch():
         args = [mx.array(np.asarray(a, dtype=np.float32)) for a in args]
         for plain, compiled in zip(ssd.one_step(*args), ssd.compiled_step(*args)):
             assert max_diff(plain, compiled) <= 1e-6
+
+
+def test_strong_decay_keeps_the_recurrences_precision():
+    """Tokens with a strong decay early in a chunk (dt A down to -600): the chunked form sums each
+    span's decay as such, not as a difference of cumulative sums in the hundreds, and stays as
+    close to a float64 recurrence as the token-by-token form (differences: 2e-4 off, 30x)."""
+    rng = np.random.default_rng(3)
+    length = 2 * ssd.CHUNK
+    x = rng.normal(size=(1, length, HEADS, HEAD_DIM))
+    B, C = (rng.normal(size=(1, length, GROUPS, STATE)) * 0.5 for _ in range(2))
+    dt = np.full((1, length, HEADS), 0.01)
+    dt[:, :: ssd.CHUNK], dt[:, 1 :: ssd.CHUNK] = 5.0, 3.0
+    A, state = -np.array([1.0, 20.0, 60.0, 120.0]), rng.normal(size=(1, HEADS, HEAD_DIM, STATE))
+    expected, s = [], state.copy()
+    B_heads, C_heads = (np.repeat(v, HEADS // GROUPS, axis=2) for v in (B, C))
+    for t in range(length):
+        written = (x[:, t] * dt[:, t, :, None])[..., None] * B_heads[:, t, :, None, :]
+        s = s * np.exp(dt[:, t] * A)[..., None, None] + written
+        expected.append((s * C_heads[:, t, :, None, :]).sum(-1))
+    args = [mx.array(np.asarray(v, dtype=np.float32)) for v in (x, dt, A, B, C, np.zeros(HEADS), state)]
+    for form in (ssd.chunked, ssd.recurrent):
+        y, final = form(*args)
+        assert max_diff(y, np.stack(expected, axis=1)) <= 5e-5, form.__name__
+        assert max_diff(final, s) <= 1e-5, form.__name__

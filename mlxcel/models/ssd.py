@@ -123,13 +123,18 @@ def chunked(
     dts = by_group(dt, groups).reshape(batch, groups, -1, chunks, chunk)
     Bs, Cs = (mx.moveaxis(v, 1, 2).reshape(batch, groups, 1, chunks, chunk, size) for v in (B, C))
 
-    cum = mx.cumsum(dts * A.astype(mx.float32).reshape(1, groups, -1, 1, 1), axis=-1)  # log decay from the start
+    log_decay = dts * A.astype(mx.float32).reshape(1, groups, -1, 1, 1)  # dt A: [B, G, R, c, T]
+    cum = mx.cumsum(log_decay, axis=-1)  # log decay from the chunk's start to each token
     lower = mx.tril(mx.ones((chunk, chunk), dtype=mx.bool_))
-    # decay from token j to a later token i of one chunk; zero above the diagonal
-    pairwise = mx.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], -mx.inf))
+    # decay from token j to a later token i of one chunk (zero above the diagonal): dt A summed over
+    # (j, i] as such. cum_i - cum_j loses digits where the decay is strong (cum in the hundreds):
+    # 30x the recurrence's error in fp32.
+    segment = mx.cumsum(mx.where(mx.tril(lower, -1), log_decay[..., :, None], 0), axis=-2)
+    pairwise = mx.where(lower, mx.exp(segment), 0)
     scores = (Cs @ Bs.swapaxes(-1, -2)) * pairwise * dts[..., None, :]  # [B, G, R, c, T, T]
     within = scores @ xs  # each token's output from its own chunk
-    to_end = mx.exp(cum[..., -1:] - cum) * dts  # weight of token j in its chunk's final state
+    # weight of token j in its chunk's final state: its dt, decayed over (j, end]
+    to_end = mx.exp(mx.cumsum(log_decay, axis=-1, reverse=True, inclusive=False)) * dts
     written = (xs * to_end[..., None]).swapaxes(-1, -2) @ Bs  # [B, G, R, c, P, N]
     chunk_decay = mx.exp(cum[..., -1])[..., None, None]  # [B, G, R, c, 1, 1]
     from_start = mx.exp(cum)[..., None]  # [B, G, R, c, T, 1]

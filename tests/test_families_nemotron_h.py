@@ -298,3 +298,22 @@ def test_batch_invariant_rows_equal_alone_and_moe_is_refused(model, tmp_path):
         return [r.token_ids for r in BatchScheduler(dense, 512, 8, batch_invariant=True).generate(request).results]
 
     assert run(SCHEDULER_PROMPTS) == [run([p])[0] for p in SCHEDULER_PROMPTS]
+
+
+def test_rows_sharing_a_prefix_adopt_it_with_its_mamba_states(model):
+    """The prompt cache on Nemotron-H: the first row's piece ends where the shared prefix does (its
+    Mamba layers' states are recorded there); the others adopt the attention layer's keys and
+    values and the Mamba states, and draw the tokens they draw alone."""
+    from mlxcel.engine.prompt_cache import PromptCache
+
+    shared = PROMPT * 2
+    prompts = [shared + tail for tail in (PROMPT[3:20], PROMPT[11:19], PROMPT[:30])]
+
+    def run(prompts, **options):
+        rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
+        request = GenerationRequest(rows, Sampler("greedy"), max_tokens=12)
+        return BatchScheduler(model, 512, 8, chunk_size=32, **options).generate(request)
+
+    state = run(prompts, prompt_cache=PromptCache(10**8))
+    assert [r.token_ids for r in state.results] == [run([p]).results[0].token_ids for p in prompts]
+    assert [r.cached_tokens for r in state.results] == [0, len(shared), len(shared)]

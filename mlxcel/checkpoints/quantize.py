@@ -39,9 +39,28 @@ def apply_checkpoint_quantization(model: nn.Module, spec: dict, weights: dict[st
         override = spec.get(path)
         if isinstance(override, (bool, dict)):
             return override
-        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return read_packed_layout(module, weights, path, (group_size, bits, mode))
 
     nn.quantize(model, group_size=group_size, bits=bits, mode=mode, class_predicate=predicate)
+
+
+def read_packed_layout(module: nn.Module, weights: dict[str, mx.array], path: str, default: tuple) -> bool | dict:
+    """True when a layer's packed tensors have the folder's default group size and bits; else the
+    ones their shapes give. A per-layer override keyed by the writer's module path, which the family
+    renames (mlx-lm's `language_model.model.layers.0.mlp.gate` in a vision-language folder), still loads."""
+    group_size, bits, mode = default
+    if mode != "affine":
+        return True
+    dims = module.weight.shape[-1]
+    packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
+    if packed is None:
+        return True  # (apply_weights names the missing tensor)
+    found = (dims // scales.shape[-1], packed.shape[-1] * 32 // dims)
+    if found == (group_size, bits) or dims % scales.shape[-1] or (packed.shape[-1] * 32) % dims:
+        return True  # the default, or shapes no layout gives (apply_weights names the tensor)
+    return {"group_size": found[0], "bits": found[1], "mode": mode}
 
 
 def quantize_at_load(model: nn.Module, bits: int, group_size: int) -> dict:

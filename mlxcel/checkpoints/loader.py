@@ -48,6 +48,9 @@ FAMILIES = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",  # the vision-language folders: their language model
     "nemotron_h": "nemotron_h",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_5_moe": "qwen3_5_moe",  # the vision-language folders: their language model
+    "qwen3_next": "qwen3_next",
     # vision-language models (mlxcel/vision/stage.py has their contract)
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_vl",

@@ -75,10 +75,16 @@ def text_config(config: dict) -> dict:
     if "text_config" not in config:
         return config
     text = dict(config["text_config"])
-    for key in ("eos_token_id", "tie_word_embeddings"):
-        if key in config and key not in text:
-            text[key] = config[key]
+    if "eos_token_id" in config and "eos_token_id" not in text:
+        text["eos_token_id"] = config["eos_token_id"]
+    # the vision-language model ties (or not) by its own setting, whatever its text_config says
+    text["tie_word_embeddings"] = config.get("tie_word_embeddings", False)
     return text
+
+
+def normalize_config(config: dict) -> dict:
+    """config.json as the loader checks it (REQUIRED_KEYS): a vision-language folder's text_config."""
+    return text_config(config)
 
 
 class Attention(llama.Attention):
@@ -161,11 +167,15 @@ class GatedDeltaNet(nn.Module):
             mx.zeros((rows, self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype=mx.float32),
         ]
 
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The input projections: (q|k|v for the convolution, z for the output gate, b, a)."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         B, L, _ = x.shape
         (conv_state, state), leads = cache.read(self.initial_states)
         mask = token_mask(leads, L)
-        qkv = self.in_proj_qkv(x)
+        qkv, z, b, a = self.project(x)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         mixed, conv_state = causal_conv(qkv, conv_state, self.conv1d.weight, leads)
@@ -173,12 +183,11 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(q.reshape(B, L, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
         k = l2_normalize(k.reshape(B, L, self.num_k_heads, self.head_k_dim))
         v = v.reshape(B, L, self.num_v_heads, self.head_v_dim)
-        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
-        a = self.in_proj_a(x).astype(mx.float32)
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
+        beta = mx.sigmoid(b.astype(mx.float32))
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + self.dt_bias.astype(mx.float32))
         y, state = gated_delta(q, k, v, g, beta, state, mask)
         cache.write([conv_state, state], L)
-        z = self.in_proj_z(x).reshape(B, L, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(B, L, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(y, z).reshape(B, L, -1))
 
 
@@ -194,14 +203,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, kind: str):
+    def __init__(self, args: ModelArgs, kind: str, mlp: nn.Module, linear_attention: type = GatedDeltaNet):
         super().__init__()
         self.is_linear = kind == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(args)
+            self.linear_attn = linear_attention(args)
         else:
             self.self_attn = Attention(args)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = mlp
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -212,10 +221,10 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layers: list[DecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, kind) for kind in args.layer_types]
+        self.layers = layers
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
@@ -223,14 +232,21 @@ class Model(llama.Model):
     supports_padded_prefill = False  # a padded token would advance the recurrent state
     supports_compiled_decode = False  # the recurrent layers' steps run eagerly
     float32_weights = (".A_log",)  # the decay's log: bf16 would move every step's decay
+    linear_attention = GatedDeltaNet  # the linear-attention layers' class (Qwen3-Next projects differently)
 
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)
         self.args = args
         self.model_type = args.model_type
-        self.model = TextModel(args)
+        mixer = self.linear_attention
+        layers = [DecoderLayer(args, kind, self.make_mlp(i), mixer) for i, kind in enumerate(args.layer_types)]
+        self.model = TextModel(args, layers)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def make_mlp(self, index: int) -> nn.Module:
+        """Layer `index`'s MLP: dense here; the MoE families give sparse blocks."""
+        return MLP(self.args.hidden_size, self.args.intermediate_size)
 
     def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list:
         pad = mx.array(left_pad, dtype=mx.int32) if left_pad is not None and any(left_pad) else None

@@ -1,17 +1,21 @@
-"""GGUF files of the hybrid families (llama.cpp's `qwen35` and `nemotron_h`), written from tiny
-transformers checkpoints the way convert_hf_to_gguf.py writes them: the tensors it reads (the
-safetensors files), its tensor names (gguf-py's tensor map), its transforms, its tensor types (1-D
-tensors, norms and conv kernels kept F32) and its metadata keys.
+"""GGUF files of the hybrid families (llama.cpp's `qwen35`, `qwen35moe`, `qwen3next` and
+`nemotron_h`), written from tiny transformers checkpoints the way convert_hf_to_gguf.py writes
+them: the tensors it reads (the safetensors files), its tensor names (gguf-py's tensor map), its
+transforms, its tensor types (1-D tensors, norms, conv kernels and routers kept F32) and its
+metadata keys.
 
-- qwen35 (Qwen3_5TextModel): Qwen3NextModel.modify_tensors (A_log -> -exp(A_log), dt_bias ->
-  ssm_dt.bias, conv kernel squeezed, zero-centred norms + 1) after _LinearAttentionVReorderBase's
-  value heads grouped -> tiled; ssm.* keys, full_attention_interval, rope.dimension_count.
+- qwen35 / qwen35moe (Qwen3_5TextModel, Qwen3_5MoeTextModel): Qwen3NextModel.modify_tensors (A_log ->
+  -exp(A_log), dt_bias -> ssm_dt.bias, conv kernel squeezed, zero-centred norms + 1) after
+  _LinearAttentionVReorderBase's value heads grouped -> tiled; experts stacked (Qwen2MoeModel); ssm.*
+  keys, full_attention_interval, rope.dimension_count, expert_* keys.
+- qwen3next (Qwen3NextModel): no reordering of value heads, in_proj_qkvz split per key head into
+  attn_qkv (all q, all k, all v) and attn_gate (all z), in_proj_ba kept as it is.
 - nemotron_h (NemotronHModel -> GraniteHybridModel): Mamba blocks through Mamba2Model.modify_tensors
   (A -> -exp(A_log) [H, 1], D [H, 1], norm [groups, width], conv squeezed), attention blocks through
   LlamaModel's q/k permutation; per-layer head_count_kv and feed_forward_length arrays.
 
 Oracle: our load of the same checkpoint from safetensors (and transformers for the logits);
-transformers' GGUF loader reads neither architecture."""
+transformers' GGUF loader reads none of these architectures."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -52,6 +57,15 @@ QWEN35_SHAPE = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
+MOE_SHAPE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+}
+# Qwen 3.5 MoE's config has no intermediate_size (no dense MLP); Qwen3-Next's has one
+QWEN35MOE_SHAPE = {**{k: v for k, v in QWEN35_SHAPE.items() if k != "intermediate_size"}, **MOE_SHAPE}
+QWEN3NEXT_SHAPE = {**QWEN35_SHAPE, **MOE_SHAPE}
 NEMOTRON_H_SHAPE = {
     "hidden_size": 64,
     "num_attention_heads": 4,
@@ -71,7 +85,15 @@ NEMOTRON_H_SHAPE = {
 }
 FAMILIES = {
     "qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN35_SHAPE),
+    "qwen35moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", QWEN35MOE_SHAPE),
+    "qwen3next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3NEXT_SHAPE),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_H_SHAPE),
+}
+ARCHS = {
+    "qwen35": gguf.MODEL_ARCH.QWEN35,
+    "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
+    "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT,
+    "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
 }
 
 
@@ -143,13 +165,21 @@ def write_qwen35_metadata(writer, arch: str, hp: dict, ssm_overrides: dict) -> N
     writer.add_block_count(hp["num_hidden_layers"])
     writer.add_context_length(hp["max_position_embeddings"])
     writer.add_embedding_length(hp["hidden_size"])
-    writer.add_feed_forward_length(hp["intermediate_size"])
+    if hp.get("intermediate_size") is not None:
+        writer.add_feed_forward_length(hp["intermediate_size"])
     writer.add_head_count(hp["num_attention_heads"])
     writer.add_head_count_kv(hp["num_key_value_heads"])
     writer.add_rope_freq_base(hp["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("num_experts") is not None:
+        writer.add_expert_count(hp["num_experts"])
+        writer.add_expert_used_count(hp["num_experts_per_tok"])
     writer.add_key_length(hp["head_dim"])
     writer.add_value_length(hp["head_dim"])
+    # Qwen2MoeModel.set_gguf_parameters
+    if hp.get("moe_intermediate_size") is not None:
+        writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
     # Qwen3NextModel.set_gguf_parameters (partial_rotary_factor read at the top level, default 0.25)
     ssm = {
         "conv_kernel": hp["linear_conv_kernel_dim"],
@@ -164,13 +194,27 @@ def write_qwen35_metadata(writer, arch: str, hp: dict, ssm_overrides: dict) -> N
     writer.add_rope_dimension_count(int(hp["head_dim"] * hp.get("partial_rotary_factor", 0.25)))
 
 
-def convert_qwen35(tensors: dict, hp: dict):
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, hp["num_hidden_layers"])
+def split_qkvz(t, hp: dict) -> tuple:
+    """Qwen3NextModel.modify_tensors: in_proj_qkvz's rows, per key head [q, k, v, z], as attn_qkv
+    (all q, all k, all v) and attn_gate (all z)."""
+    nk, dk, dv = hp["linear_num_key_heads"], hp["linear_key_head_dim"], hp["linear_value_head_dim"]
+    per_key = hp["linear_num_value_heads"] // nk
+    sizes = [dk, dk, per_key * dv, per_key * dv]
+    q, k, v, z = torch.split(t.permute(1, 0).contiguous().view(-1, nk, sum(sizes)), sizes, dim=-1)
+    hidden = hp["hidden_size"]
+    flat = [part.contiguous().view(hidden, -1) for part in (q, k, v, z)]
+    return torch.cat(flat[:3], dim=-1).permute(1, 0).contiguous(), flat[3].permute(1, 0).contiguous()
+
+
+def convert_qwen(tensors: dict, hp: dict, arch: str):
+    names = gguf.get_tensor_name_map(ARCHS[arch], hp["num_hidden_layers"])
+    experts: dict[int, dict] = {}
     for name, t in tensors.items():
         name = name.replace("language_model.", "")  # Qwen2MoeModel.modify_tensors
         if name.startswith("mtp"):
             continue
-        t = reorder_linear_attention(name, t, hp)
+        if arch != "qwen3next":
+            t = reorder_linear_attention(name, t, hp)
         if name.endswith(".A_log"):
             t = -torch.exp(t)
         elif name.endswith(".dt_bias"):
@@ -179,7 +223,22 @@ def convert_qwen35(tensors: dict, hp: dict):
             t = t.squeeze()
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             t = t + 1
-        yield names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy()
+        expert = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", name)
+        if "in_proj_qkvz.weight" in name:
+            qkv, z = split_qkvz(t, hp)
+            layer = name.split(".")[2]
+            yield f"blk.{layer}.attn_qkv.weight", qkv.numpy()
+            yield f"blk.{layer}.attn_gate.weight", z.numpy()
+        elif expert:  # Qwen2MoeModel: a layer's experts stacked once all of them are in
+            layer = int(expert.group(1))
+            experts.setdefault(layer, {})[(int(expert.group(2)), expert.group(3))] = t
+            if len(experts[layer]) == hp["num_experts"] * 3:
+                for part in ("down_proj", "gate_proj", "up_proj"):
+                    stacked = torch.stack([experts[layer][(e, part)] for e in range(hp["num_experts"])])
+                    merged = f"model.layers.{layer}.mlp.experts.{part}.weight"
+                    yield names.get_name(merged, try_suffixes=(".weight",)), stacked.numpy()
+        else:
+            yield names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy()
 
 
 NEMOTRON_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
@@ -224,11 +283,11 @@ def write_nemotron_h_metadata(writer, arch: str, hp: dict, ssm_overrides: dict) 
     writer.add_feed_forward_length([hp["intermediate_size"] if kind == "-" else 0 for kind in pattern])
 
 
-def convert_nemotron_h(tensors: dict, hp: dict):
+def convert_nemotron_h(tensors: dict, hp: dict, arch: str):
     """GraniteHybridModel.modify_tensors: Mamba blocks through Mamba2Model's, attention blocks
     through LlamaModel's (q/k permuted), the rest through the name map alone."""
     pattern = hp["hybrid_override_pattern"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NEMOTRON_H, hp["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(ARCHS[arch], hp["num_hidden_layers"])
     groups, inner = hp["n_groups"], hp["mamba_num_heads"] * hp["mamba_head_dim"]
     for name, t in tensors.items():
         layer = re.search(r"\.(\d+)\.", name)
@@ -256,23 +315,28 @@ def convert_nemotron_h(tensors: dict, hp: dict):
 
 
 CONVERTERS = {
-    "qwen35": (qwen35_hparams, write_qwen35_metadata, convert_qwen35),
+    "qwen35": (qwen35_hparams, write_qwen35_metadata, convert_qwen),
+    "qwen35moe": (qwen35_hparams, write_qwen35_metadata, convert_qwen),
+    "qwen3next": (qwen35_hparams, write_qwen35_metadata, convert_qwen),
     "nemotron_h": (nemotron_h_hparams, write_nemotron_h_metadata, convert_nemotron_h),
 }
 
 
-def tensor_type(name: str, data: np.ndarray, quant: str) -> str:
+def tensor_type(name: str, data: np.ndarray, quant: str, f32: tuple[str, ...] = ()) -> str:
     """prepare_tensors' rule: 1-D tensors, norms, conv kernels, routers and names other than
-    *.weight stay F32; the rest take the file type."""
-    kept = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+    *.weight stay F32; the rest take the file type (but those ending in `f32`)."""
+    kept = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", *f32)
     if data.ndim <= 1 or name.endswith(("_norm.weight", *kept)) or not name.endswith(".weight"):
         return "F32"
     return quant
 
 
-def write_hybrid_gguf(folder: Path, arch: str, out: Path, quant: str = "F32", **ssm_overrides) -> Path:
-    """The file convert_hf_to_gguf.py writes for `folder` (`ssm_overrides` replace ssm.* values, to
-    build files whose metadata does not fit their tensors)."""
+def write_hybrid_gguf(
+    folder: Path, arch: str, out: Path, quant: str = "F32", f32: tuple[str, ...] = (), **ssm_overrides
+) -> Path:
+    """The file convert_hf_to_gguf.py writes for `folder` (`f32`: name endings kept F32, as a
+    quantizer's mix of types would; `ssm_overrides` replace ssm.* values, to build files whose
+    metadata does not fit their tensors)."""
     read_hparams, write_metadata, convert = CONVERTERS[arch]
     hp = read_hparams(folder)
     writer = gguf.GGUFWriter(str(out), arch)
@@ -280,8 +344,8 @@ def write_hybrid_gguf(folder: Path, arch: str, out: Path, quant: str = "F32", **
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(hp["vocab_size"])])
     writer.add_eos_token_id(2)
-    for name, data in convert(read_checkpoint(folder), hp):
-        qtype = gguf.GGMLQuantizationType[tensor_type(name, data, quant)]
+    for name, data in convert(read_checkpoint(folder), hp, arch):
+        qtype = gguf.GGMLQuantizationType[tensor_type(name, data, quant, f32)]
         writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -298,8 +362,12 @@ def forward(source: Path, gguf_weights: str = "dequantize") -> tuple[np.ndarray,
     return np.array(loaded.model(mx.array([PROMPT]), loaded.model.make_cache())[0]), loaded
 
 
+F32_MATRICES = (".mlp.gate.weight", ".shared_expert_gate.weight")  # routers: F32 in every file
+
+
 def q8_0_reference_logits(folder: Path) -> np.ndarray:
-    """transformers with each matrix (the converter's Q8_0 set: every 2-D parameter) passed through
+    """transformers with each matrix (the converter's Q8_0 set: every matrix, stacked experts too, but
+    the conv kernels and the routers) passed through
     gguf-py's Q8_0 round trip in the file's layout: value heads reordered as the converter does first
     (out_proj's columns move, and a head narrower than a group changes what each group holds)."""
     reference = load_reference(folder)
@@ -307,7 +375,7 @@ def q8_0_reference_logits(folder: Path) -> np.ndarray:
     qtype = gguf.GGMLQuantizationType.Q8_0
     with torch.no_grad():
         for name, p in reference.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2 and "conv1d" not in name and not name.endswith(F32_MATRICES):
                 stored = reorder_linear_attention(name, p, hp).numpy()
                 rounded = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(stored, qtype), qtype))
                 p.copy_(reorder_linear_attention(name, rounded, hp, inverse=True))
@@ -344,13 +412,16 @@ def test_f32_gguf_matches_the_safetensors_load(oracle, arch, tmp_path):
     assert np.abs(got - family["reference"]).max() <= 1e-3
     assert mlxcel_generate(loaded.model, [PROMPT, OTHER_ROW], GREEDY_TOKENS) == family["greedy"]
     args = loaded.model.args
-    if arch == "qwen35":
-        assert args.model_type == "qwen3_5_text" and not args.rope_traditional
-        assert args.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-        assert args.partial_rotary_factor == 0.25
-    else:
+    if arch == "nemotron_h":
         assert args.layer_types == ["mamba", "mlp", "attention", "mlp", "mamba", "mlp"]
         assert (args.num_key_value_heads, args.intermediate_size, args.n_groups) == (2, 128, 2)
+        return
+    assert args.model_type == {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}.get(arch, "qwen3_next")
+    assert args.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert args.partial_rotary_factor == 0.25 and not args.rope_traditional
+    if arch != "qwen35":
+        assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (4, 2, 32)
+        assert args.shared_expert_intermediate_size == 64 and all(args.sparse_layers)
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
@@ -389,6 +460,20 @@ def test_qwen35_q8_0_heads_narrower_than_a_group(tmp_path):
     assert loaded.info["weights"] == "quantized"
     assert np.abs(dense - packed).max() <= 1e-3
     assert np.abs(dense - q8_0_reference_logits(folder)).max() <= 1e-3
+
+
+def test_qwen3next_projections_stored_differently_are_joined(oracle, tmp_path):
+    """Qwen3-Next's in_proj_qkvz comes as two tensors a quantizer may store differently (attn_qkv
+    Q8_0, attn_gate F32 here): both are joined dense, and the logits are those of the packed file's
+    dequantized load."""
+    family = oracle("qwen3next")
+    out = tmp_path / "mixed.gguf"
+    path = write_hybrid_gguf(family["folder"], "qwen3next", out, quant="Q8_0", f32=("attn_gate.weight",))
+    dense, _ = forward(path, "dequantize")
+    packed, loaded = forward(path, "quantized")
+    layer = loaded.model.model.layers[0].linear_attn
+    assert isinstance(layer.out_proj, nn.QuantizedLinear) and not isinstance(layer.in_proj_qkvz, nn.QuantizedLinear)
+    assert np.abs(dense - packed).max() <= 1e-3
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,14 @@ Mixture-of-experts files: Mixtral is arch `llama` plus `llama.expert_count` and 
 SwitchLinear holds them); Qwen3-MoE is arch `qwen3moe`. Quantized experts load like any other
 tensor: Q4_0/Q4_1/Q8_0 stay packed (QuantizedSwitchLinear), K-quants are dequantized.
 
-Hybrid files (gated-delta linear attention beside full attention; llama.cpp's `qwen35`): the
-converter (convert_hf_to_gguf.py's Qwen3NextModel and _LinearAttentionVReorderBase) stores
-A = -exp(A_log) for A_log, the depthwise conv kernel squeezed to [channels, kernel], the
-zero-centred norms as 1 + w (as our families keep them: nothing to undo) and, where there are
-more value heads than key heads, the value heads tiled for ggml's broadcast. All undone here
-(undo_gated_delta_transforms); the `ssm.*` keys become transformers' linear_* settings. Mamba-2
+Hybrid files (gated-delta linear attention beside full attention; llama.cpp's `qwen35`,
+`qwen35moe`, `qwen3next`): the converter (convert_hf_to_gguf.py's Qwen3NextModel and, for Qwen 3.5,
+_LinearAttentionVReorderBase) stores A = -exp(A_log) for A_log, the depthwise conv kernel squeezed
+to [channels, kernel], the zero-centred norms as 1 + w (as our families keep them: nothing to
+undo), Qwen3-Next's in_proj_qkvz split into attn_qkv and attn_gate (its per-key-head groups undone)
+and, for Qwen 3.5 where there are more value heads than key heads, the value heads tiled for ggml's
+broadcast. All undone here (undo_gated_delta_transforms); the `ssm.*` keys become transformers'
+linear_* settings. Mamba-2
 hybrids (`nemotron_h`): A stored as -exp(A_log) [H, 1], D as [H, 1], the grouped norm as
 [groups, width], the conv kernel squeezed (undo_mamba2_transforms); a layer's kind is read from the
 per-layer head_count_kv and feed_forward_length arrays, as llama.cpp reads it.
@@ -50,15 +52,19 @@ SUPPORTED_GGUF_ARCHS = {
     "phi3": "phi3",
     "qwen3moe": "qwen3_moe",
     "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
+    "qwen3next": "qwen3_next",
     "nemotron_h": "nemotron_h",
 }
 # Architectures whose files may carry experts -> the MoE family they load as (llama with
 # expert_count > 0 is Mixtral; without it, dense llama)
-MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
+SHARED_EXPERT_ARCHS = {"qwen35moe", "qwen3next"}  # a shared expert beside the routed ones
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 INTERLEAVED_ROPE_ARCHS = {"llama"}
 GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
-GATED_DELTA_ARCHS = {"qwen35"}  # linear-attention layers (ssm_* tensors, ssm.* keys)
+GATED_DELTA_ARCHS = {"qwen35", "qwen35moe", "qwen3next"}  # linear-attention layers (ssm_* tensors, ssm.* keys)
+TILED_VALUE_HEAD_ARCHS = {"qwen35", "qwen35moe"}  # _LinearAttentionVReorderBase's converters
 MAMBA2_ARCHS = {"nemotron_h"}  # Mamba-2 layers (ssm_* tensors, ssm.* keys)
 
 _TENSOR_NAMES = {
@@ -117,6 +123,15 @@ _ARCH_TENSOR_NAMES["qwen35"] = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+# Qwen 3.5 MoE and Qwen3-Next: the routed experts and the shared expert, gated by sigmoid(ffn_gate_inp_shexp);
+# Qwen3-Next's b|a projection stays one tensor (its q|k|v|z one comes split: undo_gated_delta_transforms)
+_ARCH_TENSOR_NAMES["qwen35moe"] = {
+    **_ARCH_TENSOR_NAMES["qwen35"],
+    **make_moe_tensor_names("mlp"),
+    **{f"ffn_{p}_shexp": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")},
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_ARCH_TENSOR_NAMES["qwen3next"] = {**_ARCH_TENSOR_NAMES["qwen35moe"], "ssm_ba": "linear_attn.in_proj_ba"}
 # Nemotron-H: every block is a norm and one mixer (transformers' backbone.layers.N.mixer.*, renamed
 # by our family to mixer / self_attn / mlp by kind)
 _ARCH_TENSOR_NAMES["nemotron_h"] = {
@@ -198,7 +213,8 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
-        "intermediate_size": get("feed_forward_length"),
+        # Qwen 3.5 MoE has no dense MLP, and its files no feed_forward_length
+        "intermediate_size": get("feed_forward_length", None, required=arch not in SHARED_EXPERT_ARCHS),
         "vocab_size": get("vocab_size", None, required=False) or (len(tokens) if tokens else None),
         "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
@@ -220,6 +236,9 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         if experts:
             family = MOE_FAMILIES[arch]
             config.update(model_type=family, **make_moe_config(family, get, config, experts))
+    if arch in SHARED_EXPERT_ARCHS:
+        config["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
+        config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
     if arch == "phi3":
         config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
         config["sliding_window"] = get("attention.sliding_window", None, required=False)
@@ -269,7 +288,7 @@ def make_moe_config(family: str, get, config: dict, experts: int) -> dict:
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "moe_intermediate_size": get("expert_feed_forward_length", None, required=False)
+        "moe_intermediate_size": get("expert_feed_forward_length", None, required=config["intermediate_size"] is None)
         or config["intermediate_size"] // used,
     }
 
@@ -403,7 +422,7 @@ def undo_converter_transforms(
     if arch in GEMMA_ARCHS:
         return undo_gemma_norm_offset(weights)
     if arch in GATED_DELTA_ARCHS:
-        return undo_gated_delta_transforms(weights, config, path)
+        return undo_gated_delta_transforms(weights, config, path, tiled=arch in TILED_VALUE_HEAD_ARCHS)
     if arch in MAMBA2_ARCHS:
         return undo_mamba2_transforms(weights)
     return weights
@@ -415,14 +434,16 @@ def undo_gemma_norm_offset(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def undo_gated_delta_transforms(
-    weights: dict[str, mx.array], config: dict, path: Path | None = None
+    weights: dict[str, mx.array], config: dict, path: Path | None = None, tiled: bool = True
 ) -> dict[str, mx.array]:
-    """Each linear-attention layer as transformers holds it. The converter (Qwen3NextModel.modify_tensors)
+    """Each linear-attention layer as our family holds it. The converter (Qwen3NextModel.modify_tensors)
     wrote ssm_a = -exp(A_log) and squeezed the conv kernel [C, 1, K] to [C, K] (ours: MLX's Conv1d
-    [C, K, 1]); with more value heads than key heads, _LinearAttentionVReorderBase also moved the value
-    heads from grouped by key head (transformers' order) to tiled, in in_proj_qkv's value rows, the conv's
-    value channels, in_proj_z, in_proj_a/b, A_log and dt_bias (rows), and out_proj (columns). A tensor
-    that is missing stays missing (the loader names it)."""
+    [C, K, 1]). Qwen 3.5 (`tiled`): with more value heads than key heads, _LinearAttentionVReorderBase
+    also moved the value heads from grouped by key head (transformers' order) to tiled, in in_proj_qkv's
+    value rows, the conv's value channels, in_proj_z, in_proj_a/b, A_log and dt_bias (rows), and
+    out_proj (columns). Qwen3-Next: in_proj_qkvz came as attn_qkv (all q, all k, all v) and attn_gate
+    (all z), and in_proj_ba as it is (per key head: its b's, its a's). A tensor that is missing stays
+    missing (the loader names it)."""
     weights = dict(weights)
     for layer in sorted({k.split(".linear_attn.")[0] for k in weights if ".linear_attn." in k}):
         prefix = f"{layer}.linear_attn"
@@ -430,15 +451,46 @@ def undo_gated_delta_transforms(
             weights[f"{prefix}.A_log"] = mx.log(-weights[f"{prefix}.A_log"].astype(mx.float32))
         if f"{prefix}.conv1d.weight" in weights:
             weights[f"{prefix}.conv1d.weight"] = weights[f"{prefix}.conv1d.weight"][..., None]
-        if config["linear_num_value_heads"] != config["linear_num_key_heads"]:
-            try:
+        try:
+            if tiled and config["linear_num_value_heads"] != config["linear_num_key_heads"]:
                 untile_layer_value_heads(weights, prefix, config)
-            except ValueError as exc:  # a tensor's width is not the heads the metadata gives
-                raise MlxcelError(
-                    f"{path or 'GGUF file'}: the tensors of {prefix} do not fit the GGUF metadata's ssm.* sizes "
-                    f"({exc}); is the file complete and from llama.cpp's converter?"
-                ) from exc
+            if f"{prefix}.in_proj_ba.weight" in weights:
+                fuse_qkvz(weights, prefix, config)
+        except ValueError as exc:  # a tensor's width is not the heads the metadata gives
+            raise MlxcelError(
+                f"{path or 'GGUF file'}: the tensors of {prefix} do not fit the GGUF metadata's ssm.* sizes "
+                f"({exc}); is the file complete and from llama.cpp's converter?"
+            ) from exc
+    for key in [k for k in weights if k.endswith(".shared_expert_gate.weight") and weights[k].ndim == 1]:
+        weights[key] = weights[key][None]  # a converter that squeezed [1, H]
     return weights
+
+
+def fuse_qkvz(weights: dict[str, mx.array], prefix: str, config: dict) -> None:
+    """Qwen3-Next's projections as our family holds them, in place: in_proj_qkvz = attn_qkv's rows then
+    attn_gate's (its q|k|v|z order), in_proj_ba = all b's then all a's (the file keeps transformers'
+    per-key-head groups)."""
+    qkv, z, qkvz = f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z", f"{prefix}.in_proj_qkvz"
+    if f"{qkv}.weight" in weights and f"{z}.weight" in weights:
+        bits = {read_quantized_bits(weights, p) if f"{p}.scales" in weights else None for p in (qkv, z)}
+        if len(bits) > 1:  # stored differently (one packed, or at two widths): both dense
+            for part in (qkv, z):
+                if f"{part}.scales" in weights:
+                    dequantize_gguf_tensor(weights, part)
+        for key in tensor_parts(weights, qkv):
+            other = z + key[len(qkv) :]
+            weights[qkvz + key[len(qkv) :]] = mx.concatenate([weights.pop(key), weights.pop(other)], axis=0)
+    for key in tensor_parts(weights, f"{prefix}.in_proj_ba"):
+        weights[key] = swap_blocks(weights[key], 0, config["linear_num_key_heads"], 2)
+
+
+def swap_blocks(x: mx.array, axis: int, outer: int, inner: int) -> mx.array:
+    """`axis` read as [outer, inner] blocks (each block's width, packed or not, kept whole) and
+    rewritten as [inner, outer]."""
+    axis %= x.ndim
+    shape = x.shape
+    blocks = x.reshape(*shape[:axis], outer, inner, -1, *shape[axis + 1 :])
+    return blocks.swapaxes(axis, axis + 1).reshape(shape)
 
 
 def undo_mamba2_transforms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -460,38 +512,31 @@ def undo_mamba2_transforms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def untile_layer_value_heads(weights: dict[str, mx.array], prefix: str, config: dict) -> None:
-    """A linear-attention layer's value heads back in transformers' order, in place."""
+    """A Qwen 3.5 linear-attention layer's value heads back in transformers' order, in place: undo
+    _reorder_v_heads, which read each value-head axis as [key head, value head of that key head] and
+    wrote it as [value head, key head]."""
     key_heads = config["linear_num_key_heads"]
-    untile = dict(key_heads=key_heads, per_key=config["linear_num_value_heads"] // key_heads)
+    untile = dict(outer=config["linear_num_value_heads"] // key_heads, inner=key_heads)
     key_dims = 2 * config["linear_key_head_dim"] * key_heads  # q and k rows (channels) come first
     for name, start in (("in_proj_qkv", key_dims), ("conv1d", key_dims), ("in_proj_z", 0)):
         for key in tensor_parts(weights, f"{prefix}.{name}"):
             rest, heads = weights[key][:start], weights[key][start:]
-            weights[key] = mx.concatenate([rest, untile_value_heads(heads, 0, **untile)], axis=0)
+            weights[key] = mx.concatenate([rest, swap_blocks(heads, 0, **untile)], axis=0)
     rows = [*tensor_parts(weights, f"{prefix}.in_proj_a"), *tensor_parts(weights, f"{prefix}.in_proj_b")]
     for key in (*rows, f"{prefix}.A_log", f"{prefix}.dt_bias"):
         if key in weights:
-            weights[key] = untile_value_heads(weights[key], 0, **untile)
+            weights[key] = swap_blocks(weights[key], 0, **untile)
     out = f"{prefix}.out_proj"
     if f"{out}.scales" in weights and config["linear_value_head_dim"] % GGUF_GROUP_SIZE:
         dequantize_gguf_tensor(weights, out)  # a head's columns split a quantization group
     for key in tensor_parts(weights, out):
-        weights[key] = untile_value_heads(weights[key], -1, **untile)
+        weights[key] = swap_blocks(weights[key], -1, **untile)
 
 
 def tensor_parts(weights: dict[str, mx.array], prefix: str) -> list[str]:
     """A layer's weight, and its scales and biases when it stays quantized (rows are independent; a
     quantized row's columns move in whole groups)."""
     return [f"{prefix}.{part}" for part in ("weight", "scales", "biases") if f"{prefix}.{part}" in weights]
-
-
-def untile_value_heads(x: mx.array, axis: int, key_heads: int, per_key: int) -> mx.array:
-    """Undo _reorder_v_heads along `axis`: value heads tiled over the key heads [(r, k)] back to grouped
-    by key head [(k, r)], each head's block (its width along `axis`, packed or not) kept whole."""
-    axis %= x.ndim
-    shape = x.shape
-    tiled = x.reshape(*shape[:axis], per_key, key_heads, -1, *shape[axis + 1 :])
-    return tiled.swapaxes(axis, axis + 1).reshape(shape)
 
 
 def dequantize_gguf_tensor(weights: dict[str, mx.array], prefix: str) -> None:

@@ -223,6 +223,18 @@ def test_bench_runs_both_engines_on_the_hybrid_shapes_and_they_agree(name, tmp_p
     assert {v.dtype for k, v in params.items() if not k.endswith(".A_log")} == {mx.bfloat16}
 
 
+def test_mlx_lm_experts_in_half_precision_on_the_cpu_are_refused_in_one_line():
+    from mlxcel.bench.peers import check_peer_dtype
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("a CPU-only limit of MLX (its gather_mm)")
+    moe = RANDOM_SHAPES["qwen3.5-moe-small"]["text_config"]
+    with pytest.raises(ValueError, match="--dtype float32"):
+        check_peer_dtype(moe, mx.bfloat16)
+    check_peer_dtype(moe, mx.float32)
+    check_peer_dtype(RANDOM_SHAPES["qwen3.5-0.8b"]["text_config"], mx.bfloat16)
+
+
 @pytest.mark.slow
 @requires_smollm2
 def test_smollm2_export_matches_the_gguf(tmp_path):

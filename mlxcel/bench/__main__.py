@@ -24,8 +24,9 @@ import mlx.core as mx
 
 import mlxcel
 from mlxcel import blas
-from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint
+from mlxcel.bench.checkpoints import CHECKPOINT_NAMES, dtype_name, prepare_checkpoint, read_model_config
 from mlxcel.bench.harness import bench_model, format_agreement, format_table, log
+from mlxcel.bench.peers import check_peer_dtype
 from mlxcel.blas import describe_blas
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             folder = prepare_checkpoint(name, work_dir, dtype)
+            check_peer_dtype(read_model_config(folder), dtype)
         except (MlxcelError, ValueError) as exc:  # a missing package or a wrong path: one line, no traceback
             print(f"mlxcel.bench: {name}: {exc}", file=sys.stderr)
             return 1

@@ -60,7 +60,7 @@ from mlxcel.bench.harness import (
     log,
 )
 from mlxcel.bench.job_runs import Job, JobRun, compose_config, format_run
-from mlxcel.bench.peers import ENGINES, count_weight_bytes, load_peer, synchronize_streams
+from mlxcel.bench.peers import ENGINES, check_peer_dtype, count_weight_bytes, load_peer, synchronize_streams
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
@@ -585,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             folder = prepare_checkpoint(name, work_dir, dtype)
+            if "mlx-lm" in args.engines:
+                check_peer_dtype(read_model_config(folder), dtype)
         except (MlxcelError, ValueError) as exc:  # a missing package or a wrong path: one line, no traceback
             print(f"mlxcel.bench.jobs: {name}: {exc}", file=sys.stderr)
             return 1

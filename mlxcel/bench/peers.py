@@ -89,6 +89,17 @@ def load_peer(name: str, folder, dtype: mx.Dtype) -> Peer:
     return Peer(name, model, count_weight_bytes(model))
 
 
+def check_peer_dtype(config: dict, dtype: mx.Dtype) -> None:
+    """mlx-lm's expert layers (SwitchGLU: gather_mm) run only in float32 on MLX's CPU backend: one
+    line before the run instead of its RuntimeError in the middle of it."""
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts and mx.default_device() == mx.cpu and dtype != mx.float32:
+        raise ValueError(
+            f"mlx-lm runs mixture-of-experts layers only in float32 on the CPU (MLX's gather_mm), not "
+            f"{str(dtype).removeprefix('mlx.core.')}: pass --dtype float32"
+        )
+
+
 def cast_mlx_lm_model(model, dtype: mx.Dtype) -> None:
     """mlx-lm keeps the stored dtype, mlxcel casts to the bench dtype: cast as mlx_lm.convert does,
     leaving what the family's cast_predicate keeps (Qwen 3.5's A_log stays float32, as in mlxcel)."""

@@ -489,3 +489,16 @@ def test_metadata_that_does_not_fit_is_one_clear_error(oracle, tmp_path, arch, o
     with pytest.raises(MlxcelError, match=message) as caught:
         load_model(str(path), dtype="float32")
     assert "\n" not in str(caught.value)
+
+
+def test_qwen35_pre_tokenizer_keeps_combining_marks_with_their_letters(tmp_path):
+    """Real qwen35 files say tokenizer.ggml.pre = "qwen35": llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35 regex,
+    Qwen2's with combining marks (\\p{M}) in words and out of punctuation runs, single digits."""
+    from mlxcel.tokenizer.gguf import make_byte_level_bpe
+
+    def pieces(pre: str) -> list[str]:
+        tokenizer = make_byte_level_bpe(["a"], [1], [], pre, tmp_path / "t.gguf")
+        return [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str("cafe\u0301 na\u0308ive 42")]
+
+    assert len(pieces("qwen35")) == 5  # "café", " naïve", " ", "4", "2" (byte-level spelled)
+    assert len(pieces("qwen2")) == 7  # each mark split off its word

@@ -30,6 +30,11 @@ _QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen 3.5: Qwen2's split with combining marks kept in words and out of punctuation runs
+_QWEN35 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 # tokenizer.ggml.pre -> the regexes llama.cpp applies in turn (each splits the pieces of the last).
@@ -43,6 +48,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "llama-bpe": (_LLAMA3,),
     "falcon3": (_LLAMA3,),
     "qwen2": (_QWEN2,),
+    "qwen35": (_QWEN35,),
     "deepseek-r1-qwen": (_QWEN2,),
     "megrez": (_QWEN2,),
 }

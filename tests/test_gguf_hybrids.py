@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
@@ -422,6 +423,21 @@ def test_f32_gguf_matches_the_safetensors_load(oracle, arch, tmp_path):
     if arch != "qwen35":
         assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (4, 2, 32)
         assert args.shared_expert_intermediate_size == 64 and all(args.sparse_layers)
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_bf16_gguf_is_the_bf16_safetensors_load(oracle, arch, tmp_path):
+    """In bfloat16 too the file gives the model the safetensors give: the same tensors in bf16 and the
+    family's float32 ones (float32_weights: A_log, Nemotron-H's D and dt_bias) in float32, the rest
+    (Qwen's dt_bias) in bf16 (it stayed float32 from GGUF: logits up to 1.6 apart on these models)."""
+    folder = oracle(arch)["folder"]
+    path = write_hybrid_gguf(folder, arch, tmp_path / "f32.gguf")
+    got = load_model(str(path), dtype="bfloat16", gguf_weights="dequantize").model
+    expected = load_model(str(folder), dtype="bfloat16").model
+    dtypes = {k: v.dtype for k, v in tree_flatten(got.parameters())}
+    assert dtypes == {k: v.dtype for k, v in tree_flatten(expected.parameters())}
+    logits = [np.array(m(mx.array([PROMPT]), m.make_cache())[0].astype(mx.float32)) for m in (got, expected)]
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-2
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))

@@ -331,8 +331,11 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
         )
     else:
         weights = dequantize_weights(weights, quantized)
+    kept = getattr(model, "float32_weights", ())  # parameters the family computes with in float32, as from HF
     weights = {
-        k: v.astype(dtype) if k.endswith((".weight", ".bias")) and mx.issubdtype(v.dtype, mx.floating) else v
+        k: v.astype(mx.float32 if kept and k.endswith(kept) else dtype)
+        if not k.endswith((".scales", ".biases")) and mx.issubdtype(v.dtype, mx.floating)
+        else v
         for k, v in weights.items()
     }
     if keep_quantized:  # scales/biases in the compute dtype

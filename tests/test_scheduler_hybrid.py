@@ -266,3 +266,17 @@ def test_pieces_leave_the_state_one_shot_leaves(hybrid):
     pieces = [c.states[1] for c in split if isinstance(c, RecurrentCache)]
     for a, b in zip(alone, pieces):
         assert np.abs(np.array(a) - np.array(b)).max() <= 1e-5
+
+
+def test_a_one_token_piece_is_not_taken_for_a_decode_step(hybrid):
+    """A one-token prompt (or last piece) prefilled while other rows decode: its call has one token
+    a row, like a decode step, but the decode batch's states must stay the decode batch's."""
+    model, _ = hybrid
+    prompts = [list(range(10, 20)), list(range(30, 40)), [7], PROMPT[:17], PROMPT[:33]]
+    limits = [2, 8, 4, 6, 6]
+    alone = [schedule(model, [p], max_tokens=n)[0][0] for p, n in zip(prompts, limits)]
+    for options in ({"max_rows": 2}, {"max_rows": 3, "chunk_size": 16}):
+        scheduler = BatchScheduler(model, 512, options.pop("max_rows"), **options)
+        rows = [RowRequest(p, row_id=i, max_tokens=n) for i, (p, n) in enumerate(zip(prompts, limits))]
+        state = scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=8))
+        assert [r.token_ids for r in state.results] == alone

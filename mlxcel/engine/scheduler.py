@@ -717,7 +717,7 @@ class BatchScheduler:
 
     def step_rows(self, table: PageTable, caches: list, slots: np.ndarray, tokens: mx.array) -> mx.array:
         self.set_adapter_rows(table, slots, prefill=False)
-        table.begin(slots, 1)
+        table.begin(slots, 1, decoding=True)
         if self.batch_invariant:  # rows meet in the step's matmuls: ROWS rows a call (models/invariant.py)
             with sliced_matmuls():
                 logits = self.model(tokens[:, None], caches)[:, -1, :]
@@ -742,12 +742,13 @@ class BatchScheduler:
         total, start, tile = len(row.prompt), row.prefilled, self.tile_size(request)
         if row.request.images is not None or getattr(self.model, "longrope_limit", None) is not None:
             tile = None  # padding would need pad embeddings; it would count toward longrope's switch
-        boundary = row.request.history_tokens
-        if self.hybrid and self.reuse is not None and not boundary:
+        boundaries = [row.request.history_tokens]
+        if self.hybrid and self.reuse is not None:
             # a prefix is adoptable only where its recurrent states were recorded: at a piece's
-            # end, so a piece ends where the row's shared prefix does (PrefixReuse)
-            boundary = self.reuse.snapshot_limit(row)
-        span_end = boundary if start < boundary < total else total
+            # end, so a piece also ends where the row's shared prefix does (PrefixReuse)
+            boundaries.append(self.reuse.snapshot_limit(row))
+        boundary = min((b for b in boundaries if start < b < total), default=0)
+        span_end = boundary or total
         size = min(span_end - start, budget)
         if self.batch_invariant:  # the row's own pieces: ending on multiples of INVARIANT_PIECE, never padded
             tile, size = None, min(total, (start // INVARIANT_PIECE + 1) * INVARIANT_PIECE) - start

@@ -114,11 +114,15 @@ class PageTable:
         self.shifts[slot] = 0
         self.adapted[slot] = False
 
-    def begin(self, slots: np.ndarray, new_tokens: int, leads: np.ndarray | None = None) -> StepIndices:
+    def begin(
+        self, slots: np.ndarray, new_tokens: int, leads: np.ndarray | None = None, decoding: bool = False
+    ) -> StepIndices:
         """Indices for one forward call: `new_tokens` positions for each of `slots` (in batch order).
         `leads`: padding tokens before each row's own (neither cached nor attended to), so rows
-        of different lengths end together (a ragged prefill piece). Not for quantized pools."""
+        of different lengths end together (a ragged prefill piece). Not for quantized pools.
+        `decoding`: the call is the decode batch's step (a one-token prefill piece is not)."""
         self.step = StepIndices(self, np.asarray(slots, dtype=np.int32), new_tokens, leads)
+        self.step.decoding = decoding
         return self.step
 
     def end(self, padding: int = 0) -> None:

@@ -76,7 +76,7 @@ class PagedRecurrentCache:
         step = self.table.step
         self.last = states
         slots = step.slots
-        if step.new_tokens == 1:  # a decode step: these rows are the batch now
+        if step.decoding:  # a decode step: these rows are the batch now (not a one-token prefill piece)
             self.order, self.dense = slots.copy(), states
             for slot in slots.tolist():
                 self.rows.pop(slot, None)

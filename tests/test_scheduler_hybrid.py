@@ -280,3 +280,19 @@ def test_a_one_token_piece_is_not_taken_for_a_decode_step(hybrid):
         rows = [RowRequest(p, row_id=i, max_tokens=n) for i, (p, n) in enumerate(zip(prompts, limits))]
         state = scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=8))
         assert [r.token_ids for r in state.results] == alone
+
+
+def test_fused_projections_compute_what_separate_ones_do(tmp_path):
+    """model.fuse (the default): each Gated DeltaNet layer's four input projections, attention's
+    query-gate/k/v and the MLP's gate/up are one matmul each, with the same logits."""
+    from mlxcel.checkpoints.loader import load_model
+
+    folder = write_qwen3_5(tmp_path / "qwen3_5", seed=3)
+    fused = load_model(str(folder), dtype="float32").model
+    separate = load_model(str(folder), dtype="float32", fuse=False).model
+    layers = fused.model.layers
+    assert "in_proj" in layers[0].linear_attn and "in_proj_qkv" not in layers[0].linear_attn
+    assert "qkv_proj" in layers[3].self_attn and "gate_up_proj" in layers[0].mlp
+    ids = mx.array([PROMPT[:20]])
+    got = np.array(fused(ids, fused.make_cache()))
+    assert np.abs(got - np.array(separate(ids, separate.make_cache()))).max() <= 1e-5

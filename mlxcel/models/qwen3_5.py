@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxcel.models import llama
-from mlxcel.models.base import RoPE, swiglu
+from mlxcel.models.base import RoPE, fuse_linears, swiglu
 from mlxcel.models.cache import KVCache, make_attention_mask
 from mlxcel.models.gated_delta import gated_delta
 from mlxcel.models.recurrent import RecurrentCache, causal_conv, token_mask
@@ -97,16 +97,20 @@ class Attention(llama.Attention):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = RoPE(int(self.head_dim * args.partial_rotary_factor), args.rope_theta)
 
-    def fuse(self) -> None:
-        pass  # the query/gate projection is twice the width the fused split expects
+    def project_qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(query and gate side by side per head, keys, values); fused (fuse) as one matmul."""
+        if "qkv_proj" not in self:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_size, kv_size = 2 * self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return tuple(mx.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1))
 
     def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
-        query_gate = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
-        q, gate = mx.split(query_gate, 2, axis=-1)
+        query_gate, k, v = self.project_qkv(x)
+        q, gate = mx.split(query_gate.reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.rope_offset()
         q, k = self.rope(q, offset), self.rope(k, offset)
         k, v = cache.update_and_fetch(k, v)
@@ -167,9 +171,30 @@ class GatedDeltaNet(nn.Module):
             mx.zeros((rows, self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype=mx.float32),
         ]
 
+    PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The input projections: (q|k|v for the convolution, z for the output gate, b, a)."""
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return tuple(self.projected(x))
+
+    def projected(self, x: mx.array) -> list[mx.array]:
+        """Each of PROJECTIONS applied to x: one matmul and a split once fused (fuse)."""
+        if "in_proj" not in self:
+            return [getattr(self, name)(x) for name in self.PROJECTIONS]
+        widths = [getattr(self, f"{name}_width") for name in self.PROJECTIONS]
+        bounds = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
+        return mx.split(self.in_proj(x), bounds, axis=-1)
+
+    def fuse(self) -> None:
+        """The input projections as one matmul (a decode step's ops are its cost on a GPU)."""
+        layers = [getattr(self, name) for name in self.PROJECTIONS]
+        fused = fuse_linears(layers)
+        if fused is None:
+            return
+        for name, layer in zip(self.PROJECTIONS, layers):
+            setattr(self, f"{name}_width", layer.weight.shape[0])
+            delattr(self, name)
+        self.in_proj = fused
 
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         B, L, _ = x.shape
@@ -198,7 +223,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def fuse(self) -> None:
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
+
     def __call__(self, x: mx.array) -> mx.array:
+        if "gate_up_proj" in self:
+            return self.down_proj(swiglu(*mx.split(self.gate_up_proj(x), 2, axis=-1)))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -270,7 +303,11 @@ class Model(llama.Model):
         )
 
     def fuse_projections(self) -> None:
-        pass
+        """Each layer's input projections, attention's q/k/v and the MLP's gate/up as single matmuls."""
+        for layer in self.model.layers:
+            (layer.linear_attn if layer.is_linear else layer.self_attn).fuse()
+            if hasattr(layer.mlp, "fuse"):
+                layer.mlp.fuse()
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {unwrap_name(k): v for k, v in weights.items()}

@@ -82,10 +82,11 @@ class Model(qwen3_5.Model):
         return super().make_mlp(index)
 
     def fuse_projections(self) -> None:
-        """The experts' gate and up as one gathered matmul (attention and the shared expert stay as they are)."""
+        """Qwen 3.5's fusions, and in MoE layers the experts' and the shared expert's gate and up."""
+        super().fuse_projections()
         for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoeBlock):
-                layer.mlp.fuse()
+            if isinstance(layer.mlp, SharedExpertMoeBlock):
+                layer.mlp.shared_expert.fuse()
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)

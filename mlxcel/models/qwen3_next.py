@@ -45,9 +45,12 @@ class GatedDeltaNet(qwen3_5.GatedDeltaNet):
         self.in_proj_qkvz = nn.Linear(args.hidden_size, self.conv_dim + self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(args.hidden_size, 2 * self.num_v_heads, bias=False)
 
+    PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")
+
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        qkv, z = mx.split(self.in_proj_qkvz(x), [self.conv_dim], axis=-1)
-        b, a = mx.split(self.in_proj_ba(x), 2, axis=-1)
+        qkvz, ba = self.projected(x)
+        qkv, z = mx.split(qkvz, [self.conv_dim], axis=-1)
+        b, a = mx.split(ba, 2, axis=-1)
         return qkv, z, b, a
 
 

@@ -202,10 +202,11 @@ def attention_module(model):
 def uses_kernels(model) -> tuple[bool, bool]:
     """(pool writes in place, decode attention in place): the paged kernels where they run
     (paged_attention.is_available); the decode kernel also needs llama's attend, which hands a
-    PagedDecode mask to it."""
+    PagedDecode mask to it, and takes no attention sinks."""
     attention = attention_module(model)
     in_place = paged_attention.is_available(attention.head_dim)
-    return in_place, in_place and type(attention).attend is llama.Attention.attend
+    plain_attend = type(attention).attend is llama.Attention.attend and "sinks" not in attention
+    return in_place, in_place and plain_attend
 
 
 def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int = 64) -> int:

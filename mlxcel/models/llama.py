@@ -130,9 +130,11 @@ class Attention(nn.Module):
         return to_heads(q, self.n_heads), to_heads(k, self.n_kv_heads), to_heads(v, self.n_kv_heads)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any) -> mx.array:
+        # attention sinks (gpt-oss): a learned per-head logit in every query's softmax, where a family sets them
+        sinks = self.sinks if "sinks" in self else None
         if isinstance(mask, PagedMask):  # the paged cache's own attention (paged_cache.py)
-            return mask.attend(q, k, v, self.scale)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            return mask.attend(q, k, v, self.scale) if sinks is None else mask.attend(q, k, v, self.scale, sinks=sinks)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask, sinks=sinks)
 
     def prepare(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Q and K rotated to their positions, and V: what goes into the cache and the kernel."""

@@ -245,9 +245,10 @@ class StepIndices:
 
 class PagedMask:
     """A mask argument the model's attention hands its queries, keys and values to (llama's
-    Attention.attend): the paged cache decides how they attend."""
+    Attention.attend): the paged cache decides how they attend. `sinks` [heads]: a learned logit
+    per head in every query's softmax (gpt-oss), where the family has them."""
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         raise NotImplementedError
 
 
@@ -259,7 +260,7 @@ class PagedPrefill(PagedMask):
     def __init__(self, mask: mx.array | None, queries: int):
         self.mask, self.queries = mask, queries
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         length, padded = q.shape[2], self.queries
         if padded > length:
             q = mx.pad(q, [(0, 0), (0, 0), (0, padded - length), (0, 0)])
@@ -267,7 +268,7 @@ class PagedPrefill(PagedMask):
             # additive, once for every layer: cuDNN took a boolean mask at ~2-4x the cost (docs/benchmarks.md)
             self.mask = mx.where(self.mask, mx.array(0, q.dtype), mx.array(-float("inf"), q.dtype))
         mask = "causal" if self.mask is None else self.mask
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
         return out[:, :, :length] if padded > length else out
 
 
@@ -281,8 +282,13 @@ class PagedDecode(PagedMask):
         self.one_split = one_split  # batch-invariant: every row's positions in one split, whatever the batch
         self.layer = None  # the PoolLayer of the layer whose attention runs now
 
-    def attend(self, q: mx.array, new_keys: mx.array, new_values: mx.array, scale: float) -> mx.array:
+    def attend(
+        self, q: mx.array, new_keys: mx.array, new_values: mx.array, scale: float, sinks: mx.array | None = None
+    ) -> mx.array:
         from mlxcel.models.paged_attention import paged_decode_attention
+
+        if sinks is not None:  # (scheduler.uses_kernels keeps layers with sinks off the kernel)
+            raise ValueError("the paged decode kernel takes no attention sinks")
 
         return paged_decode_attention(
             q,
@@ -308,7 +314,9 @@ class PagedRows(PagedMask):
     def __init__(self, ends: list[int], window: int | None):
         self.ends, self.window = ends, window
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, dense=None) -> mx.array:
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, scale: float, dense=None, sinks: mx.array | None = None
+    ) -> mx.array:
         outs = []
         for b, end in enumerate(self.ends):
             first = max(0, end - self.window) if self.window else 0
@@ -316,7 +324,7 @@ class PagedRows(PagedMask):
             if dense is not None:
                 outs.append(dense(qb, kb, vb, None))
             else:
-                outs.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale))
+                outs.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale, sinks=sinks))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
 

@@ -44,6 +44,8 @@ FAMILIES = {
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    "glm4": "glm4",
+    "glm4_moe": "glm4_moe",
     # hybrids: recurrent layers beside attention (models/recurrent.py)
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",  # the vision-language folders: their language model

@@ -44,6 +44,7 @@ FAMILIES = {
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
     "glm4": "glm4",
     "glm4_moe": "glm4_moe",
     # hybrids: recurrent layers beside attention (models/recurrent.py)

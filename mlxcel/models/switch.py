@@ -129,6 +129,10 @@ class SwitchGLU(nn.Module):
             return tuple(mx.split(self.gate_up_proj(x, indices, sorted_indices), 2, axis=-1))
         return self.gate_proj(x, indices, sorted_indices), self.up_proj(x, indices, sorted_indices)
 
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:
+        """The experts' gated activation (gpt-oss clamps its own)."""
+        return swiglu(gate, up)
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]: one [1, H] matrix per token
@@ -140,7 +144,7 @@ class SwitchGLU(nn.Module):
             x, idx = x.flatten(0, -3)[order // k], flat[order]
         else:
             idx = indices
-        h = swiglu(*self.project_gate_up(x, idx, do_sort))
+        h = self.activate(*self.project_gate_up(x, idx, do_sort))
         out = self.down_proj(h, idx, do_sort)
         if do_sort:
             out = mx.unflatten(out[mx.argsort(order)], 0, indices.shape)

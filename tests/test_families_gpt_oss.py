@@ -48,7 +48,7 @@ SHAPE = {
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,  # decode.kv_bits groups of 32 along it
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
     "sliding_window": 8,
@@ -320,6 +320,23 @@ def test_dense_experts_fuse_gate_and_up(built):
     ids = mx.array([LONG_PROMPT])
     a, b = fused(ids, fused.make_cache()), separate(ids, separate.make_cache())
     assert np.abs(np.array(a) - np.array(b)).max() <= 1e-5
+
+
+def test_kv_bits_rows_among_others_equal_each_row_alone(model):
+    """decode.kv_bits: the full-attention layers' pool quantized (their sinks still in the softmax),
+    the sliding ones' not; each row draws what it draws alone, and the setting reaches the cache."""
+
+    def run(prompts, bits):
+        rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
+        request = GenerationRequest(
+            rows, Sampler("greedy"), max_tokens=16, kv_bits=bits, kv_group_size=32, chunk_size=16
+        )
+        return [r.token_ids for r in BatchScheduler(model, 512, 4).generate(request).results]
+
+    prompts = [LONG_PROMPT, PROMPT[5:28], PROMPT[:9]]
+    together = run(prompts, 8)
+    assert together == [run([p], 8)[0] for p in prompts]
+    assert run(prompts, 2) != together
 
 
 def test_batch_invariant_is_refused_with_the_reason(model):

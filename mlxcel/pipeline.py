@@ -458,6 +458,8 @@ class Pipeline:
                 keep_answers=self.keep_answers,
                 snapshot_all=self.cfg.runner.prompt_cache_dir is not None,
                 batch_invariant=runner.batch_invariant,
+                # a prompt-cache folder's files hold every position of a layer, not a window's ring
+                window_rings=self.cfg.runner.prompt_cache_dir is None,
             )
         if self.cfg.runner.batch_invariant:
             raise MlxcelError(

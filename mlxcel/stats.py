@@ -41,7 +41,7 @@ class BatchStats:
     rows_decoding_sum: int = 0  # rows in each decode step, summed
     kv_budget_bytes: int = 0  # the scheduler's KV cap (0: the batch engine, which has none)
     kv_peak_bytes: int = 0
-    state_bytes: int = 0  # a hybrid's recurrent states, every row slot's (the same at any position)
+    state_bytes: int = 0  # rows' fixed-size state, every slot's: recurrent layers' states, sliding layers' rings
     iterations: int = 0  # the scheduler's loop iterations
     host_ms: float = 0.0  # host work over them (not waiting on the device)
     row_ttft_ms: list[float] = field(default_factory=list)  # the scheduler's rows, from its start
@@ -74,7 +74,7 @@ class GenerationStats:
     row_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p95: start to a row's last token
     kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
     kv_peak_gb: float = 0.0  # most KV cache the scheduler held at once
-    recurrent_state_gb: float = 0.0  # a hybrid's recurrent layers' states (in the KV budget; 0: none)
+    row_state_gb: float = 0.0  # every row slot's recurrent states and sliding rings (in the KV budget; 0: none)
     # the scheduler's host work per iteration: below the device's step time, the device bounds the job
     host_ms_per_step: float = 0.0
     # rows that adopted a prefix, prompt tokens adopted and computed, and the cache's entries; empty
@@ -170,7 +170,7 @@ def make_generation_stats(
         row_latency_ms=percentiles([t for b in batches for t in b.row_latency_ms]),
         kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
-        recurrent_state_gb=round(max((b.state_bytes for b in batches), default=0) / 1e9, 4),
+        row_state_gb=round(max((b.state_bytes for b in batches), default=0) / 1e9, 4),
         host_ms_per_step=round(sum(b.host_ms for b in batches) / max(1, sum(b.iterations for b in batches)), 3),
         prompt_cache=summarize_prompt_cache(batches),
         constraints=summarize_constraints(batches),

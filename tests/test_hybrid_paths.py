@@ -103,7 +103,7 @@ def test_the_api_runs_a_batch_as_each_row_alone_and_as_transformers(qwen3_5, gen
     # with the prompt cache: the batch, then each alone (later calls may adopt what earlier ones cached)
     outs = generator.generate([*PROMPTS, CONVERSATION])
     assert [o.token_ids for o in outs] == expected
-    assert generator.stats.rows == 4 and generator.stats.recurrent_state_gb > 0  # the scheduler ran them
+    assert generator.stats.rows == 4 and generator.stats.row_state_gb > 0  # the scheduler ran them
     check_prompt_cache(generator.stats.prompt_cache)
     alone = []
     for prompt in [*PROMPTS, CONVERSATION]:

@@ -151,7 +151,7 @@ def test_state_and_blocks_share_the_kv_budget(hybrid):
     # a budget below one row's state and blocks: the row ends with an error that names both
     _, state = schedule(model, [PROMPT], kv_budget_bytes=per_row)
     error = state.results[0].error
-    assert state.results[0].finish_reason == "error" and "recurrent state" in error and "kv_budget_gb" in error
+    assert state.results[0].finish_reason == "error" and "per-row state" in error and "kv_budget_gb" in error
 
 
 # ---- the prompt cache: a prefix is adoptable where its recurrent states were recorded ----

@@ -24,6 +24,11 @@ linear_* settings. Mamba-2
 hybrids (`nemotron_h`): A stored as -exp(A_log) [H, 1], D as [H, 1], the grouped norm as
 [groups, width], the conv kernel squeezed (undo_mamba2_transforms); a layer's kind is read from the
 per-layer head_count_kv and feed_forward_length arrays, as llama.cpp reads it.
+
+GLM files (`glm4`, `glm4moe`): the converter keeps transformers' tensors as they are (GLM-4's Q/K rows
+already interleaved, GLM-4.5's half-split) and writes rope.dimension_count for the partial RoPE;
+GLM-4.5's block_count includes the multi-token-prediction blocks it appends (nextn_predict_layers),
+dropped here, and its router's e_score_correction_bias is exp_probs_b.bias.
 """
 
 from __future__ import annotations
@@ -55,17 +60,21 @@ SUPPORTED_GGUF_ARCHS = {
     "qwen35moe": "qwen3_5_moe_text",
     "qwen3next": "qwen3_next",
     "nemotron_h": "nemotron_h",
+    "glm4": "glm4",
+    "glm4moe": "glm4_moe",
 }
 # Architectures whose files may carry experts -> the MoE family they load as (llama with
 # expert_count > 0 is Mixtral; without it, dense llama)
 MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 SHARED_EXPERT_ARCHS = {"qwen35moe", "qwen3next"}  # a shared expert beside the routed ones
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-INTERLEAVED_ROPE_ARCHS = {"llama"}
+# files that run with interleaved RoPE: llama's (the converter permuted Q/K for it) and GLM-4's (its own layout)
+INTERLEAVED_ROPE_ARCHS = {"llama", "glm4"}
 GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
 GATED_DELTA_ARCHS = {"qwen35", "qwen35moe", "qwen3next"}  # linear-attention layers (ssm_* tensors, ssm.* keys)
 TILED_VALUE_HEAD_ARCHS = {"qwen35", "qwen35moe"}  # _LinearAttentionVReorderBase's converters
 MAMBA2_ARCHS = {"nemotron_h"}  # Mamba-2 layers (ssm_* tensors, ssm.* keys)
+GLM_ARCHS = {"glm4", "glm4moe"}  # partial RoPE (rope.dimension_count); glm4moe: multi-token-prediction blocks last
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -132,6 +141,20 @@ _ARCH_TENSOR_NAMES["qwen35moe"] = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _ARCH_TENSOR_NAMES["qwen3next"] = {**_ARCH_TENSOR_NAMES["qwen35moe"], "ssm_ba": "linear_attn.in_proj_ba"}
+# GLM-4: the fused gate_up_proj in ffn_up, and the norms after attention and after the MLP
+_ARCH_TENSOR_NAMES["glm4"] = {
+    "ffn_up": "mlp.gate_up_proj",
+    "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+}
+# GLM-4.5: post_attention_norm is the pre-MLP norm; dense leading layers' ffn_* are the default names;
+# the router's score-correction bias is exp_probs_b.bias (the converter renames e_score_correction_bias)
+_ARCH_TENSOR_NAMES["glm4moe"] = {
+    "post_attention_norm": "post_attention_layernorm",
+    **make_moe_tensor_names("mlp"),
+    **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
 # Nemotron-H: every block is a norm and one mixer (transformers' backbone.layers.N.mixer.*, renamed
 # by our family to mixer / self_attn / mlp by kind)
 _ARCH_TENSOR_NAMES["nemotron_h"] = {
@@ -246,7 +269,42 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config.update(make_gated_delta_config(get, config, path))
     if arch in MAMBA2_ARCHS:
         config.update(make_mamba2_config(get, config, path))
+    if arch in GLM_ARCHS:
+        config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
+    if arch == "glm4moe":
+        config.update(make_glm4moe_config(get, config, path))
     return family, config
+
+
+def make_glm4moe_config(get, config: dict, path: Path) -> dict:
+    """GLM-4.5's settings from the keys Glm4MoeModel.set_gguf_parameters writes, read as llama.cpp reads
+    them: block_count counts the multi-token-prediction blocks appended after the decoder's
+    (nextn_predict_layers), expert_weights_norm defaults to false and leading_dense_block_count to 0,
+    the gating must be sigmoid (2), and routing is over all experts (llama.cpp reads no expert groups
+    for glm4moe; the released models have n_group 1). Q/K norms and attention biases are read from the
+    tensors (undo_glm_transforms)."""
+    gating = get("expert_gating_func", 2, required=False)
+    if gating != 2:
+        raise MlxcelError(
+            f"{path}: GGUF metadata 'glm4moe.expert_gating_func' is {gating}; GLM-4.5 routes with 2 (sigmoid)"
+        )
+    extra = get("nextn_predict_layers", 0, required=False) or 0
+    if not 0 <= extra < config["num_hidden_layers"]:
+        raise MlxcelError(
+            f"{path}: GGUF metadata gives {extra} multi-token-prediction layers of {config['num_hidden_layers']} blocks"
+        )
+    return {
+        "num_hidden_layers": config["num_hidden_layers"] - extra,
+        "n_routed_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "n_shared_experts": get("expert_shared_count"),
+        "first_k_dense_replace": get("leading_dense_block_count", 0, required=False),
+        "routed_scaling_factor": get("expert_weights_scale"),
+        "norm_topk_prob": bool(get("expert_weights_norm", False, required=False)),
+        "n_group": 1,
+        "topk_group": 1,
+    }
 
 
 def make_gemma_config(arch: str, get, config: dict) -> dict:
@@ -359,7 +417,7 @@ def read_per_layer(value: Any, layers: int, key: str, path: Path) -> list[int]:
 def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, path: Path) -> None:
     """Before renaming (errors name llama.cpp's tensors): an MoE file holds every layer's router and
     stacked experts, expert_count of each; a file whose metadata names no experts holds none."""
-    experts = config.get("num_local_experts") or config.get("num_experts")
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
     if not experts:
         stray = next((name for name in sorted(weights) if is_expert_tensor(name)), None)
         if stray is not None:
@@ -368,7 +426,7 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
                 f"'{arch}.expert_count'"
             )
         return
-    for layer in range(config["num_hidden_layers"]):
+    for layer in range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]):  # (GLM-4.5: dense first)
         for base in EXPERT_TENSORS:
             name = f"blk.{layer}.{base}.weight"
             if name not in weights:
@@ -425,7 +483,26 @@ def undo_converter_transforms(
         return undo_gated_delta_transforms(weights, config, path, tiled=arch in TILED_VALUE_HEAD_ARCHS)
     if arch in MAMBA2_ARCHS:
         return undo_mamba2_transforms(weights)
+    if arch in GLM_ARCHS:
+        return undo_glm_transforms(weights, config)
     return weights
+
+
+def undo_glm_transforms(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
+    """GLM files keep transformers' values (GLM-4's interleaved and GLM-4.5's half-split Q/K rows alike);
+    what the metadata does not say is read from the tensors, as llama.cpp does: Q/K/V biases
+    (attention_bias) and GLM-4.5's Q/K norms (use_qk_norm). The multi-token-prediction blocks after the
+    decoder's (their nextn.* tensors were skipped at renaming) are dropped: they do not generate."""
+    layers = config["num_hidden_layers"]
+    kept = {}
+    for key, value in weights.items():
+        parts = key.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= layers:
+            continue
+        kept[key] = value
+    config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in kept
+    config["use_qk_norm"] = "model.layers.0.self_attn.q_norm.weight" in kept
+    return kept
 
 
 def undo_gemma_norm_offset(weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -559,6 +636,8 @@ def rename_gguf_weights(
     names = {**_TENSOR_NAMES, **_ARCH_TENSOR_NAMES.get(arch, {})}
     renamed = {}
     for name, value in weights.items():
+        if arch in GLM_ARCHS and re.fullmatch(r"blk\.\d+\.nextn\.\w+\.\w+", name):
+            continue  # a multi-token-prediction block's own tensors (undo_glm_transforms drops the rest of it)
         match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)(?:\.(weight|bias|scales|biases))?", name)
         layer, base, kind = match.groups() if match else (None, None, None)
         whole = f"{base}.{kind}" if kind else base

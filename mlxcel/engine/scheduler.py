@@ -132,7 +132,7 @@ class ScheduleState:
     kv_budget_bytes: int = 0
     kv_peak_bytes: int = 0
     kv_peak_blocks: int = 0
-    state_bytes: int = 0  # a hybrid's recurrent states: every row slot's, held for the whole run
+    state_bytes: int = 0  # rows' fixed-size state (recurrent states, sliding rings): every slot's, for the run
     decode_steps: int = 0
     rows_decoding_sum: int = 0  # summed over decode steps: occupancy = this / decode_steps
     iterations: int = 0
@@ -209,19 +209,36 @@ def uses_kernels(model) -> tuple[bool, bool]:
     return in_place, in_place and plain_attend
 
 
-def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int = 64, rings: bool = False) -> int:
     """Keys and values of one position in every attention layer: in the model's dtype, or with
-    `kv_bits` packed with a scale and a bias per group in full-attention layers."""
+    `kv_bits` packed with a scale and a bias per group in full-attention layers. `rings`: sliding
+    layers keep their window per row instead (ring_bytes_per_row), nothing per position."""
     attention = attention_module(model)
-    dtype_size = model.model.embed_tokens.weight.dtype.size
-    if dtype_size == 1 or str(model.model.embed_tokens.weight.dtype).startswith("mlx.core.uint"):
-        dtype_size = 2  # quantized weights: activations (and the cache) are in the compute dtype
+    dtype_size = compute_dtype_size(model)
     dim = attention.head_dim
     full = dim * dtype_size
     quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
     kinds = zip(layer_windows(model), recurrent_layers(model))
-    per_head = sum(full if window is not None else quantized for window, recurrent in kinds if not recurrent)
+    per_head = sum(
+        full if window is not None else quantized
+        for window, recurrent in kinds
+        if not recurrent and not (rings and window is not None)
+    )
     return 2 * attention.n_kv_heads * per_head
+
+
+def ring_bytes_per_row(model) -> int:
+    """Sliding layers' rings (models/paged_window.py): each layer's window of keys and values a row."""
+    attention = attention_module(model)
+    per_position = 2 * attention.n_kv_heads * attention.head_dim * compute_dtype_size(model)
+    return sum(window * per_position for window in layer_windows(model) if window is not None)
+
+
+def compute_dtype_size(model) -> int:
+    """Bytes of an activation (the caches' dtype): the embeddings', or 2 for quantized weights
+    (activations, and the cache, are in the compute dtype then)."""
+    dtype = model.model.embed_tokens.weight.dtype
+    return 2 if dtype.size == 1 or str(dtype).startswith("mlx.core.uint") else dtype.size
 
 
 def device_memory_bytes() -> int:
@@ -252,6 +269,7 @@ class BatchScheduler:
         keep_answers: bool = False,
         snapshot_all: bool = False,
         batch_invariant: bool = False,
+        window_rings: bool = True,
     ):
         self.model = model
         # each row's tokens as it alone would draw them, whatever shares its batch (docs/jobs.md)
@@ -263,7 +281,8 @@ class BatchScheduler:
             )
         set_batch_invariant(model, batch_invariant)
         self.prompt_cache = prompt_cache
-        self.hybrid = any(recurrent_layers(model))  # recurrent layers: pieces end where states are snapshotted
+        self.hybrid = any(recurrent_layers(model))  # rows keep a fixed-size state (set again per run: steps)
+        self.window_rings = window_rings  # sliding layers keep their window only (use_window_rings)
         self.keep_answers = keep_answers  # snapshot finished rows' answers too (a chat's next turn starts with them)
         # every prompt into the cache, not only what this job's rows share (a chat, a cache folder)
         self.snapshot_all = snapshot_all or keep_answers
@@ -310,10 +329,13 @@ class BatchScheduler:
         timings = GenerationTimings(start=time.perf_counter())
         rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
-        self.per_block = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size) * BLOCK_SIZE
-        # A hybrid's recurrent layers keep a fixed-size state per row slot: the slots' states come
-        # out of the budget first, for as many rows as fit with at least a block each.
-        self.state_bytes = state_bytes_per_row(self.model)
+        kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
+        rings = self.use_window_rings(request, kernels[0])
+        per_position = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size, rings)
+        self.per_block = max(1, per_position * BLOCK_SIZE)  # (every layer a ring: blocks count positions only)
+        # A row's fixed-size state (a hybrid's recurrent layers', sliding layers' rings) per row slot:
+        # the slots' states come out of the budget first, for as many rows as fit with a block each.
+        self.state_bytes = state_bytes_per_row(self.model) + (ring_bytes_per_row(self.model) if rings else 0)
         self.slots = self.max_rows
         if self.state_bytes:
             self.slots = max(1, min(self.max_rows, self.kv_budget_bytes // (self.state_bytes + self.per_block)))
@@ -327,7 +349,6 @@ class BatchScheduler:
             sizes = [count_blocks(self.max_context + (request.tile_size or 0))] * self.slots
         per_block = self.per_block
         num_blocks = max(1, min(sum(sizes[: self.slots]), blocks_budget // per_block))
-        kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
         most = num_blocks
         if feed is not None and not kernels[0]:  # plain pools start small, grow as rows arrive (PageTable.grow)
             num_blocks = min(num_blocks, count_blocks(OPEN_POOL_POSITIONS))
@@ -335,8 +356,10 @@ class BatchScheduler:
         table = PageTable(num_blocks, self.slots, positions, *kernels, max_blocks=most, invariant=self.batch_invariant)
         windows = layer_windows(self.model)
         caches = make_paged_caches(
-            len(windows), table, windows, request.kv_bits, request.kv_group_size, recurrent_layers(self.model)
+            len(windows), table, windows, request.kv_bits, request.kv_group_size, recurrent_layers(self.model), rings
         )
+        # rows keep a fixed-size state: pieces end where they share a prefix, so the prompt cache records it there
+        self.hybrid = any(hasattr(c, "row_states") for c in caches)
         self.reuse = None
         if self.prompt_cache is not None:
             # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
@@ -377,7 +400,7 @@ class BatchScheduler:
         for row in rows:
             needed = count_blocks(self.reserved_positions(row, request)) * self.per_block + self.state_bytes
             if row.error is None and needed > self.kv_budget_bytes:
-                state = f" and {self.state_bytes / 1e9:.3f} GB of recurrent state" if self.state_bytes else ""
+                state = f" and {self.state_bytes / 1e9:.3f} GB of per-row state" if self.state_bytes else ""
                 row.error = (
                     f"needs {(needed - self.state_bytes) / 1e9:.3f} GB of KV cache{state} (prompt {len(row.prompt)} + "
                     f"up to {row.limit} tokens); runner.kv_budget_gb is {self.kv_budget_bytes / 1e9:.3f}: raise it or "
@@ -730,6 +753,18 @@ class BatchScheduler:
             logits = self.model(tokens[:, None], caches)[:, -1, :]
         table.end()
         return logits
+
+    def use_window_rings(self, request: GenerationRequest, in_place: bool) -> bool:
+        """Whether sliding layers keep a ring of their window per row (models/paged_window.py) rather
+        than every position in the shared pool: on the plain path (not where the CUDA kernels write
+        the pool in place), not batch-invariant (a row must meet the kernels it meets alone), not for
+        image rows (Gemma 3's image blocks are masked in the shared pool's masks), and not with a
+        prompt-cache folder (its files hold positions, not rings)."""
+        if not self.window_rings or in_place or self.batch_invariant:
+            return False
+        if any(r.images is not None for r in request.rows):
+            return False
+        return any(w is not None and w < self.max_context for w in layer_windows(self.model))
 
     def tile_size(self, request: GenerationRequest) -> int | None:
         """The request's tile, where the model's pieces may be padded: a padding token would

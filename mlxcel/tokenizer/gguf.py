@@ -51,6 +51,8 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "qwen35": (_QWEN35,),
     "deepseek-r1-qwen": (_QWEN2,),
     "megrez": (_QWEN2,),
+    "glm4": (_LLAMA3,),  # llama.cpp's CHATGLM4: Llama 3's split, no BOS by default, merges applied
+    "chatglm-bpe": (_LLAMA3,),
 }
 # llama.cpp defaults for files that lack the add_bos key: llama3-style vocabularies add bos.
 _ADDS_BOS_BY_DEFAULT = {"llama3", "llama-v3", "llama-bpe", "falcon3"}

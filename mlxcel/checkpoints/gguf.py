@@ -60,6 +60,8 @@ SUPPORTED_GGUF_ARCHS = {
     "qwen35moe": "qwen3_5_moe_text",
     "qwen3next": "qwen3_next",
     "nemotron_h": "nemotron_h",
+    "olmo2": "olmo2",  # OLMo 3 files too (Olmo3ForCausalLM converts as olmo2): read by their sliding window
+    "smollm3": "smollm3",
     "glm4": "glm4",
     "glm4moe": "glm4_moe",
 }
@@ -68,12 +70,14 @@ SUPPORTED_GGUF_ARCHS = {
 MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 SHARED_EXPERT_ARCHS = {"qwen35moe", "qwen3next"}  # a shared expert beside the routed ones
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-# files that run with interleaved RoPE: llama's (the converter permuted Q/K for it) and GLM-4's (its own layout)
-INTERLEAVED_ROPE_ARCHS = {"llama", "glm4"}
+# files that run with interleaved RoPE: llama's and SmolLM3's (the converter permuted Q/K for them) and
+# GLM-4's (its own layout)
+INTERLEAVED_ROPE_ARCHS = {"llama", "glm4", "smollm3"}
 GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
 GATED_DELTA_ARCHS = {"qwen35", "qwen35moe", "qwen3next"}  # linear-attention layers (ssm_* tensors, ssm.* keys)
 TILED_VALUE_HEAD_ARCHS = {"qwen35", "qwen35moe"}  # _LinearAttentionVReorderBase's converters
 MAMBA2_ARCHS = {"nemotron_h"}  # Mamba-2 layers (ssm_* tensors, ssm.* keys)
+NO_ROPE_STEP = {"smollm3": 4}  # llama.cpp's n_no_rope_layer_step for the arch: a literal there, no key in the file
 GLM_ARCHS = {"glm4", "glm4moe"}  # partial RoPE (rope.dimension_count); glm4moe: multi-token-prediction blocks last
 
 _TENSOR_NAMES = {
@@ -141,6 +145,11 @@ _ARCH_TENSOR_NAMES["qwen35moe"] = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _ARCH_TENSOR_NAMES["qwen3next"] = {**_ARCH_TENSOR_NAMES["qwen35moe"], "ssm_ba": "linear_attn.in_proj_ba"}
+# OLMo 2/3: the norms after attention and after the MLP (no norm before them)
+_ARCH_TENSOR_NAMES["olmo2"] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # GLM-4: the fused gate_up_proj in ffn_up, and the norms after attention and after the MLP
 _ARCH_TENSOR_NAMES["glm4"] = {
     "ffn_up": "mlp.gate_up_proj",
@@ -269,6 +278,11 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config.update(make_gated_delta_config(get, config, path))
     if arch in MAMBA2_ARCHS:
         config.update(make_mamba2_config(get, config, path))
+    if arch == "olmo2" and get("attention.sliding_window", None, required=False) is not None:
+        family = "olmo3"
+        config.update(make_olmo3_config(get, config, path))
+    if arch in NO_ROPE_STEP:
+        config["no_rope_layer_interval"] = NO_ROPE_STEP[arch]
     if arch in GLM_ARCHS:
         config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
     if arch == "glm4moe":
@@ -304,6 +318,36 @@ def make_glm4moe_config(get, config: dict, path: Path) -> dict:
         "norm_topk_prob": bool(get("expert_weights_norm", False, required=False)),
         "n_group": 1,
         "topk_group": 1,
+    }
+
+
+def make_olmo3_config(get, config: dict, path: Path) -> dict:
+    """OLMo 3 as Olmo2Model.set_gguf_parameters writes it: the window, which layers slide (a bool
+    per layer), the full-attention layers' theta and YaRN keys, the sliding ones' theta
+    (freq_base_swa; llama.cpp runs those layers without YaRN, as transformers)."""
+    n = config["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern", None, required=False)
+    slides = pattern if pattern is not None else [(i + 1) % 4 != 0 for i in range(n)]
+    full = {"rope_theta": config["rope_theta"], "rope_type": "default"}
+    if get("rope.scaling.type", None, required=False) == "yarn":
+        optional = {
+            "attention_factor": get("rope.scaling.yarn_attn_factor", None, required=False),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", None, required=False),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", None, required=False),
+        }
+        full.update(
+            rope_type="yarn",
+            factor=get("rope.scaling.factor"),
+            original_max_position_embeddings=get("rope.scaling.original_context_length"),
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+    sliding = {"rope_theta": get("rope.freq_base_swa", config["rope_theta"], required=False), "rope_type": "default"}
+    slides = read_per_layer(slides, n, "olmo2.attention.sliding_window_pattern", path)
+    return {
+        "model_type": "olmo3",
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if slide else "full_attention" for slide in slides],
+        "rope_parameters": {"full_attention": full, "sliding_attention": sliding},
     }
 
 

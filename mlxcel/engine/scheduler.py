@@ -758,11 +758,10 @@ class BatchScheduler:
         """Whether sliding layers keep a ring of their window per row (models/paged_window.py) rather
         than every position in the shared pool: on the plain path (not where the CUDA kernels write
         the pool in place), not batch-invariant (a row must meet the kernels it meets alone), not for
-        image rows (Gemma 3's image blocks are masked in the shared pool's masks), and not with a
-        prompt-cache folder (its files hold positions, not rings)."""
-        if not self.window_rings or in_place or self.batch_invariant:
-            return False
-        if any(r.images is not None for r in request.rows):
+        a model whose image tokens attend both ways (Gemma 3: its image blocks are masked in the
+        shared pool's masks; a server's image rows arrive after the caches are made), and not with
+        a prompt-cache folder (its files hold positions, not rings)."""
+        if not self.window_rings or in_place or self.batch_invariant or hasattr(self.model, "image_blocks"):
             return False
         return any(w is not None and w < self.max_context for w in layer_windows(self.model))
 

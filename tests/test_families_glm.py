@@ -206,6 +206,26 @@ def test_batch_invariant_runs_dense_glm_and_refuses_the_experts(built, monkeypat
     assert got == [mlxcel_generate(model, [p], 12)[0] for p in prompts]
 
 
+def test_kv_bits_rows_among_others_equal_each_row_alone(built):
+    """decode.kv_bits: the pool quantized (groups of 32 along the 32-wide heads); each row draws what it
+    draws alone, and the setting reaches the cache (2 bits draws otherwise)."""
+    from mlxcel.engine import GenerationRequest, RowRequest
+    from mlxcel.engine.scheduler import BatchScheduler
+    from mlxcel.sampling import Sampler
+
+    def run(prompts, bits):
+        rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
+        request = GenerationRequest(
+            rows, Sampler("greedy"), max_tokens=16, kv_bits=bits, kv_group_size=32, chunk_size=16
+        )
+        return [r.token_ids for r in BatchScheduler(built["model"], 512, 4).generate(request).results]
+
+    prompts = [LONG_PROMPT, PROMPT[5:28], PROMPT[:9]]
+    together = run(prompts, 8)
+    assert together == [run([p], 8)[0] for p in prompts]
+    assert run(prompts, 2) != together
+
+
 # --- other layouts of the same weights ------------------------------------------------------------
 
 

@@ -65,15 +65,62 @@ def make_llama3_rope_freqs(dims: int, base: float, scaling: dict) -> mx.array:
     return mx.where(is_medium, smoothed, freqs)
 
 
-class RoPE(nn.Module):
-    """Rotary embedding that accepts per-row offsets (left-padded batches)."""
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
-    def __init__(self, dims: int, base: float, traditional: bool = False, scaling: dict | None = None):
+
+def make_yarn_rope_freqs(
+    dims: int, base: float, scaling: dict, max_position_embeddings: int | None = None
+) -> tuple[mx.array, float]:
+    """YaRN (transformers' `_compute_yarn_parameters`): (wavelengths for `mx.fast.rope(freqs=...)`,
+    the attention factor the rotated dimensions are scaled by). Dimensions that turn fast keep
+    their frequency, slow ones are interpolated by `factor`, with a linear ramp between."""
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor") or (max_position_embeddings / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # (as transformers: no singular ramp)
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    wavelengths = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)  # 1 / inverse frequency
+    extrapolated = 1 - ramp  # share of each dimension's own frequency
+    inverse = (1 / (factor * wavelengths)) * (1 - extrapolated) + (1 / wavelengths) * extrapolated
+    return 1 / inverse, float(attention)
+
+
+class RoPE(nn.Module):
+    """Rotary embedding that accepts per-row offsets (left-padded batches). `scaling`: the config's
+    rope scaling (read_rope_scaling): linear, llama3 or yarn; yarn needs the config's
+    max_position_embeddings where the scaling lacks original_max_position_embeddings."""
+
+    def __init__(
+        self,
+        dims: int,
+        base: float,
+        traditional: bool = False,
+        scaling: dict | None = None,
+        max_position_embeddings: int | None = None,
+    ):
         super().__init__()
         self.dims = dims
         self.traditional = traditional
         self.base: float | None = base
         self.scale = 1.0  # positions are multiplied by it (linear scaling: 1 / factor)
+        self.attention_factor = 1.0  # the rotated dimensions are multiplied by it (yarn)
         self._freqs = None
         if scaling is not None:
             kind = scaling["rope_type"]
@@ -82,14 +129,23 @@ class RoPE(nn.Module):
                 self.base = None
             elif kind == "linear":
                 self.scale = 1.0 / scaling["factor"]
+            elif kind == "yarn":
+                self._freqs, self.attention_factor = make_yarn_rope_freqs(dims, base, scaling, max_position_embeddings)
+                self.base = None
             else:
                 from mlxcel.errors import MlxcelError
 
                 raise MlxcelError(
-                    f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)"
+                    f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3, yarn)"
                 )
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if self.attention_factor != 1.0:  # (transformers scales cos and sin: the rotated part only)
+            factor = mx.array(self.attention_factor, dtype=x.dtype)
+            if self.dims == x.shape[-1]:
+                x = x * factor
+            else:
+                x = mx.concatenate([x[..., : self.dims] * factor, x[..., self.dims :]], axis=-1)
         return mx.fast.rope(
             x,
             self.dims,

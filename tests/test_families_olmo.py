@@ -97,9 +97,8 @@ def test_matches_transformers(parity):
     check_parity(parity)
 
 
+@pytest.mark.parametrize("family", ["olmo3"], indirect=True)
 def test_olmo3_layers_slide_and_scale_their_rope_by_kind(family, model, checkpoint):
-    if family != "olmo3":
-        pytest.skip("OLMo 3's layer kinds")
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 500000.0  # what transformers wrote
     assert layer_windows(model) == [WINDOW, WINDOW, WINDOW, None]
@@ -182,12 +181,11 @@ def write_released_spelling(checkpoint: Path, folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("family", ["olmo3"], indirect=True)
 def test_olmo3_released_config_spelling_gives_every_layer_rope_theta(family, checkpoint, tmp_path):
     """rope_theta + rope_scaling: the full-attention layers take both, the sliding ones the same
     theta unscaled (transformers 4.57, mlx-lm and vLLM read it so; transformers 5.25 gives the
     sliding layers its default 500000 instead, the same on the released models, whose theta it is)."""
-    if family != "olmo3":
-        pytest.skip("OLMo 3's configs")
     folder = write_released_spelling(checkpoint, tmp_path / "released")
     loaded = load_model(str(folder), dtype="float32")
     ropes = [layer.self_attn.rope for layer in loaded.model.model.layers]

@@ -189,6 +189,71 @@ def test_gguf_as_llama_cpp_writes_it_gives_the_safetensors_logits(checkpoint, pa
     assert np.abs(logits[0] - logits[1]).max() <= 1e-3
 
 
+# --- its chat template: a thinking switch (enable_thinking), /think and /no_think in the system prompt ---
+
+TEMPLATE = Path(__file__).parent / "data" / "templates" / "smollm3.jinja"
+XML_TOOL = {"name": "get_weather", "description": "Weather in a city", "parameters": {"city": {"type": "string"}}}
+CONVERSATIONS = {
+    "user": [{"role": "user", "content": "What is 2+2?"}],
+    "no_think system": [
+        {"role": "system", "content": "Be terse. /no_think"},
+        {"role": "user", "content": "Capital of 日本?"},
+    ],
+    "think system": [{"role": "system", "content": "/think Explain."}, {"role": "user", "content": "Why?"}],
+    "override": [{"role": "system", "content": "Only this. /system_override"}, {"role": "user", "content": "Hi"}],
+    "multi": [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "\nHi! How can I help?"},
+        {"role": "user", "content": "A joke."},
+        {"role": "tool", "content": "42"},
+    ],
+}
+
+
+@pytest.mark.parametrize("conversation", list(CONVERSATIONS))
+@pytest.mark.parametrize(
+    "switch", [{}, {"enable_thinking": False}, {"enable_thinking": True}, {"xml_tools": [XML_TOOL]}]
+)
+def test_the_real_chat_template_renders_as_transformers_renders_it(checkpoint, conversation, switch):
+    """tests/data/templates/smollm3.jinja, the published template: its date (strftime_now), its
+    {% generation %} blocks, namespaces, str methods and the undefined system_message when there is
+    no system prompt, with and without the generation prompt, by our renderer and transformers'."""
+    from mlxcel.template import TemplateSource
+    from tests.helpers import load_hf_pair
+    from tests.test_template_real import check_renders_like_transformers
+
+    ours, reference = load_hf_pair(str(checkpoint))
+    source = TemplateSource(TEMPLATE.read_text(encoding="utf-8"), TEMPLATE.name)
+    rendered, _ = check_renders_like_transformers(ours, reference, source, CONVERSATIONS[conversation], **switch)
+    thinking = (
+        switch.get("enable_thinking", True) and conversation != "no_think system" or conversation == "think system"
+    )
+    if conversation != "override":
+        assert ("Reasoning Mode: /think\n" in rendered) is thinking
+    assert rendered.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n"))
+
+
+def test_template_kwargs_turn_thinking_off_through_the_pipeline(checkpoint, tmp_path):
+    """template.kwargs.enable_thinking=false reaches the template: the prompt says /no_think and
+    opens the assistant turn with an empty think block; without it the template thinks."""
+    from mlxcel import load_generator
+
+    folder = tmp_path / "smollm3"
+    shutil.copytree(checkpoint, folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
+    texts = {}
+    for name, extra in (("default", []), ("off", ["+template.kwargs.enable_thinking=false"])):
+        generator = load_generator(
+            {"model": {"path": str(folder)}}, overrides=["model.dtype=float32", "model.max_context=2048", *extra]
+        )
+        (prepared,) = generator.prepare(["What is 2+2?"], None, None)
+        assert prepared.error is None, prepared.error
+        texts[name] = prepared.prompt.text
+    assert "Reasoning Mode: /think\n" in texts["default"] and texts["default"].endswith("<|im_start|>assistant\n")
+    assert "Reasoning Mode: /no_think\n" in texts["off"]
+    assert texts["off"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n")
+
+
 def test_preset_names_the_family_and_requires_a_path(tmp_path):
     from mlxcel.checkpoints.loader import list_supported_families
     from mlxcel.config import validate_config

@@ -41,6 +41,8 @@ FAMILIES = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3_vl",  # the multimodal folders: SigLIP + projector + the gemma3 text model
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",  # the multimodal folders: their language model (towers not loaded)
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",

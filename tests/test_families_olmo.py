@@ -163,6 +163,40 @@ def test_batch_invariant_and_kv_bits_rows_equal_alone(model):
         assert [r.token_ids for r in together.results] == alone, options
 
 
+@pytest.mark.parametrize("prompts", [[PROMPT], [PROMPT, PROMPT[5:28], PROMPT[:9]]], ids=["batch1", "left_padded"])
+def test_the_segmented_decode_step_gives_the_eager_logits(model, prompts):
+    """The GPU's decode step compiled between attentions (engine/segmented.py) reaches OLMo's
+    blocks through input_layernorm (the identity here) and finish_block: the eager step's logits."""
+    from tests.test_segmented_decode import decode_both_ways
+
+    worst, eager_ids, segmented_ids = decode_both_ways(model, prompts)
+    assert worst <= 1e-4 and segmented_ids == eager_ids
+
+
+@pytest.mark.parametrize("family", ["olmo3"], indirect=True)
+def test_the_api_runs_rows_as_alone_and_a_json_schema_row_beside_them(family, checkpoint):
+    """The Python API on OLMo 3 (the prompt cache on, as by default): a batch gives each row's
+    tokens alone, and a row constrained to a JSON schema answers in it."""
+    import jsonschema
+
+    from mlxcel import load_generator
+
+    overrides = ["model.dtype=float32", "decode.max_tokens=12", "decode.ignore_eos=true", "runner.device=cpu"]
+    generator = load_generator({"model": {"path": str(checkpoint)}}, overrides=overrides)
+    prompts = ["def add(a, b):", "The capital of Italy is", "Numbers 0123456789"]
+    together = [o.token_ids for o in generator.generate(prompts)]
+    assert together == [generator.generate(p).token_ids for p in prompts]
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    answer = generator.generate("Answer in JSON.", max_tokens=40, constraint={"json_schema": schema})
+    assert answer.finish_reason == "stop", answer
+    jsonschema.validate(json.loads(answer.text), schema)
+
+
 def write_released_spelling(checkpoint: Path, folder: Path) -> Path:
     """config.json as the released OLMo 3 folders have it (transformers 4.57): rope_theta and a
     rope_scaling for the full-attention layers, no rope_parameters (mlx-lm reads only this)."""

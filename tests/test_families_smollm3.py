@@ -154,6 +154,15 @@ def test_batch_invariant_and_kv_bits_rows_equal_alone(model):
         assert [r.token_ids for r in together.results] == alone, options
 
 
+@pytest.mark.parametrize("prompts", [[PROMPT], [PROMPT, PROMPT[5:28], PROMPT[:9]]], ids=["batch1", "left_padded"])
+def test_the_segmented_decode_step_gives_the_eager_logits(model, prompts):
+    """The GPU's decode step compiled between attentions: the NoPE layers' keys stay unrotated there too."""
+    from tests.test_segmented_decode import decode_both_ways
+
+    worst, eager_ids, segmented_ids = decode_both_ways(model, prompts)
+    assert worst <= 1e-4 and segmented_ids == eager_ids
+
+
 def test_mlx_lm_quantized_folder_gives_mlx_lms_logits(checkpoint, tmp_path):
     """mlx_lm.convert -q (mlx-community's layout, 4-bit): our load gives mlx-lm's logits."""
     mlx_lm = pytest.importorskip("mlx_lm")

@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx import nn
 
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import GenerationRequest, RowRequest
@@ -149,7 +150,9 @@ def test_logits_and_greedy_tokens_match_transformers(built):
     assert type(model).__module__ == "mlxcel.models.gpt_oss"
     assert layer_windows(model) == [8, None, 8, None]  # transformers' default layer_types: even layers slide
     attention = model.model.layers[0].self_attn
-    assert attention.sinks.shape == (4,) and isinstance(attention.rope, gpt_oss.YarnRoPE)
+    assert attention.sinks.shape == (4,) and attention.rope.base is None  # YaRN's frequencies
+    # YaRN's attention factor (0.1 ln 32 + 1, squared) in the softmax scale, not on q and k each step
+    assert attention.scale == pytest.approx(32**-0.5 * 1.3465735902799727**2) and attention.rope.attention_factor == 1
 
 
 def test_the_sinks_the_clamp_and_the_biases_each_show_in_the_logits(built, tmp_path):
@@ -180,28 +183,6 @@ def test_the_sinks_the_clamp_and_the_biases_each_show_in_the_logits(built, tmp_p
     assert np.abs(logits() - expected).max() > 0.05
     layers[0].mlp.router.bias = bias
     assert np.abs(logits() - expected).max() <= 1e-3
-
-
-@pytest.mark.parametrize(
-    "rope",
-    [
-        {"factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False},  # gpt-oss
-        {"factor": 32.0, "original_max_position_embeddings": 4096},  # truncate defaults to true
-        {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 2.0},
-        {"factor": 4.0, "original_max_position_embeddings": 256, "attention_factor": 1.2},
-        {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5},
-    ],
-)
-def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
-    import transformers
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    parameters = {"rope_type": "yarn", "rope_theta": 150000.0, **rope}
-    config = transformers.GptOssConfig(head_dim=64, rope_parameters=dict(parameters))
-    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
-    freqs, ours = gpt_oss.make_yarn_rope_freqs(64, 150000.0, parameters)
-    assert ours == pytest.approx(factor, rel=1e-6)
-    np.testing.assert_allclose(1 / np.array(freqs), inv_freq.numpy(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("piece", [3, 8, 13, 50])
@@ -357,3 +338,189 @@ def test_preset_requires_a_path_and_names_the_family(tmp_path):
     model = validate_config(compose_run(["model=gpt_oss", f"model.path={tmp_path}"])).model
     assert model.path == str(tmp_path) and "gpt_oss" in model.families
     assert "gpt_oss" in list_supported_families()
+
+
+# --- GGUF (llama.cpp's gpt-oss arch) --------------------------------------------------------------
+
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
+}
+
+
+def ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The checkpoint's MXFP4 rows as ggml's MXFP4 blocks (what GptOssModel.repack_mxfp4 writes): per 32
+    elements a scale byte, then 16 bytes holding element i in the low nibble, element i + 16 in the high."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    joined = np.concatenate([scales[..., None], packed], axis=-1)
+    return joined.reshape(*joined.shape[:-2], -1)
+
+
+def convert_gpt_oss(folder: Path):
+    """(name, array, ggml type name) as convert_hf_to_gguf.py's GptOssModel writes the MXFP4 folder:
+    gate/up rows (and biases) de-interleaved, experts MXFP4, sinks as attn_sinks.weight."""
+    tensors = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    for name, data in tensors.items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            yield (
+                {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm"}.get(name, "output")
+                + ".weight",
+                data,
+                None,
+            )
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        block = f"blk.{layer}"
+        if rest == "self_attn.sinks":
+            yield f"{block}.attn_sinks.weight", data, "F32"
+        elif rest.startswith("mlp.experts."):
+            proj = rest.removeprefix("mlp.experts.")
+            if proj.endswith("_scales"):
+                continue
+            if proj.endswith("_blocks"):
+                proj = proj.removesuffix("_blocks")
+                scales = tensors[name.replace("_blocks", "_scales")]
+                if proj == "down_proj":
+                    yield f"{block}.ffn_down_exps.weight", ggml_mxfp4(data, scales), "MXFP4"
+                    continue
+                for part, rows in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                    yield f"{block}.ffn_{part}_exps.weight", ggml_mxfp4(data[:, rows], scales[:, rows]), "MXFP4"
+            elif proj == "down_proj_bias":
+                yield f"{block}.ffn_down_exps.bias", data, "F32"
+            else:
+                for part, columns in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                    yield f"{block}.ffn_{part}_exps.bias", data[:, columns], "F32"
+        else:
+            module, kind = rest.rsplit(".", 1)
+            yield f"{block}.{GGUF_NAMES[module]}.{kind}", data, None
+
+
+def write_gpt_oss_gguf(folder: Path, out: Path, quant: str = "F32") -> Path:
+    """The file llama.cpp's converter writes for `folder` (an MXFP4 checkpoint): `quant` for the matrices
+    the file type sets (attention, embeddings, output), F32 for 1-D tensors, norms and the router."""
+    import gguf
+
+    config = json.loads((folder / "config.json").read_text())
+    rope = config["rope_parameters"]
+    writer = gguf.GGUFWriter(str(out), "gpt-oss")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
+    writer.add_eos_token_id(2)
+    for name, data, kind in convert_gpt_oss(folder):
+        if kind == "MXFP4":
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            continue
+        if kind is None:
+            kind = "F32" if data.ndim <= 1 or name.endswith("_norm.weight") or "ffn_gate_inp" in name else quant
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_oracle(mxfp4, tmp_path_factory):
+    """The MXFP4 folder with the released YaRN (truncate false: a GGUF says nothing of it, and the model
+    is what config.json says), our load of it and transformers' (which dequantizes the same codes)."""
+    pytest.importorskip("gguf")
+    folder = tmp_path_factory.mktemp("gpt_oss_gguf") / "hf"
+    shutil.copytree(mxfp4, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        config[key] = {**config[key], "truncate": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    logits, loaded = mlxcel_logits(folder, LONG_PROMPT)
+    reference = reference_logits(load_reference(folder), LONG_PROMPT)
+    greedy = mlxcel_generate(loaded.model, [LONG_PROMPT, PROMPT[:9]], 32)
+    return {"folder": folder, "logits": logits, "reference": reference, "greedy": greedy}
+
+
+@pytest.mark.parametrize("gguf_weights", ["quantized", "dequantize"])
+def test_mxfp4_gguf_matches_the_safetensors_load(gguf_oracle, gguf_weights, tmp_path):
+    """llama.cpp's MXFP4 file (experts MXFP4, the rest F32): its experts kept packed as MLX's mxfp4 (or
+    dequantized when asked), the model the same safetensors give (1e-4) and transformers' (1e-3), the
+    same 32 greedy tokens beside another row."""
+    path = write_gpt_oss_gguf(gguf_oracle["folder"], tmp_path / "mxfp4.gguf")
+    loaded = load_model(str(path), dtype="float32", gguf_weights=gguf_weights)
+    model = loaded.model
+    got = np.array(model(mx.array([LONG_PROMPT]), model.make_cache())[0])
+    assert np.abs(got - gguf_oracle["logits"]).max() <= 1e-4
+    assert np.abs(got - gguf_oracle["reference"]).max() <= 1e-3
+    assert mlxcel_generate(model, [LONG_PROMPT, PROMPT[:9]], 32) == gguf_oracle["greedy"]
+    assert loaded.info["gguf_types"]["MXFP4"] == 3 * SHAPE["num_hidden_layers"]
+    assert layer_windows(model) == [8, None, 8, None]
+    experts = model.model.layers[0].mlp.experts.down_proj
+    if gguf_weights == "quantized":
+        assert isinstance(experts, gpt_oss.QuantizedBiasedSwitchLinear) and experts.mode == "mxfp4"
+    else:
+        assert isinstance(experts, gpt_oss.BiasedSwitchLinear) and loaded.info["weights"] == "dequantized"
+
+
+def test_q8_0_gguf_with_mxfp4_experts(gguf_oracle, tmp_path):
+    """A file whose attention and embeddings are Q8_0 beside the MXFP4 experts: a file of types MLX
+    cannot read goes through gguf_reader, which dequantizes the Q8_0 matrices (as for K-quant files)
+    and keeps the experts MXFP4. The logits are the safetensors model's with those matrices passed
+    through gguf-py's Q8_0 round trip."""
+    import gguf
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    path = write_gpt_oss_gguf(gguf_oracle["folder"], tmp_path / "q8.gguf", quant="Q8_0")
+    loaded = load_model(str(path), dtype="float32", gguf_weights="quantized")
+    model = loaded.model
+    got = np.array(model(mx.array([LONG_PROMPT]), model.make_cache())[0])
+    attention, experts = model.model.layers[0].self_attn, model.model.layers[0].mlp.experts
+    assert type(attention.o_proj) is nn.Linear and loaded.info["gguf_types"]["Q8_0"] > 0
+    assert experts.down_proj.mode == "mxfp4"
+    reference = load_model(str(gguf_oracle["folder"]), dtype="float32", fuse=False).model
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rounded = [
+        (name, mx.array(gguf.quants.dequantize(gguf.quants.quantize(np.array(value), q8), q8)))
+        for name, value in tree_flatten(reference.parameters())
+        if name.endswith(".weight") and value.ndim == 2 and ".router." not in name and ".experts." not in name
+    ]
+    reference.update(tree_unflatten(rounded))
+    expected = np.array(reference(mx.array([LONG_PROMPT]), reference.make_cache())[0])
+    assert np.abs(got - expected).max() <= 1e-4
+    assert np.abs(got - gguf_oracle["logits"]).max() > 1e-3  # the file really was quantized
+
+
+def test_gguf_tokenizer_pre_gpt_4o_splits_as_o200k(tmp_path):
+    """gpt-oss files say tokenizer.ggml.pre = "gpt-4o" (llama.cpp's GPT4O: the o200k tokenizer.json
+    regex): words split where the case changes, contractions kept on their word, digits in threes."""
+    from mlxcel.tokenizer.gguf import make_byte_level_bpe
+
+    def pieces(pre: str) -> list[str]:
+        tokenizer = make_byte_level_bpe(["a"], [1], [], pre, tmp_path / "t.gguf")
+        split = tokenizer.pre_tokenizer.pre_tokenize_str("HelloWORLD don't 12345")
+        return [tokenizer.decoder.decode([piece]) for piece, _ in split]
+
+    assert pieces("gpt-4o") == ["Hello", "WORLD", " don't", " ", "123", "45"]
+    assert pieces("llama3") == ["HelloWORLD", " don", "'t", " ", "123", "45"]

@@ -29,6 +29,10 @@ GLM files (`glm4`, `glm4moe`): the converter keeps transformers' tensors as they
 already interleaved, GLM-4.5's half-split) and writes rope.dimension_count for the partial RoPE;
 GLM-4.5's block_count includes the multi-token-prediction blocks it appends (nextn_predict_layers),
 dropped here, and its router's e_score_correction_bias is exp_probs_b.bias.
+
+gpt-oss files (`gpt-oss`): the experts in ggml's MXFP4 blocks, which gguf_reader repacks as MLX's mxfp4
+layout bit for bit (kept packed: read_quantization gives nn.quantize the mode); the sinks as
+attn_sinks.weight; gate/up already de-interleaved by the converter.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ SUPPORTED_GGUF_ARCHS = {
     "qwen35moe": "qwen3_5_moe_text",
     "qwen3next": "qwen3_next",
     "nemotron_h": "nemotron_h",
+    "gpt-oss": "gpt_oss",
     "olmo2": "olmo2",  # OLMo 3 files too (Olmo3ForCausalLM converts as olmo2): read by their sliding window
     "smollm3": "smollm3",
     "glm4": "glm4",
@@ -163,6 +168,14 @@ _ARCH_TENSOR_NAMES["glm4moe"] = {
     **make_moe_tensor_names("mlp"),
     **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+# gpt-oss: post_attention_norm is the pre-MLP norm; the sinks a whole tensor (the converter adds .weight);
+# the router and the experts carry biases (experts.{gate,up,down}_proj, mlx-lm's names)
+_ARCH_TENSOR_NAMES["gpt-oss"] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
 }
 # Nemotron-H: every block is a norm and one mixer (transformers' backbone.layers.N.mixer.*, renamed
 # by our family to mixer / self_attn / mlp by kind)
@@ -283,11 +296,41 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config.update(make_olmo3_config(get, config, path))
     if arch in NO_ROPE_STEP:
         config["no_rope_layer_interval"] = NO_ROPE_STEP[arch]
+    if arch == "gpt-oss":
+        config.update(make_gpt_oss_config(get))
     if arch in GLM_ARCHS:
         config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
     if arch == "glm4moe":
         config.update(make_glm4moe_config(get, config, path))
     return family, config
+
+
+def make_gpt_oss_config(get) -> dict:
+    """gpt-oss as GptOssModel.set_gguf_parameters writes it: experts (expert_feed_forward_length wide),
+    the window, YaRN's keys. What the file does not say is what llama.cpp and transformers both take:
+    even layers slide (llama.cpp's swa pattern 2), the clamp (7.0, alpha 1.702). YaRN's correction range
+    stays unrounded (truncate false), as the released config.json says and transformers computes it
+    (llama.cpp rounds it, as it does for every YaRN model), so the file gives the safetensors' model."""
+    rope = {"rope_type": "default"}
+    if get("rope.scaling.type", None, required=False) == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0, required=False),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0, required=False),
+            "truncate": False,
+        }
+        if (attention_factor := get("rope.scaling.yarn_attn_factor", None, required=False)) is not None:
+            rope["attention_factor"] = attention_factor
+    return {
+        "num_local_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "intermediate_size": get("expert_feed_forward_length"),
+        "sliding_window": get("attention.sliding_window"),
+        "attention_bias": True,
+        "rope_scaling": rope,
+    }
 
 
 def make_glm4moe_config(get, config: dict, path: Path) -> dict:
@@ -661,7 +704,12 @@ def tensor_parts(weights: dict[str, mx.array], prefix: str) -> list[str]:
 
 
 def dequantize_gguf_tensor(weights: dict[str, mx.array], prefix: str) -> None:
-    """One packed (weight, scales, biases) triple as a dense float32 weight, in place."""
+    """One packed (weight, scales, biases) triple, or MXFP4 (weight, scales), as a dense float32 weight, in place."""
+    if read_quantization(weights, prefix)["mode"] == "mxfp4":
+        scales = weights.pop(f"{prefix}.scales")
+        dense = mx.dequantize(weights[f"{prefix}.weight"], scales, group_size=32, bits=4, mode="mxfp4")
+        weights[f"{prefix}.weight"] = dense.astype(mx.float32)  # (exact: E2M1 codes times powers of two)
+        return
     bits = read_quantized_bits(weights, prefix)
     weights[f"{prefix}.weight"] = mx.dequantize(
         weights[f"{prefix}.weight"],
@@ -694,6 +742,14 @@ def rename_gguf_weights(
         prefix = f"model.layers.{layer}." if layer is not None else ""
         renamed[f"{prefix}{ours}"] = value
     return renamed
+
+
+def read_quantization(weights: dict[str, mx.array], prefix: str) -> dict:
+    """A packed layer's nn.quantize settings: MXFP4 tensors (gguf_reader.repack_mxfp4: E8M0 scales, uint8)
+    as MLX's mxfp4 mode, the others affine with GGUF's group size."""
+    if weights[f"{prefix}.scales"].dtype == mx.uint8:
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    return {"group_size": GGUF_GROUP_SIZE, "bits": read_quantized_bits(weights, prefix), "mode": "affine"}
 
 
 def read_quantized_bits(weights: dict[str, mx.array], prefix: str) -> int:

@@ -33,6 +33,7 @@ GGML_TYPES = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     30: ("BF16", 1, 2),
+    39: ("MXFP4", 32, 17),
 }
 MLX_NATIVE_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # what mx.load reads (quantized ones stay packed)
 QK_K = 256
@@ -140,11 +141,16 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
 
 
 def load_gguf_numpy(path: Path, tensors: list[TensorInfo]) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32 (F16 stays float16)."""
+    """Every tensor dequantized to float32 (F16 stays float16), but MXFP4 ones: packed as MLX's
+    mxfp4 (`name.weight` uint32, `name.scales` uint8)."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for info in tensors:
         raw = data[info.offset : info.offset + info.nbytes]
+        if info.type_name == "MXFP4":  # kept packed, as MLX's mxfp4 mode holds it
+            prefix = info.name.removesuffix(".weight")
+            out[f"{prefix}.weight"], out[f"{prefix}.scales"] = repack_mxfp4(np.asarray(raw), info.shape)
+            continue
         if info.type_name not in DEQUANTIZERS:
             raise MlxcelError(
                 f"{path}: tensor {info.name!r} is {info.type_name}, which mlxcel cannot dequantize yet (supported: "
@@ -152,6 +158,18 @@ def load_gguf_numpy(path: Path, tensors: list[TensorInfo]) -> dict[str, np.ndarr
             )
         out[info.name] = DEQUANTIZERS[info.type_name](np.asarray(raw)).reshape(info.shape)
     return out
+
+
+def repack_mxfp4(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's MXFP4 blocks (an E8M0 scale byte, then 16 bytes: element i in byte i's low nibble,
+    element i + 16 in its high one) as MLX's mxfp4 layout, exactly: the same E2M1 codes packed two a
+    byte in element order (low nibble first) and read as little-endian uint32 words [..., in / 8],
+    and the scale bytes [..., in / 32] as they are (both 2^(e - 127) per block)."""
+    blocks = raw.reshape(-1, 17)
+    codes = np.concatenate([blocks[:, 1:] & 0x0F, blocks[:, 1:] >> 4], axis=-1).reshape(-1, 16, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8)
+    rows = shape[:-1]
+    return packed.reshape(*rows, shape[-1] // 2).view("<u4"), blocks[:, 0].reshape(*rows, shape[-1] // 32).copy()
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:

@@ -332,11 +332,8 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
     quantized = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
     keep_quantized = choose_gguf_quantized(gguf_weights) and bool(quantized)
     if keep_quantized:
-        bits = {prefix: gguf.read_quantized_bits(weights, prefix) for prefix in quantized}
-        nn.quantize(
-            model,
-            class_predicate=lambda p, m: {"group_size": gguf.GGUF_GROUP_SIZE, "bits": bits[p]} if p in bits else False,
-        )
+        specs = {prefix: gguf.read_quantization(weights, prefix) for prefix in quantized}  # (MXFP4: mode mxfp4)
+        nn.quantize(model, class_predicate=lambda p, m: specs.get(p, False))
     else:
         weights = dequantize_weights(weights, quantized)
     kept = getattr(model, "float32_weights", ())  # parameters the family computes with in float32, as from HF
@@ -346,8 +343,11 @@ def load_gguf_model(path: Path, dtype: mx.Dtype, gguf_weights: str) -> LoadedMod
         else v
         for k, v in weights.items()
     }
-    if keep_quantized:  # scales/biases in the compute dtype
-        weights = {k: v.astype(dtype) if k.endswith((".scales", ".biases")) else v for k, v in weights.items()}
+    if keep_quantized:  # scales/biases in the compute dtype (MXFP4's E8M0 scale bytes stay bytes)
+        weights = {
+            k: v.astype(dtype) if k.endswith((".scales", ".biases")) and mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
     apply_weights(model, weights, path)
     # K-quant files (and float ones) arrive dense: every tensor dequantized to float32 on read
     info = {

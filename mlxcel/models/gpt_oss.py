@@ -1,7 +1,7 @@
 """gpt-oss (model_type gpt_oss): OpenAI's open-weight MoE. Llama-shaped attention with biases on
 Q/K/V/O, a learned per-head sink logit in every query's softmax (Attention.sinks, which
 llama.Attention.attend hands to MLX's fused attention), 128-token sliding-window layers
-alternating with full ones (`layer_types`), YaRN RoPE; every MLP a mixture of experts: a biased
+alternating with full ones (`layer_types`), YaRN RoPE (base.RoPE); every MLP a mixture of experts: a biased
 router whose top-k logits are softmaxed over the chosen experts only, and biased experts with a
 clamped SwiGLU: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
 
@@ -17,15 +17,14 @@ Experts load from four layouts:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx import nn
 
 from mlxcel.errors import MlxcelError
 from mlxcel.models import llama
-from mlxcel.models.base import RoPE, read_rope_scaling, read_rope_theta
+from mlxcel.models.base import read_rope_scaling, read_rope_theta
 from mlxcel.models.rotating_cache import SlidingWindowLayers, read_layer_windows
 from mlxcel.models.switch import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, concatenate_switch_linears
 
@@ -70,62 +69,13 @@ class ModelArgs(llama.ModelArgs):
         return super().from_config(config, **{**values, **overrides})
 
 
-def make_yarn_rope_freqs(dims: int, base: float, scaling: dict) -> tuple[mx.array, float]:
-    """YaRN (transformers' `_compute_yarn_parameters`): per-dimension frequencies blended between
-    interpolated (divided by `factor`) and extrapolated ones along a linear ramp, as wavelengths
-    for `mx.fast.rope(freqs=...)`, and the attention factor transformers multiplies cos and sin by.
-    Generic: base.RoPE could build a yarn rope from it."""
-    factor = scaling.get("factor")
-    original = scaling["original_max_position_embeddings"]
-    if factor is None:
-        factor = scaling["max_position_embeddings"] / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):  # gpt-oss: false
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dims - 1)
-    if low == high:
-        high += 0.001  # (as transformers: no zero-width ramp)
-    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
-    extrapolate = 1 - ramp  # 1: the dimension keeps its frequency; 0: divided by factor
-    pos_freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
-    return 1 / inv_freq, float(attention_factor)
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-class YarnRoPE(RoPE):
-    """base.RoPE with YaRN frequencies. The attention factor scales cos and sin, so q.k by its
-    square: Attention folds that into its softmax scale rather than multiply q and k each step."""
-
-    def __init__(self, dims: int, base: float, traditional: bool, scaling: dict):
-        super().__init__(dims, base, traditional)
-        self._freqs, self.attention_factor = make_yarn_rope_freqs(dims, base, scaling)
-        self.base = None
-
-
 class Attention(llama.Attention):
     def __init__(self, args: ModelArgs):
-        scaling = args.rope_scaling
-        yarn = scaling is not None and scaling["rope_type"] == "yarn"
-        super().__init__(replace(args, rope_scaling=None) if yarn else args)
-        if yarn:
-            self.rope = YarnRoPE(self.head_dim, args.rope_theta, args.rope_traditional, scaling)
-            self.scale *= self.rope.attention_factor**2
+        super().__init__(args)
+        # YaRN's attention factor scales the rotated q and k (base.RoPE multiplies them each call), so
+        # q.k by its square: folded into the softmax scale instead, two fewer ops a layer each step
+        self.scale *= self.rope.attention_factor**2
+        self.rope.attention_factor = 1.0
         self.sinks = mx.zeros((self.n_heads,))  # llama.Attention.attend puts them in the softmax
 
 

@@ -35,6 +35,12 @@ _QWEN35 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# gpt-oss (o200k): cased words split where the case changes, contractions kept on their word, digits in threes
+_O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 # tokenizer.ggml.pre -> the regexes llama.cpp applies in turn (each splits the pieces of the last).
@@ -51,6 +57,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "qwen35": (_QWEN35,),
     "deepseek-r1-qwen": (_QWEN2,),
     "megrez": (_QWEN2,),
+    "gpt-4o": (_O200K,),  # llama.cpp's GPT4O: the original tokenizer.json regex
     "glm4": (_LLAMA3,),  # llama.cpp's CHATGLM4: Llama 3's split, no BOS by default, merges applied
     "chatglm-bpe": (_LLAMA3,),
 }

@@ -104,8 +104,9 @@ def test_olmo3_layers_slide_and_scale_their_rope_by_kind(family, model, checkpoi
     assert layer_windows(model) == [WINDOW, WINDOW, WINDOW, None]
     assert [type(c) for c in model.make_cache(1)] == [RotatingKVCache] * 3 + [KVCache]
     ropes = [layer.self_attn.rope for layer in model.model.layers]
-    assert [type(r).__name__ for r in ropes] == ["RoPE", "RoPE", "RoPE", "YarnRoPE"]
-    assert ropes[0].base == 500000.0 and ropes[3].attention_factor == pytest.approx(0.1 * np.log(8) + 1)
+    assert [r.base for r in ropes] == [500000.0] * 3 + [None]  # the last one's frequencies are YaRN's
+    assert [r.attention_factor for r in ropes[:3]] == [1.0] * 3
+    assert ropes[3].attention_factor == pytest.approx(0.1 * np.log(8) + 1)
 
 
 @pytest.mark.parametrize("piece,tile", [(1, None), (7, None), (16, 8), (50, 32)])
@@ -223,7 +224,7 @@ def test_olmo3_released_config_spelling_gives_every_layer_rope_theta(family, che
     folder = write_released_spelling(checkpoint, tmp_path / "released")
     loaded = load_model(str(folder), dtype="float32")
     ropes = [layer.self_attn.rope for layer in loaded.model.model.layers]
-    assert [r.base for r in ropes[:3]] == [10000.0] * 3 and type(ropes[3]).__name__ == "YarnRoPE"
+    assert [r.base for r in ropes[:3]] == [10000.0] * 3 and ropes[3].base is None and ropes[3].attention_factor > 1
 
 
 def test_mlx_lm_quantized_folder_gives_mlx_lms_logits(family, checkpoint, tmp_path):
@@ -245,7 +246,7 @@ def test_yarn_frequencies_are_transformers_for_the_released_7b():
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from mlxcel.models.olmo3 import make_yarn_freqs, read_layer_type_ropes
+    from mlxcel.models.olmo3 import make_rope, read_layer_type_ropes
 
     released = {
         "hidden_size": 4096,
@@ -264,7 +265,8 @@ def test_yarn_frequencies_are_transformers_for_the_released_7b():
     }
     ropes = read_layer_type_ropes(released)
     assert ropes["sliding_attention"] == {"rope_theta": 500000, "rope_type": "default"}
-    freqs, factor = make_yarn_freqs(128, ropes["full_attention"], 65536)
+    rope = make_rope(128, ropes["full_attention"], False, 65536)
+    freqs, factor = rope._freqs, rope.attention_factor
     config = transformers.Olmo3Config(**released)
     inv_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](config, layer_type="full_attention")
     np.testing.assert_allclose(1.0 / np.array(freqs), inv_freq.numpy(), rtol=1e-6)

@@ -5,16 +5,12 @@ released models), and RoPE per kind of layer: the full-attention layers' may be 
 
 Configs come two ways: transformers 5 writes `rope_parameters` per layer type; the released
 config.json files (transformers 4.57) write `rope_theta` and a `rope_scaling` that only the
-full-attention layers take (as transformers, mlx-lm and vLLM read it)."""
+full-attention layers take (as transformers, mlx-lm and vLLM read it). YaRN is base.RoPE's."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
-from mlxcel.errors import MlxcelError
 from mlxcel.models import llama, olmo2
 from mlxcel.models.base import RoPE, read_rope_scaling, read_rope_theta
 from mlxcel.models.rotating_cache import SlidingWindowLayers, read_layer_windows
@@ -57,64 +53,10 @@ class ModelArgs(llama.ModelArgs):
         return super().from_config(config, **{**values, **overrides})
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def make_yarn_freqs(dims: int, scaling: dict, max_position_embeddings: int) -> tuple[mx.array, float]:
-    """YaRN (transformers' `_compute_yarn_parameters`): per-pair wavelengths for
-    `mx.fast.rope(freqs=...)`, interpolated by `factor` below the correction range, kept above
-    it, ramped between; and the attention factor that scales cos and sin."""
-    base = scaling["rope_theta"]
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or max_position_embeddings / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dims - 1)
-    if low == high:
-        high += 0.001  # as transformers: no division by zero
-    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
-    extrapolate = 1 - ramp  # 1: the pair keeps its frequency; 0: divided by factor
-    pos_freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    return 1.0 / inv_freq, float(attention_factor)
-
-
-class YarnRoPE(RoPE):
-    """RoPE with YaRN's frequencies; queries and keys scaled by the attention factor (as
-    transformers scales cos and sin: the rotation is linear, so before it is the same)."""
-
-    def __init__(self, dims: int, scaling: dict, traditional: bool, max_position_embeddings: int):
-        super().__init__(dims, scaling["rope_theta"], traditional)
-        self._freqs, self.attention_factor = make_yarn_freqs(dims, scaling, max_position_embeddings)
-        self.base = None
-
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        if self.attention_factor != 1.0:
-            x = x * mx.array(self.attention_factor, dtype=x.dtype)
-        return super().__call__(x, offset)
-
-
 def make_rope(dims: int, params: dict, traditional: bool, max_position_embeddings: int) -> RoPE:
-    kind = params["rope_type"]
-    if kind == "yarn":
-        return YarnRoPE(dims, params, traditional, max_position_embeddings)
-    if kind not in ("default", "linear", "llama3"):
-        raise MlxcelError(f"config.json: OLMo 3 rope_type {kind!r} is not supported (supported: default, yarn, linear)")
-    return RoPE(dims, params["rope_theta"], traditional, None if kind == "default" else params)
+    """One layer type's RoPE: its theta, and its scaling (YaRN on the released full-attention layers)."""
+    scaling = None if params["rope_type"] == "default" else params
+    return RoPE(dims, params["rope_theta"], traditional, scaling, max_position_embeddings)
 
 
 class Model(SlidingWindowLayers, olmo2.Model):

@@ -384,3 +384,153 @@ def test_preset_requires_a_path_and_names_its_families(tmp_path):
     model = validate_config(compose_run(["model=gemma4", f"model.path={tmp_path}"])).model
     assert sorted(model.families) == ["gemma4", "gemma4_text"] and set(model.families) <= set(list_supported_families())
     assert model.hub_ids and all(repo.startswith("google/gemma-4-") for repo in model.hub_ids)
+
+
+# --- GGUF: the files llama.cpp's converter writes (Gemma4Model: arch gemma4, the text model's tensors) ---
+
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+    "post_feedforward_layernorm_1": "post_ffw_norm_1",
+    "post_feedforward_layernorm_2": "post_ffw_norm_2",
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+    "router.proj": "ffn_gate_inp",
+}
+GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+GGUF_WHOLE = {  # whole tensors (Gemma4Model.filter_tensors / modify_tensors)
+    "layer_scalar": "layer_output_scale.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+}
+
+
+def gguf_tensor_name(name: str) -> str:
+    if name in GGUF_TOP:
+        return GGUF_TOP[name]
+    _, _, layer, rest = name.split(".", 3)
+    if rest in GGUF_WHOLE:
+        return f"blk.{layer}.{GGUF_WHOLE[rest]}"
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+
+
+def write_converted_gguf(folder: Path, variant: str, out: Path, quant: str = "F32") -> Path:
+    """Gemma4Model.set_gguf_parameters' keys from the Hub's config layout (global_head_dim,
+    num_global_key_value_heads): per-layer KV heads and feed-forward widths, the sliding pattern,
+    key_length(_swa), shared_kv_layers, the per-layer input width, expert keys; rope_freqs (1 for the
+    rotated pairs, 1e30 for the rest); norms as they are; the hidden layers' K/V weights where the
+    checkpoint keeps them; F32 or Q8_0 matrices (experts too)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = with_global_keys(json.loads((folder / "config.json").read_text()), variant)
+    n, types = config["num_hidden_layers"], config["layer_types"]
+    slides = [t == "sliding_attention" for t in types]
+    shared = config["num_kv_shared_layers"]
+    writer = gguf.GGUFWriter(str(out), "gemma4")
+    writer.add_block_count(n)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    ff = config["intermediate_size"]
+    wide = config.get("use_double_wide_mlp")
+    writer.add_feed_forward_length([ff * (2 if wide and i >= n - shared else 1) for i in range(n)] if wide else ff)
+    writer.add_head_count(config["num_attention_heads"])
+    kv, global_kv = config["num_key_value_heads"], config.get("num_global_key_value_heads")
+    writer.add_head_count_kv([kv if s else global_kv for s in slides] if global_kv else kv)
+    writer.add_rope_freq_base(config["rope_parameters"]["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(config["rope_parameters"]["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("num_experts"):
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["top_k_experts"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    writer.add_sliding_window_pattern(slides)
+    global_dim = config["global_head_dim"]
+    writer.add_key_length(global_dim)
+    writer.add_value_length(global_dim)
+    writer.add_key_length_swa(config["head_dim"])
+    writer.add_value_length_swa(config["head_dim"])
+    writer.add_rope_dimension_count(global_dim)
+    writer.add_rope_dimension_count_swa(config["head_dim"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
+    writer.add_eos_token_id(2)
+    rotated = int(global_dim * config["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (global_dim // 2 - rotated), np.float32))
+    weights = load_file(str(folder / "model.safetensors"))
+    # the Hub's checkpoints keep (unused) K weights in the shared layers: the converter writes them too
+    weights[f"model.layers.{n - 1}.self_attn.k_proj.weight"] = np.zeros((global_dim, config["hidden_size"]), np.float32)
+    for name, data in weights.items():
+        data = data.astype(np.float32)
+        if quant == "Q8_0" and data.ndim >= 2 and data.shape[-1] % 32 == 0:  # (else the converter keeps F16/F32)
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_tensor_name(name), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def gguf_logits(path: Path, gguf_weights: str = "dequantize") -> tuple[np.ndarray, object]:
+    loaded = load_model(str(path), dtype="float32", gguf_weights=gguf_weights)
+    return np.array(loaded.model(mx.array([LONG_PROMPT]), loaded.model.make_cache())[0]), loaded
+
+
+def test_gguf_as_llama_cpp_writes_it_gives_the_safetensors_logits(built, tmp_path):
+    """transformers 5.25's GGUF loader maps few gemma4 keys (not the sliding head size, the layer
+    kinds, the shared layers nor the per-layer input width: its defaults stand in) and refuses the
+    per-layer arrays llama.cpp writes (feed_forward_length here: "expected int, got list"), so the
+    oracle is our load of the same weights from safetensors (and through it transformers)."""
+    pytest.importorskip("gguf")
+    path = write_converted_gguf(built["folder"], built["variant"], tmp_path / "f32.gguf")
+    got, loaded = gguf_logits(path)
+    args, expected = loaded.model.args, built["model"].args
+    assert loaded.info["arch"] == "gemma4_text" and not args.rope_traditional
+    for key in ("layer_types", "head_dims", "kv_heads", "kv_sources", "intermediate_sizes", "attention_k_eq_v", "rope"):
+        assert getattr(args, key) == getattr(expected, key), key
+    assert np.abs(got - built["logits"]).max() <= 1e-4
+    assert np.abs(got - built["reference_logits"]).max() <= 1e-3
+
+
+def test_q8_0_gguf_kept_quantized_agrees_with_its_dequantized_form(built, tmp_path):
+    pytest.importorskip("gguf")
+    path = write_converted_gguf(built["folder"], built["variant"], tmp_path / "q8.gguf", quant="Q8_0")
+    dense, _ = gguf_logits(path, "dequantize")
+    packed, loaded = gguf_logits(path, "quantized")
+    assert loaded.info["weights"] == "quantized"
+    layer = loaded.model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj, nn.QuantizedLinear)
+    if built["variant"] == "moe":
+        assert layer.experts.switch_glu.gate_up_proj.bits == 8
+    assert np.abs(dense - packed).max() <= 1e-3

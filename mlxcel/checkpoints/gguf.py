@@ -33,6 +33,12 @@ dropped here, and its router's e_score_correction_bias is exp_probs_b.bias.
 gpt-oss files (`gpt-oss`): the experts in ggml's MXFP4 blocks, which gguf_reader repacks as MLX's mxfp4
 layout bit for bit (kept packed: read_quantization gives nn.quantize the mode); the sinks as
 attn_sinks.weight; gate/up already de-interleaved by the converter.
+
+Gemma 4 files (`gemma4`): norms stored as they are (no 1 + w); key_length is the global layers' head
+size and key_length_swa the sliding ones'; head_count_kv and feed_forward_length may hold one value
+a layer; rope_freqs marks the global layers' rotated pairs (1) and the rest (1e30); a global layer
+without attn_v has keys that double as values; gate and up experts come as one tensor, the router's
+and experts' scales as `.scale` tensors (undo_gemma4_transforms).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ SUPPORTED_GGUF_ARCHS = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
     "phi3": "phi3",
     "qwen3moe": "qwen3_moe",
     "qwen35": "qwen3_5_text",
@@ -75,6 +82,7 @@ SUPPORTED_GGUF_ARCHS = {
 MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 SHARED_EXPERT_ARCHS = {"qwen35moe", "qwen3next"}  # a shared expert beside the routed ones
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+ARCH_EXPERT_TENSORS = {"gemma4": ("ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps")}  # gate and up as one tensor
 # files that run with interleaved RoPE: llama's and SmolLM3's (the converter permuted Q/K for them) and
 # GLM-4's (its own layout)
 INTERLEAVED_ROPE_ARCHS = {"llama", "glm4", "smollm3"}
@@ -176,6 +184,29 @@ _ARCH_TENSOR_NAMES["gpt-oss"] = {
     "attn_sinks.weight": "self_attn.sinks",
     "ffn_gate_inp": "mlp.router",
     **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
+}
+# Gemma 4: Gemma 2's four norms, the experts' three more, the per-layer input branch (inp_gate, proj,
+# post_norm) and its embeddings, the layer scalar; the router's scale and the per-expert scales are
+# `.scale` tensors beside the router's and the down experts' weights; gate and up experts one tensor
+# (split by undo_gemma4_transforms); rope_freqs (the global layers' rotated pairs) is read there too
+_ARCH_TENSOR_NAMES["gemma4"] = {
+    **_ARCH_TENSOR_NAMES["gemma2"],
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "layer_output_scale.weight": "layer_scalar",
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+    "rope_freqs.weight": "rope_freqs",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_down_exps": "experts.switch_glu.down_proj",
+    "ffn_down_exps.scale": "router.per_expert_scale",
 }
 # Nemotron-H: every block is a norm and one mixer (transformers' backbone.layers.N.mixer.*, renamed
 # by our family to mixer / self_attn / mlp by kind)
@@ -302,6 +333,8 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config["partial_rotary_factor"] = get("rope.dimension_count", head_dim) / head_dim
     if arch == "glm4moe":
         config.update(make_glm4moe_config(get, config, path))
+    if arch == "gemma4":
+        config.update(make_gemma4_config(get, config, path, tokens))
     return family, config
 
 
@@ -391,6 +424,65 @@ def make_olmo3_config(get, config: dict, path: Path) -> dict:
         "sliding_window": get("attention.sliding_window"),
         "layer_types": ["sliding_attention" if slide else "full_attention" for slide in slides],
         "rope_parameters": {"full_attention": full, "sliding_attention": sliding},
+    }
+
+
+def make_gemma4_config(get, config: dict, path: Path, tokens: list | None) -> dict:
+    """Gemma 4 as Gemma4Model.set_gguf_parameters writes it: key_length is the global layers' head
+    size, key_length_swa the sliding ones'; head_count_kv and feed_forward_length one value or one
+    a layer (the global layers' KV heads; the shared layers' double-wide MLPs); which layers slide
+    (a bool a layer), the shared layers' count, the per-layer input width (0: none), the experts.
+    The global layers' partial rotation, whether their keys double as values and the per-layer
+    vocabulary come from the tensors (undo_gemma4_transforms). Its turn ends at <turn|>, as
+    transformers' GGUF loader says (and at <|tool_response>)."""
+    n = config["num_hidden_layers"]
+    slides = read_per_layer(get("attention.sliding_window_pattern"), n, "gemma4.attention.sliding_window_pattern", path)
+    kv = read_per_layer(get("attention.head_count_kv"), n, "gemma4.attention.head_count_kv", path)
+    ff = read_per_layer(get("feed_forward_length"), n, "gemma4.feed_forward_length", path)
+    shared = get("attention.shared_kv_layers", 0, required=False) or 0
+    first_shared = n - shared
+    sliding_kv = {kv[i] for i in range(n) if slides[i]} or {kv[0]}
+    wide = {ff[i] for i in range(first_shared, n)}
+    if (
+        len(sliding_kv) > 1
+        or {ff[i] for i in range(first_shared)} - {ff[0]}
+        or wide - {ff[0], 2 * ff[0]}
+        or len(wide) > 1
+    ):
+        raise MlxcelError(
+            f"{path}: GGUF metadata gives sliding layers {sorted(sliding_kv)} KV heads and feed-forward widths {ff}: "
+            "Gemma 4 has one KV head count for its sliding layers and one width (doubled in the shared layers at most)"
+        )
+    global_dim = get("attention.key_length")
+    experts = get("expert_count", 0, required=False) or 0
+    eos = config["eos_token_id"]
+    ends = [list(tokens).index(t) for t in ("<turn|>", "<|tool_response>") if tokens is not None and t in tokens]
+    return {
+        "head_dim": get("attention.key_length_swa", global_dim, required=False),
+        "num_key_value_heads": sliding_kv.pop(),
+        "per_layer_config": {
+            str(i): {"head_dim": global_dim, "num_key_value_heads": kv[i]} for i in range(n) if not slides[i]
+        },
+        "layer_types": ["sliding_attention" if slide else "full_attention" for slide in slides],
+        "sliding_window": get("attention.sliding_window"),
+        "num_kv_shared_layers": shared,
+        "intermediate_size": ff[0],
+        "use_double_wide_mlp": wide == {2 * ff[0]},
+        "hidden_size_per_layer_input": get("embedding_length_per_layer_input", 0, required=False) or 0,
+        "vocab_size_per_layer_input": config["vocab_size"],
+        "final_logit_softcapping": get("final_logit_softcapping", None, required=False),
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "rope_theta": config["rope_theta"]},
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": get("rope.freq_base_swa", 10_000.0, required=False),
+            },
+        },
+        "enable_moe_block": bool(experts),
+        "num_experts": experts,
+        "top_k_experts": get("expert_used_count") if experts else 0,
+        "moe_intermediate_size": get("expert_feed_forward_length") if experts else 0,
+        "eos_token_id": ([eos] if isinstance(eos, int) else list(eos or [])) + ends,
     }
 
 
@@ -514,7 +606,7 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
             )
         return
     for layer in range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]):  # (GLM-4.5: dense first)
-        for base in EXPERT_TENSORS:
+        for base in ARCH_EXPERT_TENSORS.get(arch, EXPERT_TENSORS):
             name = f"blk.{layer}.{base}.weight"
             if name not in weights:
                 raise MlxcelError(f"{path}: MoE GGUF ('{arch}.expert_count' = {experts}) lacks tensor {name!r}")
@@ -527,7 +619,7 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
 
 def is_expert_tensor(name: str) -> bool:
     match = re.fullmatch(r"blk\.\d+\.(\w+)\.\w+", name)
-    return match is not None and match.group(1) in EXPERT_TENSORS
+    return match is not None and match.group(1) in (*EXPERT_TENSORS, *ARCH_EXPERT_TENSORS["gemma4"])
 
 
 def read_phi3_longrope(weights: dict[str, mx.array], metadata: dict[str, Any], config: dict) -> None:
@@ -572,7 +664,49 @@ def undo_converter_transforms(
         return undo_mamba2_transforms(weights)
     if arch in GLM_ARCHS:
         return undo_glm_transforms(weights, config)
+    if arch == "gemma4":
+        return undo_gemma4_transforms(weights, config, path)
     return weights
+
+
+def undo_gemma4_transforms(weights: dict[str, mx.array], config: dict, path: Path | None = None) -> dict[str, mx.array]:
+    """Gemma 4's norms are stored as they are (no 1 + w). rope_freqs gives the global layers'
+    rotation: 1 for a rotated pair, 1e30 (no rotation) for the rest; the global layers' keys are
+    their values where they have no attn_v; the per-layer vocabulary is its embedding's rows; gate
+    and up experts come as one tensor [E, 2I, H]; shared layers' own K/V weights (the Hub's
+    checkpoints keep them, unused) are dropped."""
+    freqs = weights.pop("rope_freqs", None)
+    global_dim = next((c["head_dim"] for c in config["per_layer_config"].values()), config["head_dim"])
+    if freqs is not None:
+        values = freqs.astype(mx.float32).tolist()
+        if len(values) != global_dim // 2 or any(v != 1.0 and v < 1e29 for v in values):
+            raise MlxcelError(
+                f"{path}: rope_freqs holds {len(values)} factors other than 1 and 1e30; Gemma 4's global layers "
+                f"take {global_dim // 2}, 1 for each rotated pair and 1e30 for the rest"
+            )
+        config["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 2 * values.count(1.0) / global_dim
+    full = [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"]
+    first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
+    owner = next((i for i in full if i < first_shared), None)
+    config["attention_k_eq_v"] = owner is not None and f"model.layers.{owner}.self_attn.v_proj.weight" not in weights
+    if "model.embed_tokens_per_layer.weight" in weights:
+        config["vocab_size_per_layer_input"] = weights["model.embed_tokens_per_layer.weight"].shape[0]
+    out = {}
+    for key, value in weights.items():
+        parts = key.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= first_shared and parts[3] == "self_attn":
+            if parts[4] in ("k_proj", "v_proj", "k_norm"):
+                continue
+        if ".experts.gate_up_proj." in key:
+            base, part = key.split(".experts.gate_up_proj.")
+            gate, up = mx.split(value, 2, axis=1)
+            out[f"{base}.experts.switch_glu.gate_proj.{part}"], out[f"{base}.experts.switch_glu.up_proj.{part}"] = (
+                gate,
+                up,
+            )
+            continue
+        out[key] = value
+    return out
 
 
 def undo_glm_transforms(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
@@ -730,7 +864,7 @@ def rename_gguf_weights(
     for name, value in weights.items():
         if arch in GLM_ARCHS and re.fullmatch(r"blk\.\d+\.nextn\.\w+\.\w+", name):
             continue  # a multi-token-prediction block's own tensors (undo_glm_transforms drops the rest of it)
-        match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)(?:\.(weight|bias|scales|biases))?", name)
+        match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)(?:\.(weight|bias|scales|biases|scale))?", name)
         layer, base, kind = match.groups() if match else (None, None, None)
         whole = f"{base}.{kind}" if kind else base
         if match is not None and whole in names:  # a whole tensor's name (ssm_a, ssm_dt.bias)

@@ -50,6 +50,8 @@ FAMILIES = {
     "olmo3": "olmo3",
     "smollm3": "smollm3",
     "gpt_oss": "gpt_oss",
+    "llama4_text": "llama4",
+    "llama4": "llama4",  # the vision-language folders: their language model (the tower not loaded)
     "glm4": "glm4",
     "glm4_moe": "glm4_moe",
     # hybrids: recurrent layers beside attention (models/recurrent.py)

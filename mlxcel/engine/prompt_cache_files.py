@@ -32,7 +32,7 @@ import numpy as np
 
 import mlxcel
 from mlxcel.engine.prompt_cache import Node, PromptCache
-from mlxcel.engine.scheduler import attention_module, layer_windows, recurrent_layers
+from mlxcel.engine.scheduler import attention_module, layer_chunks, layer_windows, recurrent_layers
 
 # per layer, (shape after the positions axis, dtype) of each array its cache stores (read_positions)
 Layout = list[list[tuple[tuple[int, ...], mx.Dtype]]]
@@ -72,13 +72,15 @@ def describe_model_key(path: Path, fingerprint: str, settings: dict) -> str:
 def describe_layout(model, dtype: str, kv_bits: int | None, kv_group_size: int) -> Layout:
     """What each layer's paged cache stores for a position (PagedKVCache / QuantizedPagedKVCache
     read_positions): keys and values [kv_heads, head_dim] in the model's dtype, or with `kv_bits`
-    in full-attention layers their quantized parts (packed, scales, biases each)."""
+    in full-attention layers their quantized parts (packed, scales, biases each). Nothing for a
+    chunked layer: it keeps a ring a row (describe_states)."""
     recurrent = recurrent_layers(model)
     if any(recurrent):  # a hybrid: one entry per cache (its attention layers are alike)
         attention = attention_module(model)
         layers = [None if is_recurrent else attention for is_recurrent in recurrent]
     else:
         layers = [layer.self_attn for layer in model.model.layers]
+    layers = [None if chunk is not None else attention for attention, chunk in zip(layers, layer_chunks(model))]
     plain = []
     for attention in layers:
         kv = [((attention.n_kv_heads, attention.head_dim), getattr(mx, dtype))] * 2 if attention else []
@@ -101,12 +103,21 @@ def describe_layout(model, dtype: str, kv_bits: int | None, kv_group_size: int) 
 
 def describe_states(model) -> Layout | None:
     """What a hybrid's recurrent layers keep after a prefix ([1, ...] arrays each, per cache entry;
-    [] for attention layers), from a one-token probe; None for a model without them."""
-    if not any(recurrent_layers(model)):
+    [] for attention layers), and a chunked layer's ring (its chunk of keys and values,
+    paged_window.py), from a one-token probe; None for a model without them."""
+    if not any(recurrent_layers(model)) and not any(c is not None for c in layer_chunks(model)):
         return None
     cache = model.make_cache(1)
     model(mx.array([[0]]), cache)
-    return [[(tuple(a.shape[1:]), a.dtype) for a in c.states] if hasattr(c, "states") else [] for c in cache]
+    return [describe_cache_states(c) for c in cache]
+
+
+def describe_cache_states(cache) -> list[tuple[tuple[int, ...], mx.Dtype]]:
+    if hasattr(cache, "states"):
+        return [(tuple(a.shape[1:]), a.dtype) for a in cache.states]
+    if getattr(cache, "chunk", None) is not None:  # keys, values [1, kv_heads, L, D] -> a ring [chunk, kv_heads, D]
+        return [((cache.chunk, a.shape[1], a.shape[3]), a.dtype) for a in (cache.keys, cache.values)]
+    return []
 
 
 def checksum_arrays(arrays: dict[str, mx.array]) -> str:

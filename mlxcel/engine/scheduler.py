@@ -38,7 +38,7 @@ from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
 from mlxcel.errors import MlxcelError
 from mlxcel.models import llama, paged_attention
-from mlxcel.models.cache import KVCache
+from mlxcel.models.cache import ChunkedKVCache, KVCache
 from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant, sliced_matmuls
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
 from mlxcel.models.recurrent import RecurrentCache
@@ -175,13 +175,19 @@ def supports_scheduling(model, request: GenerationRequest) -> bool:
     )
     if images and hasattr(model, "make_prefill_extras") and not known:
         return False  # per-token prefill inputs the scheduler does not know
-    return all(type(c) in (KVCache, RotatingKVCache, RecurrentCache) for c in model.make_cache(1))
+    return all(type(c) in (KVCache, RotatingKVCache, ChunkedKVCache, RecurrentCache) for c in model.make_cache(1))
 
 
 def layer_windows(model) -> list[int | None]:
     """Each cache entry's sliding window (None: full attention, or a recurrent layer), as the
     family's own caches say: one entry per layer that keeps something."""
     return [getattr(c, "window", None) for c in model.make_cache(1)]
+
+
+def layer_chunks(model) -> list[int | None]:
+    """Each cache entry's attention chunk (Llama 4's chunked layers; None: not chunked). Chunked
+    layers keep a ring of one chunk per row on every path (models/paged_window.py)."""
+    return [getattr(c, "chunk", None) for c in model.make_cache(1)]
 
 
 def recurrent_layers(model) -> list[bool]:
@@ -212,26 +218,30 @@ def uses_kernels(model) -> tuple[bool, bool]:
 def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int = 64, rings: bool = False) -> int:
     """Keys and values of one position in every attention layer: in the model's dtype, or with
     `kv_bits` packed with a scale and a bias per group in full-attention layers. `rings`: sliding
-    layers keep their window per row instead (ring_bytes_per_row), nothing per position."""
+    layers keep their window per row instead (ring_bytes_per_row), nothing per position; chunked
+    layers always do."""
     attention = attention_module(model)
     dtype_size = compute_dtype_size(model)
     dim = attention.head_dim
     full = dim * dtype_size
     quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
-    kinds = zip(layer_windows(model), recurrent_layers(model))
+    kinds = zip(layer_windows(model), layer_chunks(model), recurrent_layers(model))
     per_head = sum(
         full if window is not None else quantized
-        for window, recurrent in kinds
-        if not recurrent and not (rings and window is not None)
+        for window, chunk, recurrent in kinds
+        if not recurrent and chunk is None and not (rings and window is not None)
     )
     return 2 * attention.n_kv_heads * per_head
 
 
-def ring_bytes_per_row(model) -> int:
-    """Sliding layers' rings (models/paged_window.py): each layer's window of keys and values a row."""
+def ring_bytes_per_row(model, rings: bool = True) -> int:
+    """The rings' keys and values a row (models/paged_window.py): each chunked layer's chunk, and
+    with `rings` each sliding layer's window."""
     attention = attention_module(model)
     per_position = 2 * attention.n_kv_heads * attention.head_dim * compute_dtype_size(model)
-    return sum(window * per_position for window in layer_windows(model) if window is not None)
+    windows = [window for window in layer_windows(model) if window is not None and rings]
+    chunks = [chunk for chunk in layer_chunks(model) if chunk is not None]
+    return sum(windows + chunks) * per_position
 
 
 def compute_dtype_size(model) -> int:
@@ -335,7 +345,7 @@ class BatchScheduler:
         self.per_block = max(1, per_position * BLOCK_SIZE)  # (every layer a ring: blocks count positions only)
         # A row's fixed-size state (a hybrid's recurrent layers', sliding layers' rings) per row slot:
         # the slots' states come out of the budget first, for as many rows as fit with a block each.
-        self.state_bytes = state_bytes_per_row(self.model) + (ring_bytes_per_row(self.model) if rings else 0)
+        self.state_bytes = state_bytes_per_row(self.model) + ring_bytes_per_row(self.model, rings)
         self.slots = self.max_rows
         if self.state_bytes:
             self.slots = max(1, min(self.max_rows, self.kv_budget_bytes // (self.state_bytes + self.per_block)))
@@ -354,9 +364,9 @@ class BatchScheduler:
             num_blocks = min(num_blocks, count_blocks(OPEN_POOL_POSITIONS))
         positions = self.max_context + (request.tile_size or 0) + BLOCK_SIZE
         table = PageTable(num_blocks, self.slots, positions, *kernels, max_blocks=most, invariant=self.batch_invariant)
-        windows = layer_windows(self.model)
+        windows, recurrent, chunks = layer_windows(self.model), recurrent_layers(self.model), layer_chunks(self.model)
         caches = make_paged_caches(
-            len(windows), table, windows, request.kv_bits, request.kv_group_size, recurrent_layers(self.model), rings
+            len(windows), table, windows, request.kv_bits, request.kv_group_size, recurrent, rings, chunks
         )
         # rows keep a fixed-size state: pieces end where they share a prefix, so the prompt cache records it there
         self.hybrid = any(hasattr(c, "row_states") for c in caches)
@@ -767,8 +777,10 @@ class BatchScheduler:
 
     def tile_size(self, request: GenerationRequest) -> int | None:
         """The request's tile, where the model's pieces may be padded: a padding token would
-        advance a recurrent layer's state, so a hybrid's pieces are never padded."""
-        return request.tile_size if getattr(self.model, "supports_padded_prefill", True) else None
+        advance a recurrent layer's state, or overwrite a ring's positions that the row's next
+        queries still see (sliding and chunked rings), so then pieces are never padded."""
+        padded = getattr(self.model, "supports_padded_prefill", True) and not self.hybrid
+        return request.tile_size if padded else None
 
     def plan_piece(self, row: Row, budget: int, request: GenerationRequest) -> tuple[int, int, int]:
         """(start, end, pad) of the row's next piece of at most `budget` tokens; end == start when

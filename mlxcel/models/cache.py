@@ -11,6 +11,7 @@ copies. Past the plan it grows in steps of `GROW_STEP` slots: one copy per step,
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 GROW_STEP = 256
 PLAN_LIMIT = 4096  # generated tokens preallocated for; a longer generation grows past it
@@ -114,3 +115,47 @@ def make_attention_mask(length: int, cache: KVCache | None) -> mx.array | str | 
         is_self = (key_pos[None, :] == query_pos[:, None])[None, None]  # [1, 1, L, S]
         mask = mask[None, None] & (visible | is_self)  # [B, 1, L, S]
     return mask
+
+
+class ChunkedKVCache(KVCache):
+    """A chunked-attention layer's cache (Llama 4): a query at position p sees the keys from its
+    chunk's start, floor(p / chunk) * chunk, to itself. Every position is kept, as in KVCache (the
+    scheduler's paged path keeps one chunk a row: models/paged_window.py); a call reads from the
+    earliest chunk start of its rows' first queries on, so a decode step attends to at most one
+    chunk of keys and needs no mask when its rows are not padded (make_chunk_mask)."""
+
+    def __init__(self, chunk: int, batch_size: int = 1, left_pad: mx.array | None = None):
+        super().__init__(batch_size, left_pad)
+        self.chunk = chunk
+        # each row's padding on the host: where its chunks start, without reading the device
+        self.pads = [0] if left_pad is None else np.array(left_pad).tolist()
+
+    def first_key(self) -> int:
+        """Slot of the first key the next call attends to (its rows' earliest chunk start)."""
+        return max(0, min(pad + (self.offset - pad) // self.chunk * self.chunk for pad in self.pads))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        first = self.first_key()
+        keys, values = super().update_and_fetch(keys, values)
+        return (keys, values) if first == 0 else (keys[..., first:, :], values[..., first:, :])
+
+
+def make_chunk_mask(length: int, cache: ChunkedKVCache) -> mx.array | str | None:
+    """Mask for `length` new queries against what `cache.update_and_fetch` will return: causal,
+    each query's chunk only (chunks counted from each row's first real token, as transformers'
+    chunked mask counts them past left padding), padding hidden as in make_attention_mask."""
+    chunk, offset, first = cache.chunk, cache.offset, cache.first_key()
+    end = offset + length
+    if cache.left_pad is None:
+        if length == 1 or end <= first + chunk:  # every query in the chunk of the first key
+            return None if length == 1 else "causal"
+        key_pos = mx.arange(first, end)
+        query_pos = mx.arange(offset, end)[:, None]
+        return (key_pos[None, :] <= query_pos) & (key_pos[None, :] // chunk == query_pos // chunk)  # [L, S]
+    pad = cache.left_pad[:, None, None]
+    slots = mx.arange(first, end)[None, None, :]  # [1, 1, S]
+    queries = mx.arange(offset, end)[None, :, None]  # [1, L, 1]
+    same_chunk = (slots - pad) // chunk == (queries - pad) // chunk  # [B, L, S]
+    # As make_attention_mask: padding keys hidden, a padding query still sees itself (no empty row).
+    mask = ((slots <= queries) & same_chunk & (slots >= pad)) | (slots == queries)
+    return mask[:, None]  # [B, 1, L, S]

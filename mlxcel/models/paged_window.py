@@ -15,6 +15,13 @@ keys with a mask that gives each query its window, then writes its last `window`
 Plain MLX (CPU, Metal). Where the CUDA kernels write the pool in place and read it in decode,
 sliding layers stay in the shared pool (their kernel starts at each row's window), as in
 batch-invariant mode, where every row must meet the kernels it meets alone.
+
+Chunk mode (`chunked`: Llama 4's chunked attention, `window` = the chunk size C): a query at
+position p sees the keys from its chunk's start, floor(p / C) * C, to itself, never more than C
+positions back, so the same ring of C positions holds them; only the mask differs. Chunked layers
+take the ring on every path (the kernels have no chunk mode; the ring is plain MLX beside them).
+In batch-invariant mode on a GPU a decode step attends each row's ring in a call of its own
+(RingRows), whose shape is the row's alone.
 """
 
 from __future__ import annotations
@@ -22,22 +29,29 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.models import invariant
+from mlxcel.models.paged_cache import PagedMask
+
 
 class PagedWindowCache:
-    def __init__(self, table, window: int):
+    def __init__(self, table, window: int, chunked: bool = False):
         self.table = table  # paged_cache.PageTable: the step's slots, starts, leads
         self.window = window
+        self.chunk = window if chunked else None  # chunk mode: a query sees its chunk only
         self.keys: mx.array | None = None  # [slots * window, kv_heads, head_dim]
         self.values: mx.array | None = None
 
     def rope_offset(self) -> int | mx.array:
         return self.table.step.rope_offset
 
-    def attention_mask(self, length: int) -> mx.array:
+    def attention_mask(self, length: int) -> mx.array | PagedMask:
         step = self.table.step
-        key = ("ring", self.window)
+        key = ("ring", self.window, self.chunk)
         if key not in step.masks:
-            step.masks[key] = mx.array(ring_mask(step, self.window))
+            mask = mx.array(ring_mask(step, self.window, self.chunk is not None))
+            # batch-invariant on a GPU: a row's attention must not depend on the batch's shape
+            per_row = step.invariant and step.new_tokens == 1 and invariant.pads_matmuls()
+            step.masks[key] = RingRows(mask) if per_row else mask
         return step.masks[key]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -101,18 +115,23 @@ def ring_writes(step, window: int) -> tuple[mx.array, mx.array]:
     return mx.array(np.concatenate(index).astype(np.int32)), mx.array(np.concatenate(own).astype(np.int32))
 
 
-def ring_mask(step, window: int) -> np.ndarray:
+def ring_mask(step, window: int, chunked: bool = False) -> np.ndarray:
     """[B, 1, L, S] which keys each query sees. A decode step's keys are the row's ring (S =
     window): slot j holds the latest position below the row's end that is j modulo the window,
     seen if the row has reached it. A piece's keys are the ring before it (S = window + L), then
     its own tokens; a query sees positions in (its own - window, its own]; a lead sees what the
-    row's first token sees (its output is dropped; an empty row of the softmax would be NaN)."""
+    row's first token sees (its output is dropped; an empty row of the softmax would be NaN).
+    `chunked`: a query sees its chunk's positions only (window = the chunk: floor(p / window)
+    * window up to p, never more than `window` back)."""
     L, starts, leads = step.new_tokens, step.starts, step.leads
     ring = np.arange(window)[None, :]
     if L == 1 and not leads.any():
         ends = starts + 1
         held = ends[:, None] - 1 - ((ends[:, None] - 1 - ring) % window)  # [B, W]
-        return (held >= 0)[:, None, None, :]
+        seen = held >= 0
+        if chunked:  # (the row's newest position, its query, is ends - 1)
+            seen &= held // window == (ends[:, None] - 1) // window
+        return seen[:, None, None, :]
     query = starts[:, None] + np.maximum(np.arange(L)[None, :] - leads[:, None], 0)  # [B, L] positions
     before = starts[:, None] - 1 - ((starts[:, None] - 1 - ring) % window)  # [B, W]: the ring's positions
     before = np.where(starts[:, None] > 0, before, -1)
@@ -121,4 +140,27 @@ def ring_mask(step, window: int) -> np.ndarray:
     keys = np.concatenate([before, own], axis=1)[:, None, :]  # [B, 1, S]
     q = query[:, :, None]
     seen = (keys >= 0) & (keys <= q) & (keys > q - window)
+    if chunked:
+        seen &= keys // window == q // window
     return seen[:, None]  # [B, 1, L, S]
+
+
+class RingRows(PagedMask):
+    """Batch-invariant decode attention over the rings: each row's query attends to its own ring
+    (all `window` slots, its mask hiding the ones it does not see) in a call of its own, as
+    paged_cache.PagedRows does for the shared pool."""
+
+    def __init__(self, mask: mx.array):
+        self.mask = mask  # [B, 1, 1, window]
+
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, scale: float, dense=None, sinks: mx.array | None = None
+    ) -> mx.array:
+        outs = []
+        for b in range(q.shape[0]):
+            qb, kb, vb, mask = q[b : b + 1], k[b : b + 1], v[b : b + 1], self.mask[b : b + 1]
+            if dense is not None:
+                outs.append(dense(qb, kb, vb, mask))
+            else:
+                outs.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale, mask=mask, sinks=sinks))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)

@@ -423,7 +423,7 @@ def test_a_bare_prompt_in_a_multirun(stub_runner, monkeypatch):
         (
             ["model=/tmp/x.gguf"],
             "model: '/tmp/x.gguf' is a path, not a model preset: give it as model.path=/tmp/x.gguf (presets: base, "
-            "gemma, gemma2, gemma3, gemma4, glm4, glm4_moe, gpt_oss, hf, idefics3, llava, llava_next, mistral, "
+            "gemma, gemma2, gemma3, gemma4, glm4, glm4_moe, gpt_oss, hf, idefics3, llama4, llava, llava_next, mistral, "
             "mistral3, "
             "mixtral, nemotron_h, olmo2, olmo3, phi3, "
             "phi4_multimodal, qwen2_5_vl, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm2, "

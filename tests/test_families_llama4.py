@@ -206,6 +206,18 @@ def test_left_padded_batch_rows_match_alone(model):
     assert_batch_rows_match_alone(model, [LONG_PROMPT, PROMPT[5:28], PROMPT[:9], PROMPT[:21]])
 
 
+@pytest.mark.parametrize(
+    "prompts", [[LONG_PROMPT], [LONG_PROMPT, PROMPT[5:28], PROMPT[:9]]], ids=["batch1", "left_padded"]
+)
+def test_the_segmented_decode_step_gives_the_eager_logits(model, prompts):
+    """The GPU's decode step compiled between attentions (here on the CPU): the NoPE layer's
+    temperature from the position array, the chunks' keys from each row's chunk start."""
+    from tests.test_segmented_decode import decode_both_ways
+
+    worst, eager_ids, segmented_ids = decode_both_ways(model, prompts)
+    assert worst <= 1e-4 and segmented_ids == eager_ids
+
+
 @pytest.fixture(scope="module")
 def scheduler_expected(parity) -> list[list[int]]:
     others = [reference_greedy(parity["reference"], p, GREEDY_TOKENS) for p in SCHEDULER_PROMPTS[1:]]

@@ -348,3 +348,21 @@ def test_a_prompt_cache_folder_keeps_the_chunked_layers_rings(checkpoint, tmp_pa
     assert all(r["cached_tokens"] > 0 for r in second[1])  # every row adopted its prompt from the disk
     names = [name for path in cache_dir.rglob("*.safetensors") for name in mx.load(str(path))]
     assert {"0.s0", "0.s1", "3.0", "3.1"} <= set(names) and "0.0" not in names  # rings as states, layer 3 per position
+
+
+def test_the_api_and_the_server_give_each_row_its_own_tokens(checkpoint, tmp_path):
+    """tests/test_new_families_paths.py's checks on this checkpoint: through the Python API (the
+    prompt cache on) a batch and a conversation give each row its own tokens and a JSON-schema row
+    answers in its schema; the server's chat completion is the API's answer."""
+    from mlxcel import load_generator
+    from tests import test_new_families_paths as paths
+    from tests.serve_fixtures import request_json, running_server
+
+    paths.test_the_api_gives_each_row_its_own_tokens_and_a_schema_row_its_schema(checkpoint)
+    overrides = paths.OVERRIDES
+    expected = load_generator({"model": {"path": str(checkpoint)}}, overrides=overrides).generate(paths.CONVERSATION)
+    with running_server(tmp_path / "run", f"model.path={checkpoint}", *overrides, "serve.model_name=m") as server:
+        message = {"model": "m", "messages": paths.CONVERSATION}
+        status, body, _ = request_json(f"{server.url}/chat/completions", message)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == expected.text

@@ -366,3 +366,141 @@ def test_the_api_and_the_server_give_each_row_its_own_tokens(checkpoint, tmp_pat
         status, body, _ = request_json(f"{server.url}/chat/completions", message)
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == expected.text
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def write_converted_gguf(folder: Path, out: Path, quant: str = "F32") -> Path:
+    """As convert_hf_to_gguf.py's Llama4Model writes it: feed_forward_length the dense width and
+    expert_feed_forward_length the experts', interleave_moe_layer_step, no chunk or NoPE key (llama.cpp's
+    literals), Q/K as transformers keeps them, experts' gate_up split and transposed, llama3 scaling as
+    rope_freqs (LlamaModel.generate_extra_tensors); F32, or Q8_0 matrices and experts."""
+    import math
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    rope, head_dim = config["rope_parameters"], config["head_dim"]
+    writer = gguf.GGUFWriter(str(out), "llama4")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size_mlp"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama4")
+    writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
+    writer.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA4, config["num_hidden_layers"])
+    tensors = {}
+    for name, data in load_file(str(folder / "model.safetensors")).items():
+        data = data.astype(np.float32)
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = np.split(data.swapaxes(-1, -2), 2, axis=-2)
+            tensors[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            tensors[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("experts.down_proj"):
+            tensors[f"{name}.weight"] = data.swapaxes(-1, -2)
+        else:
+            tensors[name] = data
+    if rope.get("rope_type") == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        original = rope["original_max_position_embeddings"]
+        factors = []
+        for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim):
+            wavelen = 2 * math.pi / freq
+            if wavelen < original / high:
+                factors.append(1.0)
+            elif wavelen > original / low:
+                factors.append(factor)
+            else:
+                smooth = (original / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    for name, data in tensors.items():
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if quant == "Q8_0" and data.ndim >= 2:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(target, gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def released_shape(tmp_path_factory) -> dict:
+    """A checkpoint with what llama.cpp hard-codes (8192-token chunks, floor_scale 8192, attn_scale
+    0.1, NoPE every fourth layer) and llama3 RoPE scaling, checked against transformers."""
+    constants = {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1, "rope_parameters": LLAMA3_ROPE}
+    folder = write_llama4(tmp_path_factory.mktemp("llama4_gguf"), seed=7, **constants)
+    return check_parity(measure_parity(folder, LONG_PROMPT))
+
+
+def test_gguf_as_llama_cpp_writes_it_gives_the_safetensors_logits(released_shape, tmp_path):
+    """transformers 5.25 reads no llama4 GGUF: the oracle is our load of the same safetensors
+    (which matches transformers, above); Q8_0 kept packed equals its dequantized load."""
+    folder, expected = released_shape["folder"], released_shape["logits"]
+    loaded = load_model(str(write_converted_gguf(folder, tmp_path / "f32.gguf")), dtype="float32")
+    args = loaded.model.args
+    assert args.rope_layers == [True, True, True, False] and args.moe_layers == [1, 3] and args.use_qk_norm
+    assert layer_chunks(loaded.model) == [8192, 8192, 8192, None] and len(args.rope_factors) == 16
+    got = np.array(loaded.model(mx.array([LONG_PROMPT]), loaded.model.make_cache())[0])
+    assert np.abs(got - expected).max() <= 1e-4
+    quantized = write_converted_gguf(folder, tmp_path / "q8.gguf", quant="Q8_0")
+    packed = load_model(str(quantized), dtype="float32", gguf_weights="quantized")
+    dense = load_model(str(quantized), dtype="float32", gguf_weights="dequantize")
+    assert packed.info["weights"] == "quantized"
+    logits = [np.array(m.model(mx.array([LONG_PROMPT]), m.model.make_cache())[0]) for m in (packed, dense)]
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-3
+
+
+def test_a_gguf_without_chunked_attention_is_refused(tmp_path):
+    """attention.sliding_window 0 (the converter writes it for MobileLLM: llama.cpp then runs no
+    chunks and another NoPE pattern) is refused, not run as Llama 4."""
+    from mlxcel.checkpoints.gguf import make_config_from_gguf
+
+    metadata = {
+        "general.architecture": "llama4",
+        "llama4.embedding_length": 64,
+        "llama4.block_count": 4,
+        "llama4.attention.head_count": 4,
+        "llama4.feed_forward_length": 96,
+        "llama4.vocab_size": 320,
+        "llama4.attention.sliding_window": 0,
+    }
+    with pytest.raises(MlxcelError, match="without chunked attention .* not supported"):
+        make_config_from_gguf(metadata, tmp_path / "mobile.gguf")
+
+
+def test_gguf_tokenizer_pre_llama4_splits_as_o200k(tmp_path):
+    """Llama 4 files say tokenizer.ggml.pre = "llama4", which llama.cpp splits as GPT4O (o200k's
+    regex): words split where the case changes, contractions kept on their word, digits in threes."""
+    from mlxcel.tokenizer.gguf import make_byte_level_bpe
+
+    tokenizer = make_byte_level_bpe(["a"], [1], [], "llama4", tmp_path / "t.gguf")
+    split = tokenizer.pre_tokenizer.pre_tokenize_str("HelloWORLD don't 12345")
+    assert [tokenizer.decoder.decode([piece]) for piece, _ in split] == ["Hello", "WORLD", " don't", " ", "123", "45"]

@@ -76,6 +76,7 @@ SUPPORTED_GGUF_ARCHS = {
     "smollm3": "smollm3",
     "glm4": "glm4",
     "glm4moe": "glm4_moe",
+    "llama4": "llama4_text",
 }
 # Architectures whose files may carry experts -> the MoE family they load as (llama with
 # expert_count > 0 is Mixtral; without it, dense llama)
@@ -83,9 +84,9 @@ MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3
 SHARED_EXPERT_ARCHS = {"qwen35moe", "qwen3next"}  # a shared expert beside the routed ones
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 ARCH_EXPERT_TENSORS = {"gemma4": ("ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps")}  # gate and up as one tensor
-# files that run with interleaved RoPE: llama's and SmolLM3's (the converter permuted Q/K for them) and
-# GLM-4's (its own layout)
-INTERLEAVED_ROPE_ARCHS = {"llama", "glm4", "smollm3"}
+# files that run with interleaved RoPE: llama's and SmolLM3's (the converter permuted Q/K for them),
+# GLM-4's and Llama 4's (their own layout)
+INTERLEAVED_ROPE_ARCHS = {"llama", "glm4", "smollm3", "llama4"}
 GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
 GATED_DELTA_ARCHS = {"qwen35", "qwen35moe", "qwen3next"}  # linear-attention layers (ssm_* tensors, ssm.* keys)
 TILED_VALUE_HEAD_ARCHS = {"qwen35", "qwen35moe"}  # _LinearAttentionVReorderBase's converters
@@ -207,6 +208,15 @@ _ARCH_TENSOR_NAMES["gemma4"] = {
     "ffn_gate_up_exps": "experts.gate_up_proj",
     "ffn_down_exps": "experts.switch_glu.down_proj",
     "ffn_down_exps.scale": "router.per_expert_scale",
+}
+# Llama 4: the feed-forward block is `feed_forward` (dense, or router + experts + shared expert);
+# rope_freqs (llama3 scaling's per-pair factors) is read by undo_llama4_transforms
+_ARCH_TENSOR_NAMES["llama4"] = {
+    **{f"ffn_{p}": f"feed_forward.{p}_proj" for p in ("gate", "up", "down")},
+    "ffn_gate_inp": "feed_forward.router",
+    **{f"ffn_{p}_exps": f"feed_forward.experts.{p}_proj" for p in ("gate", "up", "down")},
+    **{f"ffn_{p}_shexp": f"feed_forward.shared_expert.{p}_proj" for p in ("gate", "up", "down")},
+    "rope_freqs.weight": "rope_freqs",
 }
 # Nemotron-H: every block is a norm and one mixer (transformers' backbone.layers.N.mixer.*, renamed
 # by our family to mixer / self_attn / mlp by kind)
@@ -335,6 +345,8 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config.update(make_glm4moe_config(get, config, path))
     if arch == "gemma4":
         config.update(make_gemma4_config(get, config, path, tokens))
+    if arch == "llama4":
+        config.update(make_llama4_config(get, config, path))
     return family, config
 
 
@@ -486,6 +498,35 @@ def make_gemma4_config(get, config: dict, path: Path, tokens: list | None) -> di
     }
 
 
+def make_llama4_config(get, config: dict, path: Path) -> dict:
+    """Llama 4 as llama.cpp runs its files: feed_forward_length is the dense layers' width (the
+    converter swaps it with the experts'), MoE every interleave_moe_layer_step-th layer, and what
+    the file does not say, llama.cpp's literals: 8192-token chunks on three layers in four, the
+    fourth NoPE with temperature tuning (floor 8192, scale 0.1), QK norm but for the 128-expert
+    model (Maverick)."""
+    if get("attention.sliding_window", None, required=False) == 0:
+        raise MlxcelError(
+            f"{path}: a llama4 GGUF without chunked attention (attention.sliding_window 0: MobileLLM) is not "
+            "supported; give its HF folder as model.path"
+        )
+    experts = get("expert_count", 0, required=False) or 0
+    step = get("interleave_moe_layer_step")
+    layers = config["num_hidden_layers"]
+    return {
+        "intermediate_size_mlp": config["intermediate_size"],
+        "intermediate_size": get("expert_feed_forward_length"),
+        "num_local_experts": experts,
+        "num_experts_per_tok": get("expert_used_count", 1, required=False),
+        "moe_layers": [i for i in range(layers) if step > 0 and (i + 1) % step == 0] if experts else [],
+        "attention_chunk_size": 8192,
+        "no_rope_layer_interval": 4,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "use_qk_norm": experts != 128,
+    }
+
+
 def make_gemma_config(arch: str, get, config: dict) -> dict:
     """Gemma 2/3 keys llama.cpp writes, and the ones it derives instead of storing."""
     # llama.cpp: queries scaled by 1/sqrt(hidden / heads) on the 27B models, else 1/sqrt(head_dim)
@@ -605,7 +646,8 @@ def check_expert_tensors(weights: dict[str, mx.array], config: dict, arch: str, 
                 f"'{arch}.expert_count'"
             )
         return
-    for layer in range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]):  # (GLM-4.5: dense first)
+    layers = range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"])  # (GLM-4.5: dense first)
+    for layer in config.get("moe_layers", layers):  # (Llama 4: MoE interleaved with dense layers)
         for base in ARCH_EXPERT_TENSORS.get(arch, EXPERT_TENSORS):
             name = f"blk.{layer}.{base}.weight"
             if name not in weights:
@@ -666,6 +708,10 @@ def undo_converter_transforms(
         return undo_glm_transforms(weights, config)
     if arch == "gemma4":
         return undo_gemma4_transforms(weights, config, path)
+    if arch == "llama4":
+        freqs = weights.pop("rope_freqs", None)  # llama3 scaling: each rotated pair's wavelength factor
+        if freqs is not None:
+            config["rope_factors"] = freqs.astype(mx.float32).tolist()
     return weights
 
 

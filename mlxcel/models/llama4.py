@@ -26,7 +26,7 @@ from mlx import nn
 
 from mlxcel.errors import MlxcelError
 from mlxcel.models import llama
-from mlxcel.models.base import read_rope_theta
+from mlxcel.models.base import RoPE, read_rope_theta
 from mlxcel.models.cache import ChunkedKVCache, KVCache, make_attention_mask, make_chunk_mask
 from mlxcel.models.smollm3 import NoRoPE
 from mlxcel.models.switch import SwitchGLU
@@ -69,6 +69,7 @@ class ModelArgs(llama.ModelArgs):
     attn_temperature_tuning: bool = True
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
+    rope_factors: list[float] | None = None  # (GGUF: llama3 scaling as llama.cpp's per-pair factors)
 
     @classmethod
     def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
@@ -108,6 +109,7 @@ class ModelArgs(llama.ModelArgs):
             "attn_temperature_tuning": bool(config.get("attn_temperature_tuning", True)),
             "floor_scale": float(config.get("floor_scale", 8192)),
             "attn_scale": float(config.get("attn_scale", 0.1)),
+            "rope_factors": config.get("rope_factors"),
         }
         return super().from_config(config, **{**values, **overrides})
 
@@ -127,12 +129,26 @@ def normalize_config(config: dict) -> dict:
     return text_config(config)
 
 
+class FactoredRoPE(RoPE):
+    """Interleaved RoPE whose pair i turns `factors[i]` times slower (llama.cpp's rope_freqs: how
+    its GGUF files carry llama3 scaling)."""
+
+    def __init__(self, dims: int, base: float, factors: list[float]):
+        super().__init__(dims, base, traditional=True)
+        if len(factors) != dims // 2:
+            raise MlxcelError(f"rope_freqs holds {len(factors)} factors for a head of {dims} (expected {dims // 2})")
+        self._freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) * mx.array(factors, dtype=mx.float32)
+        self.base = None
+
+
 class Attention(llama.Attention):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(args)
         use_rope = args.rope_layers[layer]
         if not use_rope:
             self.rope = NoRoPE()
+        elif args.rope_factors is not None:
+            self.rope = FactoredRoPE(self.head_dim, args.rope_theta, args.rope_factors)
         self.qk_norm_eps = args.rms_norm_eps if use_rope and args.use_qk_norm else None
         # NoPE layers: each query scaled by a factor that grows with its position
         tuned = args.attn_temperature_tuning and not use_rope

@@ -58,6 +58,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "deepseek-r1-qwen": (_QWEN2,),
     "megrez": (_QWEN2,),
     "gpt-4o": (_O200K,),  # llama.cpp's GPT4O: the original tokenizer.json regex
+    "llama4": (_O200K,),  # (llama.cpp splits Llama 4's as GPT4O)
     "glm4": (_LLAMA3,),  # llama.cpp's CHATGLM4: Llama 3's split, no BOS by default, merges applied
     "chatglm-bpe": (_LLAMA3,),
 }

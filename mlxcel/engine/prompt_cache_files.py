@@ -32,7 +32,7 @@ import numpy as np
 
 import mlxcel
 from mlxcel.engine.prompt_cache import Node, PromptCache
-from mlxcel.engine.scheduler import attention_module, layer_chunks, layer_windows, recurrent_layers
+from mlxcel.engine.scheduler import cache_attentions, layer_chunks, layer_windows, recurrent_layers
 
 # per layer, (shape after the positions axis, dtype) of each array its cache stores (read_positions)
 Layout = list[list[tuple[tuple[int, ...], mx.Dtype]]]
@@ -74,13 +74,8 @@ def describe_layout(model, dtype: str, kv_bits: int | None, kv_group_size: int) 
     read_positions): keys and values [kv_heads, head_dim] in the model's dtype, or with `kv_bits`
     in full-attention layers their quantized parts (packed, scales, biases each). Nothing for a
     chunked layer: it keeps a ring a row (describe_states)."""
-    recurrent = recurrent_layers(model)
-    if any(recurrent):  # a hybrid: one entry per cache (its attention layers are alike)
-        attention = attention_module(model)
-        layers = [None if is_recurrent else attention for is_recurrent in recurrent]
-    else:
-        layers = [layer.self_attn for layer in model.model.layers]
-    layers = [None if chunk is not None else attention for attention, chunk in zip(layers, layer_chunks(model))]
+    # one per cache entry; None: a recurrent layer
+    layers = [None if chunk is not None else a for a, chunk in zip(cache_attentions(model), layer_chunks(model))]
     plain = []
     for attention in layers:
         kv = [((attention.n_kv_heads, attention.head_dim), getattr(mx, dtype))] * 2 if attention else []

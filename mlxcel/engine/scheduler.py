@@ -205,13 +205,26 @@ def attention_module(model):
     return next(layer.self_attn for layer in model.model.layers if "self_attn" in layer)
 
 
+def cache_attentions(model) -> list:
+    """Each cache entry's attention module (None for a recurrent entry): a family whose entries
+    are not one per layer, or whose layers' heads differ (Gemma 4's sliding and global layers),
+    names them itself (`cache_attentions`)."""
+    if hasattr(model, "cache_attentions"):
+        return model.cache_attentions()
+    recurrent, layers = recurrent_layers(model), model.model.layers
+    if len(layers) == len(recurrent):
+        return [None if r else layer.self_attn for layer, r in zip(layers, recurrent)]
+    attention = attention_module(model)  # (entries for some blocks only: their attentions are alike)
+    return [None if r else attention for r in recurrent]
+
+
 def uses_kernels(model) -> tuple[bool, bool]:
     """(pool writes in place, decode attention in place): the paged kernels where they run
-    (paged_attention.is_available); the decode kernel also needs llama's attend, which hands a
-    PagedDecode mask to it, and takes no attention sinks."""
-    attention = attention_module(model)
-    in_place = paged_attention.is_available(attention.head_dim)
-    plain_attend = type(attention).attend is llama.Attention.attend and "sinks" not in attention
+    (paged_attention.is_available, for every attention layer's head size); the decode kernel also
+    needs llama's attend, which hands a PagedDecode mask to it, and takes no attention sinks."""
+    attentions = [a for a in cache_attentions(model) if a is not None]
+    in_place = all(paged_attention.is_available(a.head_dim) for a in attentions)
+    plain_attend = all(type(a).attend is llama.Attention.attend and "sinks" not in a for a in attentions)
     return in_place, in_place and plain_attend
 
 
@@ -220,28 +233,27 @@ def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int 
     `kv_bits` packed with a scale and a bias per group in full-attention layers. `rings`: sliding
     layers keep their window per row instead (ring_bytes_per_row), nothing per position; chunked
     layers always do."""
-    attention = attention_module(model)
     dtype_size = compute_dtype_size(model)
-    dim = attention.head_dim
-    full = dim * dtype_size
-    quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
-    kinds = zip(layer_windows(model), layer_chunks(model), recurrent_layers(model))
-    per_head = sum(
-        full if window is not None else quantized
-        for window, chunk, recurrent in kinds
-        if not recurrent and chunk is None and not (rings and window is not None)
-    )
-    return 2 * attention.n_kv_heads * per_head
+    total = 0
+    for attention, window, chunk in zip(cache_attentions(model), layer_windows(model), layer_chunks(model)):
+        if attention is None or chunk is not None or (rings and window is not None):
+            continue
+        dim = attention.head_dim
+        full = dim * dtype_size
+        quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
+        total += 2 * attention.n_kv_heads * (full if window is not None else quantized)
+    return total
 
 
 def ring_bytes_per_row(model, rings: bool = True) -> int:
     """The rings' keys and values a row (models/paged_window.py): each chunked layer's chunk, and
     with `rings` each sliding layer's window."""
-    attention = attention_module(model)
-    per_position = 2 * attention.n_kv_heads * attention.head_dim * compute_dtype_size(model)
-    windows = [window for window in layer_windows(model) if window is not None and rings]
-    chunks = [chunk for chunk in layer_chunks(model) if chunk is not None]
-    return sum(windows + chunks) * per_position
+    total = 0
+    for attention, window, chunk in zip(cache_attentions(model), layer_windows(model), layer_chunks(model)):
+        positions = chunk if chunk is not None else window if rings and window is not None else 0
+        if attention is not None and positions:
+            total += positions * 2 * attention.n_kv_heads * attention.head_dim * compute_dtype_size(model)
+    return total
 
 
 def compute_dtype_size(model) -> int:

@@ -20,6 +20,7 @@ from mlxcel.bench.checkpoints import (
     HYBRID_TYPES,
     RANDOM_SHAPES,
     build_random_checkpoint,
+    list_gemma4_layer_types,
     list_hybrid_layer_types,
     list_weight_shapes,
     prepare_checkpoint,
@@ -43,7 +44,10 @@ HYBRID_SHAPES = [name for name, shape in RANDOM_SHAPES.items() if shape["model_t
 TRANSFORMERS_CLASSES = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
+ATTENTION_SHAPES = ["gpt-oss-small", "gemma4-e2b-small"]  # issue 41's: sinks, windows, MXFP4 experts, PLE, shared KV
 
 
 def shrink_hybrid_shape(name: str) -> dict:
@@ -78,6 +82,57 @@ def build_tiny_hybrid(name: str, folder, dtype=mx.float32):
     if importlib.util.find_spec(f"mlxcel.models.{family}") is None:
         pytest.skip(f"mlxcel has no {family} family yet (mlxcel/models/{family}.py)")
     return build_random_checkpoint(folder, shrink_hybrid_shape(name), dtype)
+
+
+def shrink_attention_shape(name: str) -> dict:
+    """An issue-41 bench shape at a test's scale: its layout, layer order and options, a few dims wide
+    (windows of 8 under the tests' longer prompts; gpt-oss 4 experts, 2 per token, still MXFP4)."""
+    shape = copy.deepcopy(RANDOM_SHAPES[name])
+    if shape["model_type"] == "gpt_oss":
+        shape.update(
+            hidden_size=64,
+            intermediate_size=64,  # MXFP4 blocks are 32 wide
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_per_token=2,
+            sliding_window=8,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        return shape
+    shape["text_config"].update(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=8,
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size_per_layer_input=8,
+        max_position_embeddings=4096,
+    )
+    shape["vocab_size"] = 512  # mlx-lm's gemma4 takes the top-level one (262144 when absent, the real value)
+    return shape
+
+
+def build_tiny_attention(name: str, folder, dtype=mx.float32):
+    return build_random_checkpoint(folder, shrink_attention_shape(name), dtype)
+
+
+def count_parameters(shape: dict) -> int:
+    """MXFP4 blocks hold two weights a byte; their scales are not parameters."""
+    return sum(
+        math.prod(dims) * (2 if name.endswith("_blocks") else 1)
+        for name, dims in list_weight_shapes(shape).items()
+        if not name.endswith("_scales")
+    )
 
 
 @requires_mlx_lm
@@ -221,6 +276,106 @@ def test_bench_runs_both_engines_on_the_hybrid_shapes_and_they_agree(name, tmp_p
     params = dict(tree_flatten(load_peer("mlx-lm", folder, mx.bfloat16).model.parameters()))
     assert {v.dtype for k, v in params.items() if k.endswith(".A_log")} == {mx.float32}
     assert {v.dtype for k, v in params.items() if not k.endswith(".A_log")} == {mx.bfloat16}
+
+
+def test_attention_shapes_are_the_released_models_cut():
+    """The cut shapes' counts, and the same listing at the released depth and expert count gives the
+    released models' (gpt-oss-20b: 20.91B; Gemma 4 E2B's language model: 4.63B of its 5.1B, the
+    rest its vision and audio towers)."""
+    gpt_oss, gemma4 = (copy.deepcopy(RANDOM_SHAPES[name]) for name in ATTENTION_SHAPES)
+    assert round(count_parameters(gpt_oss) / 1e7) == 206
+    assert round(count_parameters(gemma4) / 1e7) == 159
+    gpt_oss.update(num_hidden_layers=24, layer_types=["sliding_attention", "full_attention"] * 12, num_local_experts=32)
+    gemma4["text_config"].update(num_hidden_layers=35, layer_types=list_gemma4_layer_types(35), num_kv_shared_layers=20)
+    assert round(count_parameters(gpt_oss) / 1e7) == 2091
+    assert round(count_parameters(gemma4) / 1e7) == 463
+
+
+@pytest.mark.parametrize("name", ATTENTION_SHAPES)
+def test_attention_shapes_are_the_tensors_transformers_builds(name):
+    """The full-size config is one transformers reads, and the folder's tensors are its model's
+    (built on the meta device: no memory). gpt-oss's experts as the released folders store them:
+    transformers' dense [E, in, out] as MXFP4 blocks [E, out, in/32, 16] and scales [E, out, in/32]."""
+    import torch
+    import transformers
+
+    shape = RANDOM_SHAPES[name]
+    config = transformers.AutoConfig.for_model(**shape)
+    with torch.device("meta"):
+        model = getattr(transformers, TRANSFORMERS_CLASSES[shape["model_type"]])(config)
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        theirs.pop("lm_head.weight", None)
+    for key in [k for k in theirs if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, columns, rows = theirs.pop(key)
+        theirs.update(
+            {f"{key}_blocks": (experts, rows, columns // 32, 16), f"{key}_scales": (experts, rows, columns // 32)}
+        )
+    assert list_weight_shapes(shape) == theirs
+
+
+def test_gpt_oss_folder_keeps_the_experts_in_mxfp4(tmp_path):
+    """As released: E2M1 codes and E8M0 scales in uint8, the rest in the folder's dtype, a
+    quantization_config that says mxfp4; mlxcel keeps them packed (MLX's mxfp4 mode), not upcast."""
+    from mlxcel.checkpoints.loader import load_model
+    from mlxcel.models import gpt_oss
+
+    folder = build_tiny_attention("gpt-oss-small", tmp_path / "gpt-oss", mx.bfloat16)
+    weights = mx.load(str(folder / "model.safetensors"))
+    experts = "model.layers.0.mlp.experts."
+    assert weights[experts + "gate_up_proj_blocks"].shape == (4, 128, 2, 16)
+    assert weights[experts + "gate_up_proj_blocks"].dtype == weights[experts + "down_proj_scales"].dtype == mx.uint8
+    assert (
+        weights[experts + "gate_up_proj_bias"].dtype == weights["model.layers.0.self_attn.sinks"].dtype == mx.bfloat16
+    )
+    assert set(np.unique(np.array(weights[experts + "down_proj_scales"]))) == {119, 120}  # 2^-8, 2^-7
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    model = load_model(str(folder), dtype="bfloat16").model
+    proj = model.model.layers[0].mlp.experts.down_proj
+    assert isinstance(proj, gpt_oss.QuantizedBiasedSwitchLinear) and proj.mode == "mxfp4"
+    assert proj.weight.dtype == mx.uint32
+
+
+@pytest.mark.parametrize("name", ATTENTION_SHAPES)
+def test_attention_checkpoints_load_in_mlxcel_as_transformers_reads_them(name, tmp_path):
+    """The folder means to mlxcel what it means to transformers (every tensor read, none left over):
+    the same fp32 logits over a prompt five windows long (transformers dequantizes the MXFP4
+    experts on the CPU: their values are exact in fp32)."""
+    import torch
+    import transformers
+
+    from mlxcel.checkpoints.loader import load_model
+
+    folder = build_tiny_attention(name, tmp_path / name)
+    tokens = [(37 * i + 11) % 400 + 100 for i in range(40)]
+    model = load_model(str(folder), dtype="float32").model
+    ours = np.array(model(mx.array([tokens]), model.make_cache()))
+    oracle, info = getattr(transformers, TRANSFORMERS_CLASSES[RANDOM_SHAPES[name]["model_type"]]).from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        theirs = oracle(torch.tensor([tokens])).logits.numpy()
+    assert ours.shape == theirs.shape == (1, 40, 512)
+    assert np.abs(ours - theirs).max() <= 1e-4
+
+
+@requires_mlx_lm
+@pytest.mark.parametrize("name", ATTENTION_SHAPES)
+def test_bench_runs_both_engines_on_the_attention_shapes_and_they_agree(name, tmp_path):
+    """mlx-lm 0.32 has both families (mlx_lm/models/gpt_oss.py, gemma4.py): the same greedy ids; for
+    gpt-oss both keep the experts MXFP4 (MLX's mxfp4 mode), so their weights weigh the same."""
+    from mlxcel.bench.peers import load_peer
+
+    folder = prepare_checkpoint(str(build_tiny_attention(name, tmp_path / name)), tmp_path, mx.float32)
+    results = bench_model(name, folder, [12], [1, 2], gen=4, reps=1, dtype=mx.float32, warm_each_case=False)
+    assert [case.agreement() for case in results] == ["agree", "agree"]  # fp32, same weights
+    if name == "gpt-oss-small":
+        peers = [load_peer(engine, folder, mx.bfloat16) for engine in ("mlxcel", "mlx-lm")]
+        assert peers[0].weight_bytes == peers[1].weight_bytes
+        assert peers[1].model.model.layers[0].mlp.experts.down_proj.mode == "mxfp4"
 
 
 def test_mlx_lm_experts_in_half_precision_on_the_cpu_are_refused_in_one_line():

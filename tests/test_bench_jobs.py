@@ -12,7 +12,7 @@ import pytest
 
 from mlxcel.bench import jobs
 from mlxcel.bench.jobs import METRICS, draw_job
-from tests.test_bench import HYBRID_SHAPES, build_tiny_hybrid
+from tests.test_bench import ATTENTION_SHAPES, HYBRID_SHAPES, build_tiny_attention, build_tiny_hybrid
 
 requires_mlx_lm = pytest.mark.skipif(
     importlib.util.find_spec("mlx_lm") is None,
@@ -96,6 +96,18 @@ def test_both_engines_run_the_hybrid_job_and_agree(name, tmp_path, capsys):
     report, lines = run_tiny_job(build_tiny_hybrid(name, tmp_path / name), tmp_path, capsys, "mlxcel,mlx-lm")
     (model,) = report["models"]
     assert model["rows"]["mlx-lm"]["generated_tokens"] == report["job"]["output_lengths"]
+    assert model["rows_agree"] == 5 and model["token_ids_agree"] == "agree"  # fp32, same weights
+
+
+@requires_mlx_lm
+@pytest.mark.parametrize("name", ATTENTION_SHAPES)
+def test_both_engines_run_the_attention_job_and_agree(name, tmp_path, capsys):
+    """gpt-oss (sinks, 8-token windows, MXFP4 experts) and Gemma 4 (PLE, shared KV) through the job path,
+    prompts and outputs past the window."""
+    report, lines = run_tiny_job(build_tiny_attention(name, tmp_path / name), tmp_path, capsys, "mlxcel,mlx-lm")
+    (model,) = report["models"]
+    assert model["rows"]["mlxcel"]["generated_tokens"] == report["job"]["output_lengths"]
+    assert model["scheduler"]["occupancy"] > 0  # the scheduler ran the rows, not the batch engine
     assert model["rows_agree"] == 5 and model["token_ids_agree"] == "agree"  # fp32, same weights
 
 

@@ -11,6 +11,12 @@ mlx-lm read, so the two run the very same weights.
   configs (the text model's settings under `text_config`) and tensor names
   (`model.language_model.*`, conv1d [C, 1, K], zero-centred norms), with no vision tower.
   mlxcel's and mlx-lm's sanitize both read that layout, so the two run the same weights.
+- `gpt-oss-small`: openai/gpt-oss-20b cut to fit a benchmark (4 of its 24 layers, 8 of its 32
+  experts), in the released folder's layout: experts as MXFP4 blocks and E8M0 scales
+  (`quantization_config` mxfp4), which both engines keep packed (MLX's mxfp4 mode).
+- `gemma4-e2b-small`: google/gemma-4-E2B's language model cut to 10 of its 35 layers, in the
+  released `gemma4` folder's layout (`text_config`, `model.language_model.*`), no vision or
+  audio tower.
 - any other value: a path to an HF folder; its config gets a top-level `rope_theta` (mlx-lm reads
   nothing else, transformers 5 writes it under `rope_parameters`) and its weights are linked.
 
@@ -62,6 +68,117 @@ QWEN3_5_TEXT = {  # what Qwen3.5-0.8B and -35B-A3B share
     "rms_norm_eps": 1e-6,
     "rope_parameters": QWEN3_5_ROPE,
     "eos_token_id": 248044,
+}
+
+# openai/gpt-oss-20b's config.json, cut to 4 of its 24 layers (two sliding / full pairs) and 8 of its
+# 32 experts, each as wide as the real one, each token still routed to 4: 2.06B parameters (1.16B of
+# them the untied embedding and head). YaRN's correction range is rounded (`truncate` true; the
+# released config says false): mlx-lm 0.32 always rounds it, and the same frequencies on both sides
+# keep the greedy-token check meaningful (rounding costs nothing either way).
+GPT_OSS_LAYERS = 4
+GPT_OSS_SMALL = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": GPT_OSS_LAYERS,
+    "layer_types": ["sliding_attention", "full_attention"] * (GPT_OSS_LAYERS // 2),
+    "sliding_window": 128,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "router_aux_loss_coef": 0.9,
+    "output_router_logits": False,
+    "swiglu_limit": 7.0,
+    "hidden_act": "silu",
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "initial_context_length": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": True,
+    },
+    "tie_word_embeddings": False,
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    # as released: the experts in MXFP4, the rest in the folder's dtype
+    "quantization_config": {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
+}
+MXFP4_BLOCK = 32  # weights per E8M0 scale; a block's 32 E2M1 codes are 16 bytes
+MXFP4_SCALE_BYTES = (119, 121)  # E8M0 exponents drawn from [119, 121): scales 2^-8, 2^-7, weights' RMS ~0.02
+
+
+def list_gemma4_layer_types(layers: int, period: int = 5) -> list[str]:
+    """Gemma 4 E2B's layer order: four sliding layers, then a full one."""
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+
+
+# google/gemma-4-E2B's language model (its config.json's text_config), cut to 10 of its 35 layers
+# (two of its seven groups of four sliding layers and a full one); the last 5 share the keys and values
+# of the last own layer of their type (E2B: the last 20 of 35) and have its double-wide MLP; every
+# width as released. 1.59B parameters, 0.67B of them the per-layer input embeddings (a lookup).
+GEMMA4_LAYERS = 10
+GEMMA4_E2B_SMALL = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "model_type": "gemma4",
+    "tie_word_embeddings": True,
+    "eos_token_id": [1, 106],
+    "vision_config": None,
+    "audio_config": None,
+    "text_config": {
+        "model_type": "gemma4_text",
+        "hidden_size": 1536,
+        "intermediate_size": 6144,
+        "num_hidden_layers": GEMMA4_LAYERS,
+        "layer_types": list_gemma4_layer_types(GEMMA4_LAYERS),
+        "num_kv_shared_layers": GEMMA4_LAYERS // 2,
+        "use_double_wide_mlp": True,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_global_key_value_heads": None,
+        "attention_k_eq_v": False,
+        "attention_bias": False,
+        "sliding_window": 512,
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144,
+        "hidden_size_per_layer_input": 256,
+        "enable_moe_block": False,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+    },
 }
 
 # Published shapes of the real models (their config.json), random weights; and one made-up shape.
@@ -161,6 +278,8 @@ RANDOM_SHAPES = {
             "tie_word_embeddings": False,
         },
     },
+    "gpt-oss-small": GPT_OSS_SMALL,
+    "gemma4-e2b-small": GEMMA4_E2B_SMALL,
 }
 CHECKPOINT_NAMES = ("smollm2", *RANDOM_SHAPES)
 
@@ -265,9 +384,13 @@ def dequantize_gguf(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def list_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Llama / Qwen2 / Qwen 3.5 checkpoint."""
+    """HF tensor names and shapes of a Llama / Qwen2 / Qwen 3.5 / gpt-oss / Gemma 4 checkpoint."""
     if config["model_type"] in HYBRID_TYPES:
         return list_qwen3_5_shapes(config)
+    if config["model_type"] == "gpt_oss":
+        return list_gpt_oss_shapes(config)
+    if config["model_type"] == "gemma4":
+        return list_gemma4_shapes(config)
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -387,6 +510,117 @@ def list_qwen3_5_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def list_gpt_oss_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """transformers' GptOssForCausalLM tensors as the released folders store them: each expert
+    projection as MXFP4 blocks [E, out, in/32, 16] and E8M0 scales [E, out, in/32] (uint8;
+    gate_up's rows alternate gate and up) beside its bias [E, out]."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    experts = config["num_local_experts"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for proj, rows, columns in (
+            ("q_proj", heads * head_dim, hidden),
+            ("k_proj", kv_heads * head_dim, hidden),
+            ("v_proj", kv_heads * head_dim, hidden),
+            ("o_proj", hidden, heads * head_dim),
+        ):
+            shapes.update({f"{p}self_attn.{proj}.weight": (rows, columns), f"{p}self_attn.{proj}.bias": (rows,)})
+        shapes.update(
+            {
+                p + "self_attn.sinks": (heads,),
+                p + "mlp.router.weight": (experts, hidden),
+                p + "mlp.router.bias": (experts,),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
+        for proj, rows, columns in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+            e = f"{p}mlp.experts.{proj}"
+            blocks = columns // MXFP4_BLOCK
+            shapes.update(
+                {
+                    e + "_blocks": (experts, rows, blocks, MXFP4_BLOCK // 2),
+                    e + "_scales": (experts, rows, blocks),
+                    e + "_bias": (experts, rows),
+                }
+            )
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+GEMMA4_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def list_gemma4_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """transformers 5's Gemma4ForConditionalGeneration tensors, less the vision and audio towers: the
+    dense models' (E2B, E4B, 31B); a KV-shared layer has no key/value projections of its own."""
+    text = config["text_config"]
+    if text.get("enable_moe_block") or text.get("attention_k_eq_v"):
+        raise ValueError("the bench builds Gemma 4's dense layers only (no enable_moe_block, no attention_k_eq_v)")
+    hidden, vocab, heads = text["hidden_size"], text["vocab_size"], text["num_attention_heads"]
+    layers, per_layer = text["num_hidden_layers"], text.get("hidden_size_per_layer_input") or 0
+    first_shared = layers - (text.get("num_kv_shared_layers") or 0)
+    base = "model.language_model."
+    shapes: dict[str, tuple[int, ...]] = {
+        base + "embed_tokens.weight": (vocab, hidden),
+        base + "norm.weight": (hidden,),
+    }
+    if per_layer:
+        shapes.update(
+            {
+                base + "embed_tokens_per_layer.weight": (text["vocab_size_per_layer_input"], layers * per_layer),
+                base + "per_layer_model_projection.weight": (layers * per_layer, hidden),
+                base + "per_layer_projection_norm.weight": (per_layer,),
+            }
+        )
+    for i, kind in enumerate(text["layer_types"]):
+        p = f"{base}layers.{i}."
+        head_dim = text["global_head_dim"] if kind == "full_attention" else text["head_dim"]
+        kv = text["num_key_value_heads"] * head_dim
+        a = p + "self_attn."
+        shapes.update(
+            {
+                a + "q_proj.weight": (heads * head_dim, hidden),
+                a + "q_norm.weight": (head_dim,),
+                a + "o_proj.weight": (hidden, heads * head_dim),
+            }
+        )
+        if i < first_shared:
+            shapes.update({a + "k_proj.weight": (kv, hidden), a + "v_proj.weight": (kv, hidden)})
+            shapes[a + "k_norm.weight"] = (head_dim,)
+        wide = 2 if text.get("use_double_wide_mlp") and i >= first_shared else 1
+        inter = wide * text["intermediate_size"]
+        shapes.update(
+            {
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "layer_scalar": (1,),
+            }
+        )
+        for norm in GEMMA4_LAYER_NORMS:
+            shapes[f"{p}{norm}.weight"] = (hidden,)
+        if per_layer:
+            shapes.update(
+                {
+                    p + "per_layer_input_gate.weight": (per_layer, hidden),
+                    p + "per_layer_projection.weight": (hidden, per_layer),
+                    p + "post_per_layer_input_norm.weight": (hidden,),
+                }
+            )
+    if not config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
 def make_initial_weight(
     name: str, dims: tuple[int, ...], dtype: mx.Dtype, key: mx.array, zero_centred: bool
 ) -> mx.array:
@@ -395,6 +629,12 @@ def make_initial_weight(
         # float32 as both engines compute with it (mlxcel's float32_weights, mlx-lm's cast_predicate)
         return mx.log(mx.random.uniform(0.01, 16.0, dims, key=key))
     if name.endswith(".dt_bias"):
+        return mx.ones(dims, dtype=dtype)
+    if name.endswith("_blocks"):  # MXFP4: two E2M1 codes a byte, every code equally likely
+        return mx.random.randint(0, 256, dims, dtype=mx.uint8, key=key)
+    if name.endswith("_scales"):  # MXFP4: a block's E8M0 exponent byte
+        return mx.random.randint(*MXFP4_SCALE_BYTES, dims, dtype=mx.uint8, key=key)
+    if name.endswith(".layer_scalar"):  # Gemma 4 scales each layer's output by it: 1 as transformers starts it
         return mx.ones(dims, dtype=dtype)
     if name.endswith("norm.weight"):
         unit = zero_centred and name.endswith(ZERO_CENTRED_NORMS)

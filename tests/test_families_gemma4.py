@@ -534,3 +534,15 @@ def test_q8_0_gguf_kept_quantized_agrees_with_its_dequantized_form(built, tmp_pa
     if built["variant"] == "moe":
         assert layer.experts.switch_glu.gate_up_proj.bits == 8
     assert np.abs(dense - packed).max() <= 1e-3
+
+
+def test_the_scheduler_budgets_each_layer_at_its_own_head_size(built):
+    """kv_bytes_per_position: the three sliding layers' and the global layer's own KV heads and head
+    sizes (the global heads twice as wide), fp32; the shared layers hold nothing of their own."""
+    from mlxcel.engine.scheduler import kv_bytes_per_position
+
+    model = built["model"]
+    expected = sum(2 * a.n_kv_heads * a.head_dim * 4 for a in model.cache_attentions())
+    sliding, full = model.cache_attentions()[0], model.cache_attentions()[2]
+    assert full.head_dim == 2 * sliding.head_dim
+    assert kv_bytes_per_position(model) == expected

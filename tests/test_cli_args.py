@@ -22,6 +22,7 @@ from mlxcel.cli import find_conf_dir, main, quote_free_text
 from mlxcel.errors import MlxcelError
 
 REPO = Path(__file__).resolve().parent.parent
+PRESETS = sorted(path.stem for path in (find_conf_dir() / "model").glob("*.yaml"))  # as the error lists them
 STUB = """
 import json, sys, types
 import mlxcel
@@ -422,12 +423,8 @@ def test_a_bare_prompt_in_a_multirun(stub_runner, monkeypatch):
         (["decode.max_tokens", "5"], "decode.max_tokens: an override needs a value: decode.max_tokens=VALUE"),
         (
             ["model=/tmp/x.gguf"],
-            "model: '/tmp/x.gguf' is a path, not a model preset: give it as model.path=/tmp/x.gguf (presets: base, "
-            "gemma, gemma2, gemma3, gemma4, glm4, glm4_moe, gpt_oss, hf, idefics3, llama4, llava, llava_next, mistral, "
-            "mistral3, "
-            "mixtral, nemotron_h, olmo2, olmo3, phi3, "
-            "phi4_multimodal, qwen2_5_vl, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm2, "
-            "smollm3, smolvlm)",
+            "model: '/tmp/x.gguf' is a path, not a model preset: give it as model.path=/tmp/x.gguf "
+            f"(presets: {', '.join(PRESETS)})",
         ),
         (
             ["sampler.processors.top_p.p=0.9"],

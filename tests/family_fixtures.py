@@ -232,3 +232,29 @@ def assert_pieces_match_one_shot(model, prompt: list[int], piece: int, tile: int
     assert np.abs(one_shot - pieces).max() <= 1e-4
     follow = [11, 42, 7, 99, 5, 18, 23, 64, 3, 77]
     assert np.abs(decode_logits(model, cache_a, follow) - decode_logits(model, cache_b, follow)).max() <= 1e-4
+
+
+def schedule(model, prompts, max_tokens=GREEDY_TOKENS, ragged=None, request=None, **options):
+    """The rows through BatchScheduler, greedy; `request`: GenerationRequest options (kv_bits), the
+    rest BatchScheduler's; `ragged`: the GPU's ragged prefill (rows' pieces in one call, padding
+    before each). Returns the run's state."""
+    from mlxcel.engine.scheduler import BatchScheduler
+
+    scheduler = BatchScheduler(model, 512, options.pop("max_rows", 8), **options)
+    if ragged is not None:
+        scheduler.ragged_prefill = ragged
+    rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
+    return scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=max_tokens, **(request or {})))
+
+
+def check_prefix_adoption(model) -> None:
+    """Rows sharing an 80-token prefix, the prompt cache on: the later rows adopt it and every row
+    draws what it draws alone."""
+    from mlxcel.engine.prompt_cache import PromptCache
+
+    shared = PROMPT * 2
+    prompts = [shared + tail for tail in (PROMPT[3:20], PROMPT[11:19], PROMPT[:30])]
+    state = schedule(model, prompts, 12, chunk_size=32, prompt_cache=PromptCache(10**8))
+    alone = [schedule(model, [p], 12).results[0].token_ids for p in prompts]
+    assert [r.token_ids for r in state.results] == alone
+    assert state.results[0].cached_tokens == 0 and all(r.cached_tokens >= 64 for r in state.results[1:])

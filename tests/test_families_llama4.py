@@ -23,12 +23,9 @@ import numpy as np
 import pytest
 
 from mlxcel.checkpoints.loader import load_model
-from mlxcel.engine import GenerationRequest, RowRequest
-from mlxcel.engine.prompt_cache import PromptCache
-from mlxcel.engine.scheduler import BatchScheduler, layer_chunks, layer_windows
+from mlxcel.engine.scheduler import layer_chunks, layer_windows
 from mlxcel.errors import MlxcelError
 from mlxcel.models.cache import ChunkedKVCache, KVCache
-from mlxcel.sampling import Sampler
 from tests.family_fixtures import (
     BASE_SHAPE,
     GREEDY_TOKENS,
@@ -37,10 +34,12 @@ from tests.family_fixtures import (
     assert_parity,
     assert_pieces_match_one_shot,
     check_parity,
+    check_prefix_adoption,
     measure_parity,
     mlxcel_logits,
     reference_greedy,
     save_widened,
+    schedule,
 )
 from tests.helpers import compose_run, write_tiny_tokenizer
 
@@ -224,15 +223,6 @@ def scheduler_expected(parity) -> list[list[int]]:
     return [parity["reference_greedy"], *others]
 
 
-def schedule(model, prompts, max_tokens=GREEDY_TOKENS, ragged=None, request=None, **options):
-    """`request`: GenerationRequest options (kv_bits); the rest BatchScheduler's."""
-    scheduler = BatchScheduler(model, 512, options.pop("max_rows", 8), **options)
-    if ragged is not None:  # the GPU's ragged prefill: several rows' pieces in one call, padding before each
-        scheduler.ragged_prefill = ragged
-    rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
-    return scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=max_tokens, **(request or {})))
-
-
 @pytest.mark.parametrize(
     "options",
     [{}, {"chunk_size": 16}, {"max_rows": 2, "chunk_size": 7}, {"ragged": True, "chunk_size": 16}],
@@ -244,12 +234,7 @@ def test_each_row_among_others_in_the_scheduler_draws_transformers_tokens(model,
 
 
 def test_rows_sharing_a_prefix_adopt_it_and_draw_what_they_draw_alone(model):
-    shared = PROMPT * 2
-    prompts = [shared + tail for tail in (PROMPT[3:20], PROMPT[11:19], PROMPT[:30])]
-    state = schedule(model, prompts, 12, chunk_size=32, prompt_cache=PromptCache(10**8))
-    alone = [schedule(model, [p], 12).results[0].token_ids for p in prompts]
-    assert [r.token_ids for r in state.results] == alone
-    assert state.results[0].cached_tokens == 0 and all(r.cached_tokens >= 64 for r in state.results[1:])
+    check_prefix_adoption(model)
 
 
 def test_kv_bits_rows_equal_alone_and_batch_invariant_is_refused_for_moe(model):

@@ -245,7 +245,8 @@ def test_the_segmented_decode_step_gives_the_eager_tokens(model, monkeypatch):
 def test_a_grown_pool_keeps_what_it_held(kv_bits):
     """PageTable.grow adds blocks; each layer pads its pool at its next access, and the positions
     written before read back as they were (plain and quantized pools)."""
-    from mlxcel.models.paged_cache import PageTable, make_paged_caches
+    from mlxcel.models.paged_cache import PageTable
+    from mlxcel.models.paged_layers import make_paged_caches
 
     table = PageTable(2, max_rows=2, max_positions=8 * BLOCK_SIZE, max_blocks=8)
     (cache,) = make_paged_caches(1, table, kv_bits=kv_bits, kv_group_size=32)

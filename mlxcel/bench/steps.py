@@ -30,7 +30,8 @@ from mlxcel.bench.harness import log
 from mlxcel.checkpoints.loader import load_model, pick_dtype
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.scheduler import BatchScheduler, uses_kernels
-from mlxcel.models.paged_cache import ALIGNED_START, PageTable, count_blocks, make_paged_caches
+from mlxcel.models.paged_cache import ALIGNED_START, PageTable, count_blocks
+from mlxcel.models.paged_layers import make_paged_caches
 from mlxcel.sampling import Sampler
 
 PIECES = (512, 2048)

@@ -40,7 +40,8 @@ from mlxcel.errors import MlxcelError
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import ChunkedKVCache, KVCache
 from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant, sliced_matmuls
-from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks, make_paged_caches
+from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks
+from mlxcel.models.paged_layers import make_paged_caches
 from mlxcel.models.recurrent import RecurrentCache
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE

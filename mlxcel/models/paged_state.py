@@ -36,7 +36,7 @@ class PagedRecurrentCache:
         leads = step.leads if step.leads.any() else None
         same_rows = self.order is not None and np.array_equal(slots, self.order)
         # (a slot of `order` with a state of its own holds a new row: the dense one there has ended)
-        if same_rows and not fresh.any() and not any(slot in self.rows for slot in slots.tolist()):
+        if same_rows and not fresh.any() and (not self.rows or not any(s in self.rows for s in slots.tolist())):
             return self.dense, leads
         if len(slots) == 1 and not fresh[0] and int(slots[0]) in self.rows:
             return self.rows[int(slots[0])], leads
@@ -78,8 +78,9 @@ class PagedRecurrentCache:
         slots = step.slots
         if step.decoding:  # a decode step: these rows are the batch now (not a one-token prefill piece)
             self.order, self.dense = slots.copy(), states
-            for slot in slots.tolist():
-                self.rows.pop(slot, None)
+            if self.rows:  # (rows that just joined the batch: their own arrays go)
+                for slot in slots.tolist():
+                    self.rows.pop(slot, None)
             return
         if len(slots) == 1:
             self.rows[int(slots[0])] = states

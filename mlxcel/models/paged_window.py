@@ -64,11 +64,10 @@ class PagedWindowCache:
             size = self.table.table.shape[0] * window
             self.keys = mx.zeros((size, heads, dim), keys.dtype)
             self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
-        rings = mx.array((step.slots[:, None] * window + np.arange(window)[None, :]).astype(np.int32))  # [B, W]
+        rings, write, own = ring_indices(step, window)
         decoding = L == 1 and not step.leads.any()
         if not decoding:  # the window before the piece: read before the piece overwrites it
             old_keys, old_values = (gather_rings(pool, rings) for pool in (self.keys, self.values))
-        write, own = ring_writes(step, window)
         new_keys = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)[own]
         new_values = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)[own]
         self.keys[write] = new_keys
@@ -102,17 +101,24 @@ def gather_rings(pool: mx.array, rings: mx.array) -> mx.array:
     return pool[rings].transpose(0, 2, 1, 3)
 
 
-def ring_writes(step, window: int) -> tuple[mx.array, mx.array]:
-    """(ring indices, indices into the call's flattened [B * L] tokens) of the tokens to write: each
-    row's own tokens (not its leads), the last `window` of them (earlier ones would be overwritten)."""
-    L = step.new_tokens
-    index, own = [], []
-    for b, (slot, start, lead) in enumerate(zip(step.slots.tolist(), step.starts.tolist(), step.leads.tolist())):
-        first = max(lead, L - window)
-        positions = start + np.arange(first, L) - lead
-        index.append(slot * window + positions % window)
-        own.append(b * L + np.arange(first, L))
-    return mx.array(np.concatenate(index).astype(np.int32)), mx.array(np.concatenate(own).astype(np.int32))
+def ring_indices(step, window: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The call's device indices for rings of `window`, built once a step for every such layer
+    (as the step's masks are): (each row's ring [B, W]; the ring positions to write; those
+    tokens' indices into the call's flattened [B * L] tokens). The tokens written are each row's
+    own (not its leads), the last `window` of them (earlier ones would be overwritten)."""
+    key = ("ring-indices", window)
+    if key not in step.masks:
+        L, slots, leads = step.new_tokens, step.slots[:, None], step.leads[:, None]
+        token = np.arange(L)[None, :]  # [1, L]
+        written = (token >= leads) & (token >= L - window)  # [B, L]
+        positions = step.starts[:, None] + token - leads
+        rows, tokens = np.nonzero(written)
+        step.masks[key] = (
+            mx.array((slots * window + np.arange(window)[None, :]).astype(np.int32)),
+            mx.array((slots * window + positions % window)[rows, tokens].astype(np.int32)),
+            mx.array((rows * L + tokens).astype(np.int32)),
+        )
+    return step.masks[key]
 
 
 def ring_mask(step, window: int, chunked: bool = False) -> np.ndarray:

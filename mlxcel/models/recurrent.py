@@ -82,10 +82,9 @@ def causal_conv(
     keep = conv_state.shape[1]
     joined = mx.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+L, C]
     if leads is not None and leads.any():
-        length = x.shape[1]
-        order = np.empty((len(leads), keep + length), dtype=np.int32)
-        for b, lead in enumerate(leads.tolist()):
-            order[b] = np.concatenate([keep + np.arange(lead), np.arange(keep), keep + lead + np.arange(length - lead)])
+        # row b's order: its leads (at keep..keep+lead), the state (0..keep), then its own tokens
+        j, lead = np.arange(keep + x.shape[1])[None, :], leads[:, None]
+        order = np.where(j < lead, keep + j, np.where(j < lead + keep, j - lead, j)).astype(np.int32)
         joined = mx.take_along_axis(joined, mx.array(order)[:, :, None], axis=1)
     if x.shape[1] == 1 and mx.default_device() == mx.gpu:  # a decode step: one compiled kernel chain
         out = compiled_window_sum(joined, weight) if bias is None else compiled_window_sum_bias(joined, weight, bias)

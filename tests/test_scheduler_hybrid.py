@@ -130,13 +130,25 @@ def test_ragged_pieces_keep_each_rows_state_across_their_leading_padding(hybrid)
 
 
 def test_a_recurrent_state_costs_the_same_at_any_position(hybrid):
-    """The slot's arrays do not grow with the row: the same shapes after 9 positions and after 160."""
+    """What the recurrent caches hold after a row of 9 positions and one of 160: arrays of the
+    same shapes (the conv window and the delta rule's matrices), whatever the row's length."""
     model, _ = hybrid
-    shapes = {}
+    held = {}
     for prompt in (PROMPT[:9], PROMPT * 4):
-        _, state = schedule(model, [prompt], max_tokens=2)
-        shapes[len(prompt)] = state.state_bytes
-    assert shapes[9] == shapes[160] == 8 * model.state_bytes_per_row()
+        scheduler = BatchScheduler(model, 512, 8)
+        caches = []
+        original = scheduler.run_rows
+
+        def record(state, waiting, table, layer_caches, *rest, caches=caches, original=original):
+            caches.extend(layer_caches)
+            return original(state, waiting, table, layer_caches, *rest)
+
+        scheduler.run_rows = record
+        scheduler.generate(GenerationRequest([RowRequest(prompt)], Sampler("greedy"), max_tokens=4))
+        recurrent = [c for c in caches if isinstance(c, PagedRecurrentCache)]
+        held[len(prompt)] = [tuple(x.shape) for c in recurrent for x in c.dense]
+    assert held[9] == held[160] and len(held[9]) == 3 * 2
+    assert sum(np.prod(shape) * 4 for shape in held[9]) == model.state_bytes_per_row()
 
 
 def test_state_and_blocks_share_the_kv_budget(hybrid):

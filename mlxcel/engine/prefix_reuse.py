@@ -136,7 +136,9 @@ class PrefixReuse:
             self.cache.touch(found)
         if row.index in self.pinned:
             self.hold(row, found)
-        return [a for layer in [*stored, *(states or [])] for a in layer]
+        # the states go with the call's work only where the cache kept them (a ring's are copies)
+        kept = states if states is not None and found.length == len(tokens) and found.states() is states else []
+        return [a for layer in [*stored, *kept] for a in layer]
 
     def row_states(self, row, end: int) -> list | None:
         """A hybrid's recurrent states of the row after `end` positions, where the caches hold

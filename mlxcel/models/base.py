@@ -157,6 +157,13 @@ class RoPE(nn.Module):
         )
 
 
+class NoRoPE(nn.Module):
+    """A NoPE layer's queries and keys go into attention (and the cache) unrotated (SmolLM3, Llama 4)."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return x
+
+
 # On CUDA a biased matmul goes to cuBLASLt, captured into a child graph (tens of microseconds of
 # host time per call), while an unbiased one-row matmul gets MLX's own gemv kernel; for a
 # batch-1 decode step, gemv + add is the cheaper pair. Metal and the CPU keep the fused op.

@@ -7,7 +7,7 @@ GLM-4 dense) with partial RoPE, optional per-head Q/K norms, and a mixture of ex
 - Layers from first_k_dense_replace on are sparse: a sigmoid router whose choice adds
   e_score_correction_bias and keeps the best topk_group of n_group expert groups, the chosen
   experts' plain scores as weights (normalised when norm_topk_prob, times routed_scaling_factor;
-  Nemotron-H's router, the same math, in float32), n_routed_experts SwiGLU experts of
+  switch.GroupedSigmoidRouter, in float32), n_routed_experts SwiGLU experts of
   moe_intermediate_size, and beside them n_shared_experts' worth of shared expert every token runs.
   The layers before are dense MLPs of intermediate_size.
 - The checkpoints carry num_nextn_predict_layers multi-token-prediction layers after the last
@@ -29,8 +29,7 @@ import mlx.nn as nn
 
 from mlxcel.errors import MlxcelError
 from mlxcel.models import glm4, llama
-from mlxcel.models.nemotron_h import Router
-from mlxcel.models.switch import SwitchGLU, stack_expert_weights
+from mlxcel.models.switch import GroupedSigmoidRouter, SwitchGLU, stack_expert_weights
 
 REQUIRED_KEYS = (*llama.REQUIRED_KEYS, "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
 EXPERT_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -102,7 +101,7 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate = Router(args)
+        self.gate = GroupedSigmoidRouter.from_args(args)
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts)
         if args.n_shared_experts:
             shared = args.moe_intermediate_size * args.n_shared_experts

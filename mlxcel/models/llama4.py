@@ -26,9 +26,8 @@ from mlx import nn
 
 from mlxcel.errors import MlxcelError
 from mlxcel.models import llama
-from mlxcel.models.base import RoPE, read_rope_theta
+from mlxcel.models.base import NoRoPE, RoPE, read_rope_theta
 from mlxcel.models.cache import ChunkedKVCache, KVCache, make_attention_mask, make_chunk_mask
-from mlxcel.models.smollm3 import NoRoPE
 from mlxcel.models.switch import SwitchGLU
 
 REQUIRED_KEYS = llama.REQUIRED_KEYS

@@ -31,7 +31,7 @@ from mlxcel.models import llama
 from mlxcel.models.cache import KVCache, make_attention_mask
 from mlxcel.models.recurrent import RecurrentCache, causal_conv, token_mask
 from mlxcel.models.ssd import discretize_dt, ssd
-from mlxcel.models.switch import SORT_MIN_PAIRS, SwitchLinear
+from mlxcel.models.switch import GroupedSigmoidRouter, SwitchLinear, through_experts
 
 REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "vocab_size", "mamba_num_heads", "mamba_head_dim")
 # block kinds as the configs spell them (transformers 5, NVIDIA's first configs, the pattern string)
@@ -225,61 +225,14 @@ class SwitchMLP(nn.Module):
         self.fc2 = SwitchLinear(hidden_dims, input_dims, num_experts)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        k = indices.shape[-1]
-        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]: one [1, H] matrix per token
-        do_sort = indices.size >= SORT_MIN_PAIRS
-        if do_sort:  # rows in expert order: each expert's weights are read once per call
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            x, idx = x.flatten(0, -3)[order // k], flat[order]
-        else:
-            idx = indices
-        out = self.fc2(relu2(self.fc1(x, idx, do_sort)), idx, do_sort)
-        if do_sort:
-            out = mx.unflatten(out[mx.argsort(order)], 0, indices.shape)
-        return out.squeeze(-2)
-
-
-class Router(nn.Module):
-    """Sigmoid scores; the choice adds e_score_correction_bias (and keeps the best topk_group of
-    n_group groups, a group scored by its two best), the weights are the plain scores, normalised
-    when norm_topk_prob, times routed_scaling_factor. In float32, as transformers keeps it."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        experts = args.n_routed_experts
-        if not 1 <= args.num_experts_per_tok <= experts or experts % args.n_group:
-            raise MlxcelError(
-                f"config.json: num_experts_per_tok={args.num_experts_per_tok} must be between 1 and n_routed_experts "
-                f"({experts}), and n_routed_experts a multiple of n_group ({args.n_group})"
-            )
-        self.weight = mx.zeros((experts, args.hidden_size))
-        self.e_score_correction_bias = mx.zeros((experts,))
-        self.top_k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group, args.topk_group
-        self.normalize, self.scale = args.norm_topk_prob, args.routed_scaling_factor
-
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        if self.n_group > 1 and self.topk_group < self.n_group:
-            grouped = mx.unflatten(choice, -1, (self.n_group, -1))
-            group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., n_group]
-            dropped = mx.argpartition(group_scores, kth=self.n_group - self.topk_group - 1, axis=-1)
-            dropped = dropped[..., : self.n_group - self.topk_group, None]
-            grouped = mx.put_along_axis(grouped, dropped, mx.array(-mx.inf), axis=-2)
-            choice = mx.flatten(grouped, -2, -1)
-        indices = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        weights = mx.take_along_axis(scores, indices, axis=-1)
-        if self.normalize:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return indices, weights * self.scale
+        return through_experts(x, indices, lambda x, idx, sort: self.fc2(relu2(self.fc1(x, idx, sort)), idx, sort))
 
 
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         latent = args.moe_latent_size
-        self.gate = Router(args)
+        self.gate = GroupedSigmoidRouter.from_args(args)
         self.switch_mlp = SwitchMLP(latent or args.hidden_size, args.moe_intermediate_size, args.n_routed_experts)
         self.shared_experts = MLP(args.hidden_size, args.moe_shared_expert_intermediate_size, args.mlp_bias)
         if latent is not None:

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxcel.models import llama
-from mlxcel.models.base import RoPE, fuse_linears, swiglu
+from mlxcel.models.base import RoPE, fuse_linears
 from mlxcel.models.cache import KVCache, make_attention_mask
 from mlxcel.models.gated_delta import gated_delta
 from mlxcel.models.recurrent import RecurrentCache, causal_conv, token_mask
@@ -216,23 +216,15 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(y, z).reshape(B, L, -1))
 
 
-class MLP(nn.Module):
+class MLP(llama.MLP):
+    """llama's SwiGLU MLP (its fusion of gate and up too), built from sizes: the shared experts'
+    width is not the config's intermediate_size."""
+
     def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
+        nn.Module.__init__(self)
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def fuse(self) -> None:
-        fused = fuse_linears([self.gate_proj, self.up_proj])
-        if fused is not None:
-            self.gate_up_proj = fused
-            del self.gate_proj, self.up_proj
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if "gate_up_proj" in self:
-            return self.down_proj(swiglu(*mx.split(self.gate_up_proj(x), 2, axis=-1)))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-from mlx import nn
-
 from mlxcel.errors import MlxcelError
 from mlxcel.models import llama
+from mlxcel.models.base import NoRoPE
 from mlxcel.models.rotating_cache import SlidingWindowLayers, read_layer_windows
 
 REQUIRED_KEYS = llama.REQUIRED_KEYS
@@ -46,13 +44,6 @@ class ModelArgs(llama.ModelArgs):
             "layer_windows": read_layer_windows(config, config.get("sliding_window"), default),
         }
         return super().from_config(config, **{**values, **overrides})
-
-
-class NoRoPE(nn.Module):
-    """A NoPE layer's queries and keys go into attention (and the cache) unrotated."""
-
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        return x
 
 
 class Model(SlidingWindowLayers, llama.Model):

@@ -134,21 +134,26 @@ class SwitchGLU(nn.Module):
         return swiglu(gate, up)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        k = indices.shape[-1]
-        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]: one [1, H] matrix per token
-        do_sort = indices.size >= SORT_MIN_PAIRS
-        if do_sort:
-            # rows in expert order: each expert's weights are read once per call, not once per row
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            x, idx = x.flatten(0, -3)[order // k], flat[order]
-        else:
-            idx = indices
-        h = self.activate(*self.project_gate_up(x, idx, do_sort))
-        out = self.down_proj(h, idx, do_sort)
-        if do_sort:
-            out = mx.unflatten(out[mx.argsort(order)], 0, indices.shape)
-        return out.squeeze(-2)
+        def experts(x: mx.array, idx: mx.array, do_sort: bool) -> mx.array:
+            return self.down_proj(self.activate(*self.project_gate_up(x, idx, do_sort)), idx, do_sort)
+
+        return through_experts(x, indices, experts)
+
+
+def through_experts(x: mx.array, indices: mx.array, experts) -> mx.array:
+    """Each token through its k experts: [..., H] and indices [..., k] -> [..., k, H].
+    `experts(x, idx, sorted)`: the experts' gathered matmuls over [N, 1, H] rows and their expert
+    ids. With many (token, expert) pairs the rows go in expert order, so each expert's weights are
+    read once per call, not once per row."""
+    k = indices.shape[-1]
+    x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]: one [1, H] matrix per token
+    do_sort = indices.size >= SORT_MIN_PAIRS
+    if not do_sort:
+        return experts(x, indices, False).squeeze(-2)
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    out = experts(x.flatten(0, -3)[order // k], flat[order], True)
+    return mx.unflatten(out[mx.argsort(order)], 0, indices.shape).squeeze(-2)
 
 
 def route_top_k(router_logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, mx.array]:
@@ -160,6 +165,63 @@ def route_top_k(router_logits: mx.array, k: int, normalize: bool) -> tuple[mx.ar
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return indices, weights
+
+
+class GroupedSigmoidRouter(nn.Module):
+    """DeepSeek-style routing (Nemotron 3, GLM-4.5): sigmoid scores; the choice adds
+    e_score_correction_bias (and keeps the best topk_group of n_group groups, a group scored by its
+    two best), the weights are the plain scores, normalised when `normalize`, times `scale`. In
+    float32, as transformers keeps it."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        experts: int,
+        top_k: int,
+        n_group: int = 1,
+        topk_group: int = 1,
+        normalize: bool = True,
+        scale: float = 1.0,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= experts or experts % n_group:
+            raise MlxcelError(
+                f"config.json: num_experts_per_tok={top_k} must be between 1 and n_routed_experts "
+                f"({experts}), and n_routed_experts a multiple of n_group ({n_group})"
+            )
+        self.weight = mx.zeros((experts, hidden_size))
+        self.e_score_correction_bias = mx.zeros((experts,))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.normalize, self.scale = normalize, scale
+
+    @classmethod
+    def from_args(cls, args) -> GroupedSigmoidRouter:
+        """From a family's args under DeepSeek's config names (n_routed_experts, n_group, ...)."""
+        return cls(
+            args.hidden_size,
+            args.n_routed_experts,
+            args.num_experts_per_tok,
+            args.n_group,
+            args.topk_group,
+            args.norm_topk_prob,
+            args.routed_scaling_factor,
+        )
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
+        choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            grouped = mx.unflatten(choice, -1, (self.n_group, -1))
+            group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., n_group]
+            dropped = mx.argpartition(group_scores, kth=self.n_group - self.topk_group - 1, axis=-1)
+            dropped = dropped[..., : self.n_group - self.topk_group, None]
+            grouped = mx.put_along_axis(grouped, dropped, mx.array(-mx.inf), axis=-2)
+            choice = mx.flatten(grouped, -2, -1)
+        indices = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        weights = mx.take_along_axis(scores, indices, axis=-1)
+        if self.normalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return indices, weights * self.scale
 
 
 class SparseMoeBlock(nn.Module):

@@ -16,6 +16,7 @@ from mlx import nn
 from mlxcel.models import gemma, gemma2, llama
 from mlxcel.models.base import RoPE, read_rope_scaling
 from mlxcel.models.rotating_cache import read_layer_windows
+from mlxcel.models.text_backbone import rename_language_model
 
 REQUIRED_KEYS = llama.REQUIRED_KEYS
 
@@ -41,14 +42,6 @@ TEXT_CONFIG_DEFAULTS = {
 # keys the composite config owns: where both set them, transformers reads the top-level one
 # (generation's eos: [1, 106] on the Hub, with <end_of_turn>; weight tying in transformers 5)
 TOP_LEVEL_KEYS = ("eos_token_id", "tie_word_embeddings")
-# checkpoint prefix -> ours. language_model.{model,lm_head}.*: the Hub's original layout, still
-# what mlx-vlm and transformers' save_pretrained write; model.language_model.* (lm_head.weight
-# already at the top): transformers' in-memory names since 4.52, in some saved checkpoints
-LANGUAGE_MODEL_PREFIXES = {
-    "language_model.model.": "model.",
-    "model.language_model.": "model.",
-    "language_model.lm_head.": "lm_head.",
-}
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
@@ -59,18 +52,6 @@ def normalize_config(config: dict) -> dict:
     text = {**TEXT_CONFIG_DEFAULTS, **config["text_config"]}
     text.update({key: config[key] for key in TOP_LEVEL_KEYS if key in config})
     return text
-
-
-def rename_language_model_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Language-model tensors under this family's names; the vision tower and projector dropped
-    (images are not supported on this path yet)."""
-    renamed = {}
-    for key, value in weights.items():
-        if key.startswith(VISION_PREFIXES):
-            continue
-        prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if key.startswith(p)), None)
-        renamed[LANGUAGE_MODEL_PREFIXES[prefix] + key[len(prefix) :] if prefix else key] = value
-    return renamed
 
 
 def read_rope_bases(config: dict) -> tuple[float, dict | None, float]:
@@ -121,4 +102,4 @@ class Model(gemma2.Model):
         return [gemma2.TransformerBlock(args, Attention(args, window)) for window in args.layer_windows]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return super().sanitize(rename_language_model_weights(weights))
+        return super().sanitize(rename_language_model(weights, VISION_PREFIXES))

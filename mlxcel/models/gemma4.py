@@ -37,7 +37,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxcel.errors import MlxcelError
-from mlxcel.models import gemma, llama
+from mlxcel.models import gemma, llama, text_backbone
 from mlxcel.models.base import RoPE, apply_linear, fuse_linears
 from mlxcel.models.gemma2 import softcap
 from mlxcel.models.rotating_cache import SlidingWindowLayers
@@ -77,9 +77,7 @@ TOP_LEVEL_KEYS = ("eos_token_id", "tie_word_embeddings")
 MULTIMODAL_TOKEN_KEYS = ("image_token_id", "video_token_id", "audio_token_id")
 # checkpoint prefix -> ours: transformers' Gemma4ForConditionalGeneration, and mlx-lm's gemma4 folders
 LANGUAGE_MODEL_PREFIXES = {
-    "model.language_model.": "model.",
-    "language_model.model.": "model.",
-    "language_model.lm_head.": "lm_head.",
+    **text_backbone.LANGUAGE_MODEL_PREFIXES,
     "language_model.": "model.",  # (transformers' own layout without the model. prefix)
 }
 DROPPED_PREFIXES = tuple(
@@ -553,12 +551,10 @@ class Model(SlidingWindowLayers, llama.Model):
         """transformers' and mlx-lm's names (text and multimodal folders) as ours: the towers
         dropped, shared layers' unused K/V weights dropped, fused experts split."""
         out = {}
-        for key, value in weights.items():
-            if key.startswith(DROPPED_PREFIXES) or "rotary_emb" in key:
+        renamed = text_backbone.rename_language_model(weights, DROPPED_PREFIXES, LANGUAGE_MODEL_PREFIXES)
+        for key, value in renamed.items():
+            if "rotary_emb" in key:
                 continue
-            prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if key.startswith(p)), None)
-            if prefix is not None:
-                key = LANGUAGE_MODEL_PREFIXES[prefix] + key[len(prefix) :]
             parts = key.split(".")
             if (
                 len(parts) > 4

@@ -29,6 +29,7 @@ from mlxcel.models import llama
 from mlxcel.models.base import NoRoPE, RoPE, read_rope_theta
 from mlxcel.models.cache import ChunkedKVCache, KVCache, make_attention_mask, make_chunk_mask
 from mlxcel.models.switch import SwitchGLU
+from mlxcel.models.text_backbone import rename_language_model
 
 REQUIRED_KEYS = llama.REQUIRED_KEYS
 # transformers' Llama4TextConfig defaults, where a llama4 folder's text_config is silent
@@ -47,11 +48,6 @@ TEXT_CONFIG_DEFAULTS = {
     "num_experts_per_tok": 1,
     "num_local_experts": 16,
 }
-PREFIXES = (
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.language_model.", "model."),
-)
 DEFAULT_ROPE_THETA = 500000.0  # (Llama4TextConfig.default_theta)
 DROPPED = ("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector.")
 
@@ -259,16 +255,7 @@ class Model(llama.Model):
             layer.feed_forward.fuse()
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        renamed = {}
-        for key, value in weights.items():
-            if key.startswith(DROPPED):
-                continue
-            for prefix, ours in PREFIXES:
-                if key.startswith(prefix):
-                    key = ours + key[len(prefix) :]
-                    break
-            renamed[key] = value
-        weights = super().sanitize(renamed)
+        weights = super().sanitize(rename_language_model(weights, DROPPED))
         for i in self.args.moe_layers:
             prefix = f"model.layers.{i}.feed_forward.experts"
             if f"{prefix}.gate_up_proj" in weights:  # transformers' stacked experts, x @ W

@@ -26,9 +26,12 @@ from mlxcel.models.base import RoPE, fuse_linears
 from mlxcel.models.cache import KVCache, make_attention_mask
 from mlxcel.models.gated_delta import gated_delta
 from mlxcel.models.recurrent import RecurrentCache, causal_conv, token_mask
+from mlxcel.models.text_backbone import rename_language_model
 
 REQUIRED_KEYS = (*llama.REQUIRED_KEYS, "linear_num_value_heads", "linear_num_key_heads")
 # zero-centred in transformers (1 + w): stored shifted by one, as mlx-lm's folders keep them
+# what the text model does not use: the vision tower, the multi-token-prediction head
+DROPPED = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
 SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", "_norm.weight")
 
 
@@ -302,8 +305,8 @@ class Model(llama.Model):
                 layer.mlp.fuse()
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {unwrap_name(k): v for k, v in weights.items()}
-        weights = {k: v for k, v in weights.items() if k is not None and "rotary_emb.inv_freq" not in k}
+        weights = rename_language_model(weights, DROPPED)
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         # transformers' layout: conv1d weights [C, 1, K] and zero-centred norms; mlx-lm's: [C, K, 1], shifted
@@ -315,18 +318,3 @@ class Model(llama.Model):
                 elif key.endswith(SHIFTED_NORMS) and ".linear_attn." not in key:
                     weights[key] = value + 1.0
         return weights
-
-
-def unwrap_name(key: str) -> str | None:
-    """A checkpoint's tensor name as this model names it; None for what the text model does not
-    use (the vision tower, the multi-token-prediction head)."""
-    for prefix, ours in (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    ):
-        if key.startswith(prefix):
-            return ours + key[len(prefix) :]
-    if key.startswith(("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")):
-        return None
-    return key

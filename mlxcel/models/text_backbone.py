@@ -11,6 +11,15 @@ from typing import Any
 
 from mlxcel.errors import MlxcelError
 
+# checkpoint prefix -> ours: a vision-language folder's language model under transformers 5's
+# in-memory names (model.language_model.*; lm_head.* already at the top) and under the Hub's
+# original layout, which mlx-lm, mlx-vlm and transformers' save_pretrained write (language_model.*)
+LANGUAGE_MODEL_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+
 # transformers' config-class defaults for the keys the text families read: Hub configs save
 # text_config as its difference from them (llava-1.5-7b-hf's omits hidden_size, the layer count, ...)
 TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -103,3 +112,17 @@ def combine_with_text_model(vlm_class: type, text_model_type: str) -> type:
     text_model = import_text_family(text_model_type).Model
     name = f"{vlm_class.__name__}Over{text_model.__name__}_{text_model_type}"
     return type(name, (vlm_class, text_model), {"__module__": vlm_class.__module__, "over_text_model": text_model_type})
+
+
+def rename_language_model(
+    weights: dict, dropped: tuple[str, ...], prefixes: dict[str, str] = LANGUAGE_MODEL_PREFIXES
+) -> dict:
+    """A multimodal (or text-only) folder's language-model tensors under the text family's names;
+    those under a `dropped` prefix (towers, projectors, extra heads) left out."""
+    renamed = {}
+    for key, value in weights.items():
+        if key.startswith(dropped):
+            continue
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        renamed[prefixes[prefix] + key[len(prefix) :] if prefix else key] = value
+    return renamed

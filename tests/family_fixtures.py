@@ -258,3 +258,14 @@ def check_prefix_adoption(model) -> None:
     alone = [schedule(model, [p], 12).results[0].token_ids for p in prompts]
     assert [r.token_ids for r in state.results] == alone
     assert state.results[0].cached_tokens == 0 and all(r.cached_tokens >= 64 for r in state.results[1:])
+
+
+def check_scheduler_rows(result: dict, long_prompt: list[int], ragged: bool) -> None:
+    """measure_parity's model in the scheduler: rows of `long_prompt`, 23 and 9 tokens prefilled
+    in pieces of 16 beside one another (`ragged`: in one padded call, the GPU's way), then decoded
+    together: the long row draws transformers' 32 greedy tokens, each short one its tokens alone."""
+    model, prompts = result["model"], [long_prompt, PROMPT[5:28], PROMPT[:9]]
+    state = schedule(model, prompts, GREEDY_TOKENS, ragged=ragged, max_rows=4, chunk_size=16)
+    got = [r.token_ids for r in state.results]
+    assert got[0] == result["reference_greedy"]
+    assert got[1:] == [mlxcel_generate(model, [p], GREEDY_TOKENS)[0] for p in prompts[1:]]

@@ -36,6 +36,7 @@ from tests.family_fixtures import (
     assert_batch_rows_match_alone,
     assert_pieces_match_one_shot,
     check_parity,
+    check_scheduler_rows,
     measure_parity,
     mlxcel_generate,
     mlxcel_logits,
@@ -167,11 +168,7 @@ def test_each_row_through_the_scheduler_draws_its_own_tokens(built, ragged):
     """BatchScheduler, rows of 80, 23 and 9 tokens prefilled in pieces of 16 beside one another,
     then decoded together on the paged cache: the long row draws transformers' 32 greedy tokens,
     each short one the tokens it draws alone."""
-    model = built["model"]
-    prompts = [LONG_PROMPT, PROMPT[5:28], PROMPT[:9]]
-    got, _ = schedule(model, prompts, chunk_size=16, ragged=ragged)
-    assert got[0] == built["reference_greedy"]
-    assert got[1:] == [mlxcel_generate(model, [p], 32)[0] for p in prompts[1:]]
+    check_scheduler_rows(built, LONG_PROMPT, ragged)
 
 
 def test_rows_sharing_a_prefix_adopt_it_from_the_prompt_cache(built):

@@ -28,6 +28,7 @@ from tests.family_fixtures import (
     assert_batch_rows_match_alone,
     assert_pieces_match_one_shot,
     check_parity,
+    check_scheduler_rows,
     measure_parity,
     mlxcel_generate,
     mlxcel_logits,
@@ -148,19 +149,7 @@ def test_left_padded_batch_rows_equal_each_row_alone(built):
 def test_each_row_through_the_scheduler_draws_its_own_tokens(built, ragged):
     """BatchScheduler: rows of 120, 23 and 9 tokens prefilled in pieces of 16 beside one another, then
     decoded together: the long row draws transformers' 32 greedy tokens, each short one its tokens alone."""
-    from mlxcel.engine import GenerationRequest, RowRequest
-    from mlxcel.engine.scheduler import BatchScheduler
-    from mlxcel.sampling import Sampler
-
-    model = built["model"]
-    prompts = [LONG_PROMPT, PROMPT[5:28], PROMPT[:9]]
-    scheduler = BatchScheduler(model, 512, 4, chunk_size=16)
-    scheduler.ragged_prefill = ragged
-    rows = [RowRequest(p, row_id=i) for i, p in enumerate(prompts)]
-    state = scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=32))
-    got = [r.token_ids for r in state.results]
-    assert got[0] == built["reference_greedy"]
-    assert got[1:] == [mlxcel_generate(model, [p], 32)[0] for p in prompts[1:]]
+    check_scheduler_rows(built, LONG_PROMPT, ragged)
 
 
 def test_rows_sharing_a_prefix_adopt_it_and_draw_their_own_tokens(built):

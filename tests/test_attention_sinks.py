@@ -74,8 +74,10 @@ def test_a_model_with_sinks_draws_the_same_tokens_on_every_path(sinked, tiny_lla
     assert alone(load_model(str(tiny_llama), dtype="float32").model) != expected
 
 
-def test_layers_with_sinks_stay_off_the_paged_decode_kernel(sinked, monkeypatch):
+def test_layers_with_sinks_take_the_paged_decode_kernel(sinked, monkeypatch):
+    """The kernel adds the sink to its softmax (tests/test_paged_attention.py checks its numbers on
+    a GPU), so gpt-oss decodes in place like every llama-attention family."""
     from mlxcel.models import paged_attention
 
-    monkeypatch.setattr(paged_attention, "is_available", lambda head_dim: True)
-    assert uses_kernels(sinked) == (True, False)
+    monkeypatch.setattr(paged_attention, "is_available", lambda head_dim, group=1: True)
+    assert uses_kernels(sinked) == (True, True)

@@ -14,8 +14,8 @@ from mlxcel.models.paged_cache import BLOCK_SIZE, count_blocks, flat_positions
 pytestmark = pytest.mark.skipif(not paged_attention.is_available(64), reason="MLX's CUDA backend only")
 
 
-def reference(q, keys, values, table, lengths, scale, window=0):
-    """Gather + mask + MLX attention, in float32."""
+def reference(q, keys, values, table, lengths, scale, window=0, sinks=None):
+    """Gather + mask + MLX attention (its sinks where given), in float32."""
     span = int(lengths.max())
     positions = np.arange(span)[None, :]
     valid = positions < lengths[:, None]
@@ -24,7 +24,7 @@ def reference(q, keys, values, table, lengths, scale, window=0):
     k = keys.astype(mx.float32)[gather].transpose(0, 2, 1, 3)
     v = values.astype(mx.float32)[gather].transpose(0, 2, 1, 3)
     mask = mx.array(seen)[:, None, None, :]
-    return mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
@@ -46,18 +46,22 @@ def filled_pool(keys: mx.array, values: mx.array) -> paged_attention.PoolLayer:
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(
-    ("rows", "heads", "kv_heads", "head_dim", "longest", "window"),
+    ("rows", "heads", "kv_heads", "head_dim", "longest", "window", "sinks"),
     [
-        (1, 32, 8, 64, 3000, 0),
-        (3, 14, 2, 64, 700, 0),
-        (64, 8, 8, 128, 300, 0),
-        (256, 32, 8, 64, 90, 0),
-        (5, 8, 2, 256, 900, 200),
-        (1, 32, 8, 64, 3000, 1000),
+        (1, 32, 8, 64, 3000, 0, False),
+        (3, 14, 2, 64, 700, 0, False),
+        (64, 8, 8, 128, 300, 0, False),
+        (256, 32, 8, 64, 90, 0, False),
+        (5, 8, 2, 256, 900, 200, False),
+        (1, 32, 8, 64, 3000, 1000, False),
+        (4, 16, 2, 64, 2500, 128, True),  # gpt-oss: sinks, a 128-position window
+        (6, 16, 2, 64, 1500, 0, True),
+        (3, 8, 1, 512, 1300, 0, False),  # Gemma 4's global layers: 512-wide heads
+        (2, 8, 2, 384, 600, 0, False),
     ],
 )
 @pytest.mark.parametrize("one_split", [False, True], ids=["splits", "one-split"])
-def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest, window, one_split):
+def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, longest, window, sinks, one_split):
     rng = np.random.default_rng(rows)
     lengths = rng.integers(1, longest + 1, size=rows).astype(np.int32)
     lengths[0] = longest
@@ -72,6 +76,7 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
     pool = filled_pool(keys, values)
     new_keys, new_values = normal(rows, kv_heads, 1, head_dim), normal(rows, kv_heads, 1, head_dim)
     q = normal(rows, heads, 1, head_dim)
+    sinks = mx.array(rng.standard_normal(heads).astype(np.float32) * 3) if sinks else None
     scale = head_dim**-0.5
     attended = min(longest, window) if window else longest
     got = paged_attention.paged_decode_attention(
@@ -86,11 +91,12 @@ def test_kernel_equals_the_plain_path(dtype, rows, heads, kv_heads, head_dim, lo
         BLOCK_SIZE,
         window,
         one_split,
+        sinks,
     )
     # the reference: each row's new key and value at its last position, then gather + mask
     last = mx.array(flat_positions(blocks, (lengths - 1)[:, None])[:, 0])
     keys[last], values[last] = new_keys[:, :, 0], new_values[:, :, 0]
-    want = reference(q, keys, values, blocks, lengths, scale, window)
+    want = reference(q, keys, values, blocks, lengths, scale, window, sinks)
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert got.shape == q.shape and got.dtype == dtype
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), atol=tolerance, rtol=tolerance)
@@ -174,13 +180,30 @@ def test_write_and_gather_equals_numpy(leads):
     np.testing.assert_array_equal(np.array(pool.values), values)
 
 
-def test_scheduler_with_the_kernel_equals_it_without(tiny_llama, monkeypatch):
+@pytest.fixture(scope="module", params=["llama", "gpt_oss", "gemma4"])
+def kernel_family(request, tmp_path_factory):
+    """A tiny checkpoint of each family the decode kernel serves in its own way: llama; gpt-oss
+    (sinks, sliding layers); Gemma 4 (shared-KV layers attend over their source layer's pool)."""
+    if request.param == "llama":
+        return request.getfixturevalue("tiny_llama")
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "gpt_oss":
+        from tests.test_families_gpt_oss import make_checkpoint
+
+        return make_checkpoint(folder)
+    from tests.test_families_gemma4 import make_checkpoint
+
+    return make_checkpoint(folder, "ple")
+
+
+def test_scheduler_with_the_kernel_equals_it_without(kernel_family, monkeypatch):
     from mlxcel.checkpoints.loader import load_model
     from mlxcel.engine import GenerationRequest, RowRequest
-    from mlxcel.engine.scheduler import BatchScheduler
+    from mlxcel.engine.scheduler import BatchScheduler, uses_kernels
     from mlxcel.sampling import Sampler
 
-    model = load_model(str(tiny_llama), dtype="float32").model
+    model = load_model(str(kernel_family), dtype="float32").model
+    assert uses_kernels(model) == (True, True)
     rng = np.random.default_rng(0)
     rows = [
         RowRequest(rng.integers(3, 300, size=int(n)).tolist(), row_id=i, max_tokens=24)

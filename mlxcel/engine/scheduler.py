@@ -221,11 +221,14 @@ def cache_attentions(model) -> list:
 
 def uses_kernels(model) -> tuple[bool, bool]:
     """(pool writes in place, decode attention in place): the paged kernels where they run
-    (paged_attention.is_available, for every attention layer's head size); the decode kernel also
-    needs llama's attend, which hands a PagedDecode mask to it, and takes no attention sinks."""
+    (paged_attention.is_available, for every attention layer's head size and query heads a KV
+    head); the decode kernel also needs llama's attend, which hands a PagedDecode mask to it."""
     attentions = [a for a in cache_attentions(model) if a is not None]
-    in_place = all(paged_attention.is_available(a.head_dim) for a in attentions)
-    plain_attend = all(type(a).attend is llama.Attention.attend and "sinks" not in a for a in attentions)
+    in_place = all(
+        paged_attention.is_available(a.head_dim, getattr(a, "n_heads", 1) // getattr(a, "n_kv_heads", 1))
+        for a in attentions
+    )
+    plain_attend = all(type(a).attend is llama.Attention.attend for a in attentions)
     return in_place, in_place and plain_attend
 
 

@@ -33,6 +33,7 @@ from mlxcel.sampling.cuda_draw import has_cuda_backend
 THREADS = 128  # per block; also positions per tile (one per thread when scoring)
 TARGET_BLOCKS = 528  # ~4 per SM on an H200: below it, rows' positions are split across blocks
 MIN_SPLIT = 1024  # positions: a split shorter than this costs more in ops than it saves on the GPU
+SHARED = 48 * 1024  # bytes of static shared memory a kernel may declare
 
 _HEADER = """
 #define NEG_INF __int_as_float(0xFF800000u)
@@ -88,11 +89,15 @@ _SOURCE = f"""
   }}
   if (t < G) {{ m_sh[t] = NEG_INF; l_sh[t] = 0.0f; }}
   constexpr int PAIRS = D / 2;
-  constexpr int GROUPS = NT / PAIRS;  // threads past GROUPS * PAIRS idle in the value phase
-  const int pair = t % PAIRS, group = t / PAIRS;
-  float acc[G][2];
+  constexpr int PER = (PAIRS + NT - 1) / NT;  // pairs a thread owns: 1 up to D = 256, more above
+  constexpr int GROUPS = PER == 1 ? NT / PAIRS : 1;  // threads past GROUPS * PAIRS idle in the value phase
+  const int pair = PER == 1 ? t % PAIRS : t, group = PER == 1 ? t / PAIRS : 0;
+  float acc[G][2 * PER];
   #pragma unroll
-  for (int g = 0; g < G; g++) {{ acc[g][0] = 0.0f; acc[g][1] = 0.0f; }}
+  for (int g = 0; g < G; g++) {{
+    #pragma unroll
+    for (int j = 0; j < 2 * PER; j++) acc[g][j] = 0.0f;
+  }}
   __syncthreads();
   for (int tile = p0; tile < p1; tile += NT) {{
     const int p = tile + t;
@@ -142,15 +147,23 @@ _SOURCE = f"""
     const int count = min(NT, p1 - tile);
     if (group < GROUPS) {{
       #pragma unroll
-      for (int g = 0; g < G; g++) {{ acc[g][0] *= alpha_sh[g]; acc[g][1] *= alpha_sh[g]; }}
-      for (int pi = group; pi < count; pi += GROUPS) {{
-        const T* vrow = (rows[pi] < 0 ? v_in : v + ((size_t)rows[pi] * KVH + kvh) * D) + 2 * pair;
-        const float v0 = static_cast<float>(vrow[0]), v1 = static_cast<float>(vrow[1]);
+      for (int g = 0; g < G; g++) {{
         #pragma unroll
-        for (int g = 0; g < G; g++) {{
-          const float w = probs[g][pi];
-          acc[g][0] += w * v0;
-          acc[g][1] += w * v1;
+        for (int j = 0; j < 2 * PER; j++) acc[g][j] *= alpha_sh[g];
+      }}
+      for (int pi = group; pi < count; pi += GROUPS) {{
+        const T* vrow = rows[pi] < 0 ? v_in : v + ((size_t)rows[pi] * KVH + kvh) * D;
+        #pragma unroll
+        for (int j = 0; j < PER; j++) {{
+          const int at = pair + j * NT;
+          if (at >= PAIRS) break;
+          const float v0 = static_cast<float>(vrow[2 * at]), v1 = static_cast<float>(vrow[2 * at + 1]);
+          #pragma unroll
+          for (int g = 0; g < G; g++) {{
+            const float w = probs[g][pi];
+            acc[g][2 * j] += w * v0;
+            acc[g][2 * j + 1] += w * v1;
+          }}
         }}
       }}
     }}
@@ -160,9 +173,14 @@ _SOURCE = f"""
   __shared__ float partial[GROUPS][G][D];
   if (group < GROUPS) {{
     #pragma unroll
-    for (int g = 0; g < G; g++) {{
-      partial[group][g][2 * pair] = acc[g][0];
-      partial[group][g][2 * pair + 1] = acc[g][1];
+    for (int j = 0; j < PER; j++) {{
+      const int at = pair + j * NT;
+      if (at >= PAIRS) break;
+      #pragma unroll
+      for (int g = 0; g < G; g++) {{
+        partial[group][g][2 * at] = acc[g][2 * j];
+        partial[group][g][2 * at + 1] = acc[g][2 * j + 1];
+      }}
     }}
   }}
   __syncthreads();
@@ -191,7 +209,9 @@ _SINGLE_TAIL = """
     const int g = i / D, d = i % D;
     float total = 0.0f;
     for (int j = 0; j < GROUPS; j++) total += partial[j][g][d];
-    out[((size_t)b * KVH * G + kvh * G + g) * D + d] = static_cast<T>(total / l_sh[g]);
+    // a sink (SINKS: gpt-oss) is one more logit in the softmax, with no value
+    const float sink = SINKS ? __expf(sinks[kvh * G + g] - m_sh[g]) : 0.0f;
+    out[((size_t)b * KVH * G + kvh * G + g) * D + d] = static_cast<T>(total / (l_sh[g] + sink));
   }
 """
 
@@ -200,20 +220,31 @@ _SINGLE_TAIL = """
 def _kernel(single: bool):
     return mx.fast.cuda_kernel(
         name="mlxcel_paged_decode_attention" + ("_single" if single else ""),
-        input_names=["q", "k", "v", "k_new", "v_new", "block_table", "lengths", "params", "scale", "after"],
+        input_names=["q", "k", "v", "k_new", "v_new", "block_table", "lengths", "params", "scale", "sinks", "after"],
         output_names=["out", "done"] if single else ["out_m", "out_l", "out_acc", "done"],
         source=_SOURCE + (_SINGLE_TAIL if single else _SPLITS_TAIL),
         header=_HEADER,
     )
 
 
-def is_available(head_dim: int) -> bool:
+def is_available(head_dim: int, group: int = 1) -> bool:
     """On MLX's CUDA backend with the GPU as the default device, for head dims the kernel's 16-byte
-    loads divide, up to two per thread in the value phase ($MLXCEL_PAGED_KERNEL=0 turns it off:
-    the plain path, to compare)."""
-    if os.environ.get("MLXCEL_PAGED_KERNEL", "1") == "0" or head_dim % 8 or head_dim > 2 * THREADS:
+    loads divide, where the decode kernel's shared memory for `group` query heads a KV head fits
+    ($MLXCEL_PAGED_KERNEL=0 turns it off: the plain path, to compare)."""
+    if (
+        os.environ.get("MLXCEL_PAGED_KERNEL", "1") == "0"
+        or head_dim % 8
+        or decode_shared_bytes(head_dim, group) > SHARED
+    ):
         return False
     return mx.default_device() == mx.gpu and has_cuda_backend()
+
+
+def decode_shared_bytes(head_dim: int, group: int) -> int:
+    """The decode kernel's static shared memory: the queries, a tile's scores, the value groups'
+    partial sums (_SOURCE's qs, probs, partial, rows)."""
+    groups = max(THREADS // (head_dim // 2), 1)
+    return 4 * (group * head_dim * (1 + groups) + group * THREADS + THREADS + 3 * group)
 
 
 def choose_split_length(rows: int, kv_heads: int, longest: int) -> int:
@@ -238,6 +269,7 @@ def paged_decode_attention(
     block_size: int,
     window: int = 0,
     one_split: bool = False,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Store each row's new key and value in the pool, and attend its one new query over its
     positions (the new one included).
@@ -246,7 +278,8 @@ def paged_decode_attention(
     int32 (positions in the row, the new one included); longest: the most positions a row
     attends to (host); window: a sliding window's size (0: every position); one_split: each row's
     positions in one block (batch-invariant mode: the split then depends on the row alone, and
-    the kernel normalizes it itself). Returns [B, H, 1, D] in q's dtype."""
+    the kernel normalizes it itself); sinks [H]: a learned logit per head in every softmax
+    (gpt-oss). Returns [B, H, 1, D] in q's dtype."""
     B, H, _, D = q.shape
     kv_heads = pool.keys.shape[1]
     group = H // kv_heads
@@ -262,9 +295,17 @@ def paged_decode_attention(
         lengths,
         constant_array((split_len, block_table.shape[1], window), mx.int32),
         constant_array((scale,), mx.float32),
+        constant_array((0.0,), mx.float32) if sinks is None else sinks.astype(mx.float32),
         pool.done,
     ]
-    template = [("T", pool.keys.dtype), ("D", D), ("G", group), ("KVH", kv_heads), ("BS", block_size)]
+    template = [
+        ("T", pool.keys.dtype),
+        ("D", D),
+        ("G", group),
+        ("KVH", kv_heads),
+        ("BS", block_size),
+        ("SINKS", int(sinks is not None)),
+    ]
     grid, threadgroup = (splits * THREADS, B * kv_heads, 1), (THREADS, 1, 1)
     if splits == 1:
         out, pool.done = _kernel(True)(
@@ -286,7 +327,10 @@ def paged_decode_attention(
     )
     m = out_m.max(axis=-1, keepdims=True)
     weights = mx.exp(out_m - m)  # an empty split has m = -inf: weight 0
-    out = (out_acc * weights[..., None]).sum(axis=-2) / (out_l * weights).sum(axis=-1, keepdims=True)
+    total = (out_l * weights).sum(axis=-1, keepdims=True)
+    if sinks is not None:  # one more logit a head, with no value
+        total = total + mx.exp(sinks.astype(mx.float32)[None, :, None] - m)
+    out = (out_acc * weights[..., None]).sum(axis=-2) / total
     return out.astype(q.dtype)[:, :, None, :]
 
 

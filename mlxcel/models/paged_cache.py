@@ -287,9 +287,6 @@ class PagedDecode(PagedMask):
     ) -> mx.array:
         from mlxcel.models.paged_attention import paged_decode_attention
 
-        if sinks is not None:  # (scheduler.uses_kernels keeps layers with sinks off the kernel)
-            raise ValueError("the paged decode kernel takes no attention sinks")
-
         return paged_decode_attention(
             q,
             new_keys,
@@ -302,6 +299,7 @@ class PagedDecode(PagedMask):
             BLOCK_SIZE,
             self.window,
             self.one_split,
+            sinks,
         )
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 import mlxcel
 from mlxcel.engine.prompt_cache import Node, PromptCache
-from mlxcel.engine.scheduler import cache_attentions, layer_chunks, layer_windows, recurrent_layers
+from mlxcel.engine.scheduler import cache_attentions, cache_widths, layer_chunks, layer_windows, recurrent_layers
 
 # per layer, (shape after the positions axis, dtype) of each array its cache stores (read_positions)
 Layout = list[list[tuple[tuple[int, ...], mx.Dtype]]]
@@ -78,21 +78,20 @@ def describe_layout(model, dtype: str, kv_bits: int | None, kv_group_size: int) 
     layers = [None if chunk is not None else a for a, chunk in zip(cache_attentions(model), layer_chunks(model))]
     plain = []
     for attention in layers:
-        kv = [((attention.n_kv_heads, attention.head_dim), getattr(mx, dtype))] * 2 if attention else []
-        plain.append(kv)
+        widths = cache_widths(attention) if attention else ()
+        plain.append([((attention.n_kv_heads, width), getattr(mx, dtype)) for width in widths])
     if not kv_bits:
         return plain
     layout = []
     for kinds, window in zip(plain, layer_windows(model)):
-        if not kinds:
-            layout.append([])  # a recurrent layer: nothing per position
+        if not kinds or window is not None:
+            layout.append(kinds)  # a recurrent layer (nothing per position), or a window kept unquantized
             continue
-        shape, kind = kinds[0]
-        if window is not None:
-            layout.append([(shape, kind)] * 2)
-            continue
-        parts = mx.quantize(mx.zeros((1, *shape), kind), group_size=kv_group_size, bits=kv_bits)
-        layout.append([(p.shape[1:], p.dtype) for p in parts] * 2)
+        quantized = []
+        for shape, kind in kinds:  # keys' parts, then values' (packed, scales, biases each)
+            parts = mx.quantize(mx.zeros((1, *shape), kind), group_size=kv_group_size, bits=kv_bits)
+            quantized += [(p.shape[1:], p.dtype) for p in parts]
+        layout.append(quantized)
     return layout
 
 

@@ -225,7 +225,8 @@ def uses_kernels(model) -> tuple[bool, bool]:
     head); the decode kernel also needs llama's attend, which hands a PagedDecode mask to it."""
     attentions = [a for a in cache_attentions(model) if a is not None]
     in_place = all(
-        paged_attention.is_available(a.head_dim, getattr(a, "n_heads", 1) // getattr(a, "n_kv_heads", 1))
+        getattr(a, "paged_kernels", True)  # MLA caches keys and values of different widths
+        and paged_attention.is_available(a.head_dim, getattr(a, "n_heads", 1) // getattr(a, "n_kv_heads", 1))
         for a in attentions
     )
     plain_attend = all(type(a).attend is llama.Attention.attend for a in attentions)
@@ -242,11 +243,17 @@ def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int 
     for attention, window, chunk in zip(cache_attentions(model), layer_windows(model), layer_chunks(model)):
         if attention is None or chunk is not None or (rings and window is not None):
             continue
-        dim = attention.head_dim
-        full = dim * dtype_size
-        quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
-        total += 2 * attention.n_kv_heads * (full if window is not None else quantized)
+        for dim in cache_widths(attention):
+            full = dim * dtype_size
+            quantized = dim * kv_bits // 8 + 2 * (dim // kv_group_size) * dtype_size if kv_bits else full
+            total += attention.n_kv_heads * (full if window is not None else quantized)
     return total
+
+
+def cache_widths(attention) -> tuple[int, int]:
+    """The widths of what a layer caches per position and KV head: its keys' and its values'
+    (an MLA layer's latent and shared RoPE key differ: `cache_dims`)."""
+    return getattr(attention, "cache_dims", None) or (attention.head_dim, attention.head_dim)
 
 
 def ring_bytes_per_row(model, rings: bool = True) -> int:
@@ -256,7 +263,7 @@ def ring_bytes_per_row(model, rings: bool = True) -> int:
     for attention, window, chunk in zip(cache_attentions(model), layer_windows(model), layer_chunks(model)):
         positions = chunk if chunk is not None else window if rings and window is not None else 0
         if attention is not None and positions:
-            total += positions * 2 * attention.n_kv_heads * attention.head_dim * compute_dtype_size(model)
+            total += positions * attention.n_kv_heads * sum(cache_widths(attention)) * compute_dtype_size(model)
     return total
 
 

@@ -130,3 +130,18 @@ def test_a_left_padded_batch_masks_only_its_first_piece():
     assert cache.read(lambda rows: [])[1] is None  # the padding is behind it
     with pytest.raises(ValueError):
         cache.trim(1)
+
+
+def test_the_compiled_step_equals_the_eager_one_at_every_batch_size():
+    """The GPU's decode step is one_step compiled shapeless (traced once for every batch size): its
+    numbers are the eager step's for batches of different sizes, one after another."""
+    rng = np.random.default_rng(5)
+    for rows in (1, 3, 8, 2):
+        q, k = (mx.array(rng.normal(size=(rows, 4, 8)).astype(np.float32)) for _ in range(2))
+        v = mx.array(rng.normal(size=(rows, 4, 16)).astype(np.float32))
+        g = mx.array(-rng.uniform(size=(rows, 4)).astype(np.float32))
+        beta = mx.array(rng.uniform(size=(rows, 4)).astype(np.float32))
+        state = mx.array(rng.normal(size=(rows, 4, 8, 16)).astype(np.float32))
+        for got, want in zip(gd.compiled_step(q, k, v, g, beta, state), gd.one_step(q, k, v, g, beta, state)):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)

@@ -72,14 +72,20 @@ def recurrent(
 def one_step(
     q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """One token: q, k [B, H, Dk], v [B, H, Dv], g and beta [B, H]; (y [B, H, Dv] fp32, state)."""
+    """One token: q, k [B, H, Dk], v [B, H, Dv], g and beta [B, H]; (y [B, H, Dv] fp32, state).
+
+    The state is read twice and written once, the least a step can: one matmul reads both
+    S^T q and S^T k from the old state, and the output follows from them without reading the new
+    one (y = S'^T q = e^g S^T q + (k . q) delta, with S' = e^g S + k delta^T). At 256 decoding
+    rows a layer's state is ~270 MB (Qwen 3.5), so each pass over it costs the step."""
     q, k, v = q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
-    state = state * mx.exp(g.astype(mx.float32))[..., None, None]
-    k = k[..., None]  # [B, H, Dk, 1]
-    remembered = (state * k).sum(axis=-2)  # k^T S: [B, H, Dv]
-    delta = (v - remembered) * beta.astype(mx.float32)[..., None]
-    state = state + k * delta[..., None, :]
-    return (state * q[..., None]).sum(axis=-2), state
+    decay = mx.exp(g.astype(mx.float32))[..., None]  # [B, H, 1]
+    read = mx.stack([q, k], axis=-2) @ state  # [B, H, 2, Dv]: q^T S and k^T S
+    # (rows picked by a sum against one-hot weights: a shapeless compile cannot slice)
+    read_q, read_k = ((read * mx.array(pick, mx.float32)[:, None]).sum(axis=-2) for pick in ([1, 0], [0, 1]))
+    delta = (v - decay * read_k) * beta.astype(mx.float32)[..., None]
+    y = decay * read_q + (k * q).sum(axis=-1, keepdims=True) * delta
+    return y, state * decay[..., None] + k[..., None] * delta[..., None, :]
 
 
 # On a GPU the step's dozen elementwise ops are one kernel chain: a decode step is bound by the

@@ -179,8 +179,16 @@ class Mamba2Mixer(nn.Module):
         ]
 
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+        states, leads = cache.read(self.initial_states)
+        out, states = self.advance(x, states, leads)
+        cache.write(states, x.shape[1])
+        return out
+
+    def advance(self, x: mx.array, states: list[mx.array], leads) -> tuple[mx.array, list[mx.array]]:
+        """The mixer's output for x [B, L, hidden] from `states` (conv window, SSM state), and the
+        states after it; `leads` as RecurrentCache.read gives them (None in a decode step)."""
         B, L, _ = x.shape
-        (conv_state, state), leads = cache.read(self.initial_states)
+        conv_state, state = states
         mask = token_mask(leads, L)
         if mask is not None:  # padding's projections are zero, as transformers masks its inputs
             x = mx.where(mask[..., None], x, 0)
@@ -197,8 +205,7 @@ class Mamba2Mixer(nn.Module):
             state,
             mask,
         )
-        cache.write([conv_state, state], L)
-        return self.out_proj(self.norm(y.reshape(B, L, -1), gate))
+        return self.out_proj(self.norm(y.reshape(B, L, -1), gate)), [conv_state, state]
 
 
 def relu2(x: mx.array) -> mx.array:
@@ -273,6 +280,23 @@ class Block(nn.Module):
             return x + self.self_attn(h, mask, cache)
         return x + self.mlp(h)
 
+    # the segmented decode step's halves (engine/segmented.py)
+    def input_layernorm(self, x: mx.array) -> mx.array:
+        return self.norm(x)
+
+    def finish_block(self, x: mx.array, attended: mx.array) -> mx.array:
+        return x + attended
+
+    def run_with_states(self, x: mx.array, states: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+        """A Mamba block's step from its states, or an MLP / MoE block's (no states)."""
+        if self.kind != "mamba":
+            return x + self.mlp(self.norm(x)), states
+        mixed, states = self.mixer.advance(self.norm(x), states, None)
+        return x + mixed, states
+
+    def initial_states(self, rows: int) -> list[mx.array]:
+        return self.mixer.initial_states(rows)
+
 
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -284,7 +308,6 @@ class Backbone(nn.Module):
 
 class Model(llama.Model):
     supports_padded_prefill = False  # a padded token would advance the recurrent state
-    supports_compiled_decode = False  # the recurrent layers' steps run eagerly
     # the SSM's decay, skip and step bias, and the router (transformers keeps it in float32)
     float32_weights = (".A_log", ".D", ".dt_bias", ".gate.weight", ".e_score_correction_bias")
 
@@ -312,6 +335,11 @@ class Model(llama.Model):
         if logits_at is not None:
             h = h[:, logits_at : logits_at + 1, :]
         return self.compute_logits(self.model.norm(h))
+
+    def layer_entries(self) -> list[tuple[int | None, None]]:
+        """Each block's make_cache entry (None for MLP and MoE blocks), for the segmented step."""
+        entries = iter(range(len(self.stateful_layers())))
+        return [(next(entries) if layer.keeps_state else None, None) for layer in self.model.layers]
 
     def make_cache(self, batch_size: int = 1, left_pad: list[int] | None = None) -> list:
         pad = mx.array(left_pad, dtype=mx.int32) if left_pad is not None and any(left_pad) else None

@@ -107,18 +107,25 @@ class Attention(llama.Attention):
         q_size, kv_size = 2 * self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return tuple(mx.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1))
 
-    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+    def prepare(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Q and K rotated to their positions, V, and the output gate [B, L, heads * D] (finish's)."""
         B, L, _ = x.shape
         query_gate, k, v = self.project_qkv(x)
         q, gate = mx.split(query_gate.reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.rope_offset()
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        return self.rope(q, offset), self.rope(k, offset), v, gate.reshape(B, L, -1)
+
+    def finish(self, out: mx.array, gate: mx.array) -> mx.array:
+        B, _, L, _ = out.shape
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+    def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+        q, k, v, gate = self.prepare(x, cache.rope_offset())
         k, v = cache.update_and_fetch(k, v)
-        out = self.attend(q, k, v, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
+        return self.finish(self.attend(q, k, v, mask), gate)
 
 
 class GatedRMSNorm(nn.Module):
@@ -200,8 +207,16 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = fused
 
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+        states, leads = cache.read(self.initial_states)
+        out, states = self.advance(x, states, leads)
+        cache.write(states, x.shape[1])
+        return out
+
+    def advance(self, x: mx.array, states: list[mx.array], leads) -> tuple[mx.array, list[mx.array]]:
+        """The layer's output for x [B, L, hidden] from `states` (conv window, delta-rule matrices),
+        and the states after it; `leads` as RecurrentCache.read gives them (None in a decode step)."""
         B, L, _ = x.shape
-        (conv_state, state), leads = cache.read(self.initial_states)
+        conv_state, state = states
         mask = token_mask(leads, L)
         qkv, z, b, a = self.project(x)
         if mask is not None:
@@ -214,9 +229,8 @@ class GatedDeltaNet(nn.Module):
         beta = mx.sigmoid(b.astype(mx.float32))
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + self.dt_bias.astype(mx.float32))
         y, state = gated_delta(q, k, v, g, beta, state, mask)
-        cache.write([conv_state, state], L)
         z = z.reshape(B, L, self.num_v_heads, self.head_v_dim)
-        return self.out_proj(self.norm(y, z).reshape(B, L, -1))
+        return self.out_proj(self.norm(y, z).reshape(B, L, -1)), [conv_state, state]
 
 
 class MLP(llama.MLP):
@@ -244,8 +258,21 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache) -> mx.array:
         normed = self.input_layernorm(x)
-        h = x + (self.linear_attn(normed, cache) if self.is_linear else self.self_attn(normed, mask, cache))
+        mixed = self.linear_attn(normed, cache) if self.is_linear else self.self_attn(normed, mask, cache)
+        return self.finish_block(x, mixed)
+
+    def finish_block(self, x: mx.array, mixed: mx.array) -> mx.array:
+        """After the mixer (attention or Gated DeltaNet): the residual and the MLP."""
+        h = x + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def run_with_states(self, x: mx.array, states: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+        """A linear-attention layer's decode step from its states (the segmented step: segmented.py)."""
+        mixed, states = self.linear_attn.advance(self.input_layernorm(x), states, None)
+        return self.finish_block(x, mixed), states
+
+    def initial_states(self, rows: int) -> list[mx.array]:
+        return self.linear_attn.initial_states(rows)
 
 
 class TextModel(nn.Module):
@@ -258,7 +285,6 @@ class TextModel(nn.Module):
 
 class Model(llama.Model):
     supports_padded_prefill = False  # a padded token would advance the recurrent state
-    supports_compiled_decode = False  # the recurrent layers' steps run eagerly
     float32_weights = (".A_log",)  # the decay's log: bf16 would move every step's decay
     linear_attention = GatedDeltaNet  # the linear-attention layers' class (Qwen3-Next projects differently)
 

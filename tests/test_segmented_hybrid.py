@@ -29,6 +29,7 @@ BATCH = [PROMPT, PROMPT[5:28], PROMPT[:9]]
 ROWS = [PROMPT * 2, PROMPT[5:28], PROMPT[:9], PROMPT[3:34]]
 
 HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"]
+GEMMA4 = ["gemma4-ple", "gemma4-k_eq_v", "gemma4-moe"]  # (test_families_gemma4's variants)
 
 
 def write_checkpoint(folder, name: str):
@@ -36,12 +37,16 @@ def write_checkpoint(folder, name: str):
         from tests.test_families_nemotron_h import write_nemotron_h
 
         return write_nemotron_h(folder)
+    if name.startswith("gemma4-"):
+        from tests.test_families_gemma4 import make_checkpoint
+
+        return make_checkpoint(folder, name.split("-", 1)[1])
     from tests.test_families_qwen3_5 import make_checkpoint
 
     return make_checkpoint(folder, name)
 
 
-@pytest.fixture(scope="module", params=HYBRIDS)
+@pytest.fixture(scope="module", params=HYBRIDS + GEMMA4)
 def model(request, tmp_path_factory, on_the_cpu):
     folder = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     return load_model(str(folder), dtype="float32").model

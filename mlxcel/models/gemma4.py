@@ -412,6 +412,10 @@ class DecoderLayer(nn.Module):
         self, x: mx.array, mask: Any, cache, per_layer_input: mx.array | None, shared: tuple | None
     ) -> tuple[mx.array, tuple]:
         attended, shared = self.self_attn(self.input_layernorm(x), mask, cache, shared)
+        return self.finish_block(x, attended, per_layer_input), shared
+
+    def finish_block(self, x: mx.array, attended: mx.array, per_layer_input: mx.array | None = None) -> mx.array:
+        """Everything after attention: norms, MLP (and experts), the per-layer input's branch, the scalar."""
         h = x + self.post_attention_layernorm(attended)
         out = self.mlp(self.pre_feedforward_layernorm(h))
         if "router" in self:  # the experts beside the dense MLP, both from the residual stream
@@ -422,7 +426,7 @@ class DecoderLayer(nn.Module):
         if per_layer_input is not None:
             gate = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return h * self.layer_scalar, shared
+        return h * self.layer_scalar
 
 
 class TextModel(nn.Module):
@@ -440,8 +444,6 @@ class TextModel(nn.Module):
 
 
 class Model(SlidingWindowLayers, llama.Model):
-    supports_compiled_decode = False  # the segmented step walks one cache per layer, without per-layer inputs
-
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)
         self.args = args
@@ -475,14 +477,22 @@ class Model(SlidingWindowLayers, llama.Model):
         return (projected + own) * 2**-0.5
 
     def __call__(self, input_ids: mx.array, cache: list, mask: Any = None, logits_at: int | None = None) -> mx.array:
+        return self.run_layers(*self.embed_with_layer_inputs(input_ids), cache, mask, logits_at)
+
+    def embed_with_layer_inputs(self, input_ids: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The tokens' embeddings [B, L, hidden] and per-layer inputs [B, L, layers, P] (None without PLE)."""
         if self.args.multimodal_token_ids:  # as transformers embeds a multimodal folder's placeholders
             placeholder = mx.zeros(input_ids.shape, dtype=mx.bool_)
             for token in self.args.multimodal_token_ids:
                 placeholder = placeholder | (input_ids == token)
             input_ids = mx.where(placeholder, self.args.pad_token_id, input_ids)
         h = self.embed_tokens(input_ids)
-        per_layer = self.per_layer_inputs(input_ids, h) if self.args.hidden_size_per_layer_input else None
-        return self.run_layers(h, per_layer, cache, mask, logits_at)
+        return h, self.per_layer_inputs(input_ids, h) if self.args.hidden_size_per_layer_input else None
+
+    def layer_entries(self) -> list[tuple[int | None, int | None]]:
+        """For the segmented step: each layer's cache entry (its index, for the first_shared layers)
+        and, for a shared layer, its source's entry (whose keys, values and mask it attends to)."""
+        return [(None, source) if source is not None else (i, None) for i, source in enumerate(self.kv_sources)]
 
     def forward_with_embeddings(
         self, embeddings: mx.array, cache: list, mask: Any = None, logits_at: int | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -107,8 +108,13 @@ def read_hf_header(folder: Path) -> ModelHeader:
 
 
 def read_head_dim(config: dict) -> int | None:
-    """head_dim, else hidden_size / num_attention_heads (of text_config in multimodal folders)."""
+    """head_dim, else hidden_size / num_attention_heads (of text_config in multimodal folders). A
+    latent-attention model (kv_lora_rank) caches its latent and its RoPE key: a quantization group
+    must divide both widths, so their greatest common divisor."""
     text = config.get("text_config") or config
+    latent, rope = text.get("kv_lora_rank"), text.get("qk_rope_head_dim")
+    if isinstance(latent, int) and isinstance(rope, int) and latent > 0 and rope > 0:
+        return math.gcd(latent, rope)
     if isinstance(text.get("head_dim"), int):
         return text["head_dim"]
     hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")

@@ -54,6 +54,11 @@ FAMILIES = {
     "llama4": "llama4",  # the vision-language folders: their language model (the tower not loaded)
     "glm4": "glm4",
     "glm4_moe": "glm4_moe",
+    # multi-head latent attention (models/mla.py): the cache keeps a latent a position
+    "deepseek_v2": "deepseek_v3",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # Kimi K2: a DeepSeek V3 text model
+    "kimi_k25": "deepseek_v3",  # Kimi K2.5's vision-language folders: their language model
     # hybrids: recurrent layers beside attention (models/recurrent.py)
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",  # the vision-language folders: their language model
@@ -73,6 +78,14 @@ FAMILIES = {
 }
 # model_type of layouts we do not read, with what to load instead
 UNSUPPORTED_LAYOUTS = {
+    "deepseek_v32": (
+        "DeepSeek V3.2, whose sparse attention (the lightning indexer that picks each query's top-k keys) is not "
+        "supported; DeepSeek V3 / V3.1 folders (deepseek_v3) load"
+    ),
+    "deepseek_v4": (
+        "DeepSeek V4, whose compressed sparse attention layers (compressed KV with a lightning indexer) and "
+        "hyper-connections are not supported; DeepSeek V3 / V3.1 folders (deepseek_v3) load"
+    ),
     "phi4mm": (
         "the original remote-code layout of Phi-4-multimodal (LoRA weights inside the checkpoint); load the "
         "transformers-format "

@@ -39,6 +39,7 @@ class QuantizedKVCache(KVCache):
         prev, length = self.offset, keys.shape[2]
         if self.quantized_keys is None:
             check_head_dim(keys.shape[-1], self.group_size)
+            check_head_dim(values.shape[-1], self.group_size)  # (an MLA layer's RoPE key is narrower)
             self.dtype = keys.dtype
             self.quantized_keys = tuple(p[..., :0, :] for p in self.quantize(keys))
             self.quantized_values = tuple(p[..., :0, :] for p in self.quantize(values))

@@ -11,8 +11,9 @@ the rotary scaling and the softmax scale's mscale^2.
 
 Each: fp32 logits within 1e-3 over 160 tokens (one shot: past ABSORBED_MAX_QUERIES, so the plain form)
 and 32 greedy tokens (decode: the absorbed form) identical to transformers' generate; the absorbed and
-plain forms within 1e-4; pieces equal one shot; left-padded rows equal alone; the scheduler with other
-rows; the prompt cache; what the pool keeps a position; decode.kv_bits; mlx-lm's converted and
+plain forms within 1e-4; pieces equal one shot; left-padded rows equal alone; the segmented and compiled
+decode steps; the scheduler with other rows; the prompt cache (in memory, and a job's folder); what the
+pool keeps a position; decode.kv_bits; the API, a JSON-schema row and the server; mlx-lm's converted and
 MLX-quantized folders (mlx-lm's own load gives our logits); Kimi K2 and the Kimi K2.5 folder; the FP8
 release layout; the refusals."""
 
@@ -221,6 +222,25 @@ def test_rows_sharing_a_prefix_adopt_it_and_draw_their_own_tokens(built):
     check_prefix_adoption(built["model"])
 
 
+@pytest.mark.parametrize("step", ["segmented", "compiled"])
+def test_compiled_decode_steps_give_the_eager_tokens(built, step, monkeypatch):
+    """decode.step segmented (the GPU default: compiled between the attentions, MLA's prepare / attend /
+    finish halves) and compiled (whole buffers, an array mask): each row's eager tokens, at batch 1 and in
+    a left-padded batch; the segmented step's logits within 1e-4 of the eager ones."""
+    from mlxcel.engine import DirectEngine
+    from tests.test_segmented_decode import decode_both_ways
+
+    model, prompts = built["model"], [LONG_PROMPT, PROMPT[5:28], PROMPT[:9]]
+    if step == "segmented":
+        for rows in (prompts[:1], prompts):
+            worst, eager_ids, segmented_ids = decode_both_ways(model, rows)
+            assert worst <= 1e-4 and segmented_ids == eager_ids
+    eager = mlxcel_generate(model, prompts, 16)
+    monkeypatch.setenv("MLXCEL_DECODE_STEP", step)
+    assert type(DirectEngine(model, 512).engine.decoder).__name__ == f"{step.capitalize()}Decoder"
+    assert mlxcel_generate(model, prompts, 16) == eager
+
+
 def record_caches(scheduler) -> list:
     """The layer caches of each run of `scheduler` (appended as it builds them)."""
     caches: list = []
@@ -252,6 +272,46 @@ def test_the_pool_keeps_the_latent_and_the_rope_key_a_position(built):
     for cache in caches:
         assert cache.keys.shape[1:] == (1, 32) and cache.values.shape[1:] == (1, rope)
     assert kv_bytes_per_position(model) == 3 * (32 + rope) * 4
+
+
+def test_a_job_saves_the_latent_in_the_prompt_cache_folder_and_the_next_adopts_it(built, tmp_path):
+    """runner.prompt_cache_dir through a job: what a position keeps on disk is the latent [1, R] and the RoPE
+    key [1, P] of each layer; the next job adopts its rows' prompts from the folder and draws the tokens of a
+    run without the cache."""
+    from tests.test_prompt_cache_hostile import run_job, tokens
+
+    folder, cache_dir = built["folder"], tmp_path / "cache"
+    off = run_job(folder, tmp_path, "off", None)
+    first = run_job(folder, tmp_path, "first", cache_dir)
+    second = run_job(folder, tmp_path, "second", cache_dir)
+    assert off[0] == first[0] == second[0] == "completed"
+    assert tokens(first[1]) == tokens(second[1]) == tokens(off[1])
+    assert all(r["cached_tokens"] > 0 for r in second[1])
+    rope = FAMILIES[built["family"]][2]["qk_rope_head_dim"]
+    shapes = {name: a.shape[1:] for path in cache_dir.rglob("*.safetensors") for name, a in mx.load(str(path)).items()}
+    assert {shapes[f"{layer}.0"] for layer in range(3)} == {(1, 32)}
+    assert {shapes[f"{layer}.1"] for layer in range(3)} == {(1, rope)}
+
+
+def test_a_paged_rows_mask_attends_each_row_over_its_own_positions():
+    """Batch-invariant decode on a GPU hands attention a PagedRows mask (each row over exactly its own
+    positions, in a call of its own): the latent attention runs it in either form, giving what a boolean
+    mask over the padded keys gives."""
+    from mlxcel.models.mla import MultiHeadLatentAttention
+    from mlxcel.models.paged_cache import PagedRows
+
+    mx.random.seed(0)
+    attention = MultiHeadLatentAttention(64, 4, 32, 16, 8, 16)
+    x = mx.random.normal((2, 1, 64))
+    latent, k_pe = mx.random.normal((2, 1, 20, 32)), mx.random.normal((2, 1, 20, 8))
+    ends = [20, 13]
+    visible = (mx.arange(20)[None, :] < mx.array(ends)[:, None])[:, None, None, :]
+    for limit in (10**9, 0):  # absorbed, plain
+        attention.absorbed_max_queries = limit
+        q, _, _ = attention.prepare(x, mx.array([19, 12]))
+        rows = attention.finish(attention.attend(q, latent, k_pe, PagedRows(ends, None)))
+        masked = attention.finish(attention.attend(q, latent, k_pe, visible))
+        assert mx.abs(rows - masked).max().item() <= 1e-5
 
 
 def test_a_v2_lite_shaped_pool_keeps_under_an_eighth_of_the_decompressed_keys_and_values():
@@ -599,3 +659,22 @@ def test_presets_require_a_path_and_name_their_family(preset, families, tmp_path
         validate_config(compose_run([f"model={preset}"]))
     model = validate_config(compose_run([f"model={preset}", f"model.path={tmp_path}"])).model
     assert model.families == families and set(families) <= set(list_supported_families()) and model.hub_ids
+
+
+def test_the_api_and_the_server_give_each_row_its_own_tokens(built, tmp_path):
+    """tests/test_new_families_paths.py's checks on this checkpoint: through the Python API (the prompt cache
+    on) a batch and a conversation give each row its own tokens and a JSON-schema row answers in its schema;
+    the server's chat completion is the API's answer."""
+    from mlxcel import load_generator
+    from tests import test_new_families_paths as paths
+    from tests.serve_fixtures import request_json, running_server
+
+    if built["family"] != "deepseek_v3":
+        pytest.skip("the paths are the family's: checked once")
+    folder, overrides = built["folder"], paths.OVERRIDES
+    paths.test_the_api_gives_each_row_its_own_tokens_and_a_schema_row_its_schema(folder)
+    expected = load_generator({"model": {"path": str(folder)}}, overrides=overrides).generate(paths.CONVERSATION)
+    with running_server(tmp_path / "run", f"model.path={folder}", *overrides, "serve.model_name=m") as server:
+        status, body, _ = request_json(f"{server.url}/chat/completions", {"model": "m", "messages": paths.CONVERSATION})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == expected.text

@@ -59,6 +59,7 @@ FAMILIES = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",  # Kimi K2: a DeepSeek V3 text model
     "kimi_k25": "deepseek_v3",  # Kimi K2.5's vision-language folders: their language model
+    "mistral4": "mistral4",  # Mistral 4: MLA with Llama 4's query scale, its own softmax router
     # hybrids: recurrent layers beside attention (models/recurrent.py)
     "qwen3_5_text": "qwen3_5",
     "qwen3_5": "qwen3_5",  # the vision-language folders: their language model
@@ -85,6 +86,15 @@ UNSUPPORTED_LAYOUTS = {
     "deepseek_v4": (
         "DeepSeek V4, whose compressed sparse attention layers (compressed KV with a lightning indexer) and "
         "hyper-connections are not supported; DeepSeek V3 / V3.1 folders (deepseek_v3) load"
+    ),
+    "mistral_large4": (
+        "Mistral Large 4, whose sparse attention (an indexer picking each query's top-k keys), NoPE layers and "
+        "layers sharing another layer's latent cache are not supported; Mistral 4 folders (mistral4) load"
+    ),
+    "mistral_large4_text": (
+        "Mistral Large 4's language model, whose sparse attention (an indexer picking each query's top-k keys), "
+        "NoPE layers and layers sharing another layer's latent cache are not supported; Mistral 4 folders "
+        "(mistral4) load"
     ),
     "phi4mm": (
         "the original remote-code layout of Phi-4-multimodal (LoRA weights inside the checkpoint); load the "

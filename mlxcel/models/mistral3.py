@@ -1,7 +1,8 @@
 """Mistral 3 (model_type mistral3: Mistral-Small-3.1/3.2): the Pixtral vision transformer
 (mlxcel/vision/pixtral_vit.py), Mistral 3's projector with its patch merger
 (mlxcel/vision/mistral3_projector.py) and one of mlxcel's text families as the language model,
-picked by `text_config.model_type` (mistral, as Mistral3Config defaults to; llama also works).
+picked by `text_config.model_type` (mistral, as Mistral3Config defaults to; llama also works; mistral4 in
+Mistral-Small-4's folders: models/mistral4.py).
 
 The Model is the text family's Model with `vision_tower` and `multi_modal_projector` added (a
 subclass built per text family, as LLaVA's: the engine and the segmented decoder see the same
@@ -47,7 +48,7 @@ from mlxcel.vision.processors import pixtral
 from mlxcel.vision.stage import ImageInputs, check_placeholder_count, count_placeholders
 
 REQUIRED_KEYS = ("model_type",)
-SUPPORTED_TEXT = ("mistral", "llama")
+SUPPORTED_TEXT = ("mistral", "llama", "mistral4")  # mistral4: Mistral-Small-4's released folders
 SUPPORTED_TOWERS = ("pixtral",)
 # Mistral3Config's sub-config defaults: used when config.json has no text_config / vision_config at all.
 DEFAULT_TEXT_CONFIG = {

@@ -1,0 +1,209 @@
+"""Mistral 4 (`mistral4`: Mistral-Small-4's language model), transformers' Mistral4ForCausalLM: DeepSeek V3's
+layout with its own routing and query scale.
+
+- multi-head latent attention (models/mla.py: the cache keeps each position's latent and shared RoPE key),
+  RoPE on interleaved pairs (`rope_interleave`, default true) over the qk_rope_head_dim dimensions, YaRN as
+  rope_parameters sets it, the softmax scale times mscale(factor, mscale_all_dim)^2;
+- Llama 4's position-dependent query scale (`rope_parameters.llama_4_scaling_beta`): every query, its
+  no-RoPE and RoPE parts alike, times 1 + beta * log(1 + floor(p / original_max_position_embeddings)) at
+  position p (1 below the original context: 8192 positions in the released config);
+- the first `first_k_dense_replace` layers dense (SwiGLU of intermediate_size), the rest a mixture of
+  experts: a softmax router over every expert that keeps the best topk_group of n_group groups (a group
+  scored by its two best, the others' scores zeroed), takes the top k, weights them by their softmax scores
+  (normalised when norm_topk_prob, the default), times routed_scaling_factor; SwiGLU experts of
+  moe_intermediate_size, plus n_shared_experts' worth of shared expert every token runs.
+
+Weights: transformers' stacked experts (experts.gate_up_proj [E, 2I, H], experts.down_proj), what
+save_pretrained writes, and mlx-lm's names (switch_mlp.*, embed_q / unembed_out: its converted and quantized
+folders). A config.json without rope_parameters takes Mistral4Config's (YaRN factor 128 over 8192 positions,
+llama_4_scaling_beta 0.1), as transformers does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxcel.errors import MlxcelError
+from mlxcel.models import deepseek_v3, llama
+from mlxcel.models.mla import MultiHeadLatentAttention
+
+REQUIRED_KEYS = deepseek_v3.REQUIRED_KEYS
+# transformers' Mistral4Config defaults for the keys read here, where config.json is silent
+CONFIG_DEFAULTS = {
+    "n_shared_experts": 1,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 1.0,
+    "q_lora_rank": 1024,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 0,
+    "norm_topk_prob": True,
+    "rope_interleave": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 1048576,
+}
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 128.0,
+    "original_max_position_embeddings": 8192,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
+
+@dataclass
+class ModelArgs(deepseek_v3.ModelArgs):
+    llama_4_scaling_beta: float = 0.0  # 0: no query scale
+    llama_4_scaling_length: int = 8192  # original_max_position_embeddings: the scale's step
+
+    @classmethod
+    def from_config(cls, config: dict, **overrides: Any) -> ModelArgs:
+        config = {**CONFIG_DEFAULTS, **config}
+        if not (config.get("rope_parameters") or config.get("rope_scaling")):
+            config["rope_parameters"] = dict(DEFAULT_ROPE)
+        rope = config.get("rope_parameters") or config.get("rope_scaling")
+        beta = float(rope.get("llama_4_scaling_beta") or 0.0)
+        length = rope.get("original_max_position_embeddings")
+        if beta and not (isinstance(length, int) and length > 0):
+            raise MlxcelError(
+                f"config.json: rope_parameters.llama_4_scaling_beta={beta} scales queries by position in steps of "
+                f"rope_parameters.original_max_position_embeddings, which is {length!r}; set it to a positive "
+                "integer (8192 in the released Mistral 4 config)"
+            )
+        values = {
+            "topk_method": "mistral4",
+            "llama_4_scaling_beta": beta,
+            "llama_4_scaling_length": int(length or 8192),
+            "norm_topk_prob": bool(config["norm_topk_prob"]),
+        }
+        # (deepseek_v3 reads model_type deepseek_v2 as V2; anything else, this one too, with V3's keys)
+        return super().from_config(config, **{**values, **overrides})
+
+
+class Attention(MultiHeadLatentAttention):
+    """MLA with Llama 4's query scale by position (mla.py's `queries` hook)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(
+            hidden_size=args.hidden_size,
+            num_heads=args.num_attention_heads,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
+            q_lora_rank=args.q_lora_rank,
+            attention_bias=args.attention_bias,
+            rope_theta=args.rope_theta,
+            rope_interleave=args.rope_interleave,
+            rope_scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+        self.query_scaling = (args.llama_4_scaling_beta, args.llama_4_scaling_length)
+
+    def queries(self, q: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        q_nope, q_pe = super().queries(q, offset)
+        beta, length = self.query_scaling
+        if not beta:
+            return q_nope, q_pe
+        scales = query_scales(offset, q.shape[1], beta, length)
+        return (q_nope * scales).astype(q_nope.dtype), (q_pe * scales).astype(q_pe.dtype)
+
+
+def query_scales(offset: int | mx.array, length: int, beta: float, step: int) -> mx.array:
+    """[B or 1, 1, L, 1]: transformers' get_llama_4_attn_scale at each query's position (a left-padded
+    row's padding counted at 0)."""
+    start = offset[..., None] if isinstance(offset, mx.array) else offset
+    positions = mx.maximum(mx.arange(length) + start, 0).astype(mx.float32)
+    return (1 + beta * mx.log1p(mx.floor(positions / step))).reshape(-1, 1, length, 1)
+
+
+class Router:
+    """transformers' Mistral4TopkRouter on the gate's logits, in float32: softmax over every expert; with
+    groups, the best topk_group of n_group (a group scored by the sum of its two best) kept and the rest
+    zeroed for the choice; the top k's softmax scores as weights, normalised when norm_topk_prob, times the
+    scale. (The gate itself is a Linear: mlx-lm quantizes it in its folders.)"""
+
+    def __init__(self, args: ModelArgs):
+        experts, top_k, groups = args.n_routed_experts, args.num_experts_per_tok, args.n_group
+        if not 1 <= top_k <= experts or experts % groups or not 1 <= args.topk_group <= groups:
+            raise MlxcelError(
+                f"config.json: num_experts_per_tok={top_k} must be between 1 and n_routed_experts ({experts}), "
+                f"n_routed_experts a multiple of n_group ({groups}) and topk_group ({args.topk_group}) between 1 "
+                "and n_group"
+            )
+        self.top_k, self.normalize, self.scale = top_k, args.norm_topk_prob, args.routed_scaling_factor
+        self.groups = (groups, args.topk_group) if args.topk_group < groups else None
+
+    def __call__(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        scores = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        choice = scores
+        if self.groups is not None:
+            n_group, topk_group = self.groups
+            grouped = mx.unflatten(scores, -1, (n_group, -1))
+            best = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., n_group]
+            dropped = mx.argpartition(best, kth=n_group - topk_group - 1, axis=-1)[..., : n_group - topk_group, None]
+            choice = mx.flatten(mx.put_along_axis(grouped, dropped, mx.array(0.0), axis=-2), -2, -1)
+        indices = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        weights = mx.take_along_axis(scores, indices, axis=-1)
+        if self.normalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return indices, weights * self.scale
+
+
+class MoE(deepseek_v3.MoE):
+    """DeepSeek's block (gate, experts `switch_mlp`, `shared_experts`) with Mistral 4's router."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.gate = nn.Linear(args.hidden_size, args.n_routed_experts, bias=False)
+        self.router = Router(args)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # a dense gate's weight is float32 (Model.float32_weights): its input too; a quantized one as loaded
+        logits = self.gate(x.astype(mx.float32) if isinstance(self.gate, nn.Linear) else x)
+        indices, weights = self.router(logits)
+        y = (self.switch_mlp(x, indices) * weights[..., None]).sum(axis=-2).astype(x.dtype)
+        if "shared_experts" in self:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class TransformerBlock(deepseek_v3.TransformerBlock):
+    def __init__(self, args: ModelArgs, sparse: bool):
+        nn.Module.__init__(self)
+        self.self_attn = Attention(args)
+        self.mlp = MoE(args) if sparse else llama.MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Mistral4Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, sparse) for sparse in args.sparse_layers]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(deepseek_v3.Model):
+    """DeepSeek's weights handling (kv_b_proj split per head, experts stacked, FP8 blocks dequantized)."""
+
+    float32_weights = (".gate.weight",)  # the router computes in float32
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Mistral4Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)

@@ -383,6 +383,9 @@ def test_kv_bits_quantizes_the_latent_or_is_refused(built):
         assert read_head_dim(config) == 8  # (pipeline.check_before_loading: the group must divide it)
         with pytest.raises(MlxcelError, match="kv_group_size=32 does not divide"):
             mlxcel_generate(model, [PROMPT[:9]], 4, kv_bits=8, **request)
+        # the scheduler's quantized pool too (a request whose kv_bits skipped the check before loading)
+        with pytest.raises(MlxcelError, match="kv_group_size=32 does not divide"):
+            schedule(model, [PROMPT[:9]], 4, request={"kv_bits": 8, **request}, max_rows=2)
         return
     assert read_head_dim(config) == 32
 

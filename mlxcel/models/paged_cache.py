@@ -463,13 +463,15 @@ class QuantizedPagedKVCache(PagedKVCache):
 
         step = self.table.step
         B, heads, L, D = keys.shape
+        if self.parts is None:
+            for width in (D, values.shape[-1]):  # (an MLA layer's values, its RoPE key, are narrower)
+                check_head_dim(width, self.group_size)
         new = [
-            mx.quantize(x.transpose(0, 2, 1, 3).reshape(B * L, heads, D), group_size=self.group_size, bits=self.bits)
+            mx.quantize(x.transpose(0, 2, 1, 3).reshape(B * L, heads, -1), group_size=self.group_size, bits=self.bits)
             for x in (keys, values)
         ]
         size = self.table.num_blocks * BLOCK_SIZE
         if self.parts is None:
-            check_head_dim(D, self.group_size)
             self.dtype = keys.dtype
             self.parts = tuple(tuple(mx.zeros((size, *p.shape[1:]), p.dtype) for p in parts) for parts in new)
         self.parts = tuple(tuple(fit(p, size) for p in parts) for parts in self.parts)

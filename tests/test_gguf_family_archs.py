@@ -185,7 +185,7 @@ def test_unsupported_architecture_is_one_clear_error(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        MlxcelError, match=r"m\.gguf: GGUF architecture 'mamba' is not supported \(supported: gemma, gemma2, gemma3"
+        MlxcelError, match=r"m\.gguf: GGUF architecture 'mamba' is not supported \(supported: deepseek2, gemma, gemma2"
     ):
         load_model(str(tmp_path / "m.gguf"), dtype="float32")
 

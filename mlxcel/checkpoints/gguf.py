@@ -39,6 +39,20 @@ size and key_length_swa the sliding ones'; head_count_kv and feed_forward_length
 a layer; rope_freqs marks the global layers' rotated pairs (1) and the rest (1e30); a global layer
 without attn_v has keys that double as values; gate and up experts come as one tensor, the router's
 and experts' scales as `.scale` tensors (undo_gemma4_transforms).
+
+Multi-head latent attention files (`deepseek2`: DeepSeek V2/V3, Kimi K2; `mistral4`): convert_hf_to_gguf.py's
+DeepseekV2Model writes kv_b_proj split per head as attn_k_b ([H, R, nope]: mla.py's embed_q as it is) and
+attn_v_b ([H, v, R]: unembed_out), the heads' widths as key_length_mla / value_length_mla (key_length and
+value_length are the latent's); older files keep attn_kv_b whole and the heads' widths in key_length /
+value_length (split here). No Q/K permutation (DeepSeek's RoPE pairs are interleaved already). The router is
+read from expert_gating_func (sigmoid: DeepSeek V3's, with exp_probs_b.bias as its correction bias; softmax,
+also when the key is absent as llama.cpp takes it: V2's, or Mistral 4's), expert_group_count /
+expert_group_used_count, expert_weights_norm / expert_weights_scale; YaRN's mscale_all_dim is
+yarn_log_multiplier / 0.1 (the converter's factor) and its rotary mscale the same (as in every released
+config; the file keeps one). Mistral 4's query scale by position is attention.temperature_scale where the
+file has it, else the released config's 0.1 (the converter writes none; llama.cpp then runs unscaled, the
+same below 8192 positions). Multi-token-prediction blocks (nextn_predict_layers) are dropped
+(undo_mla_transforms).
 """
 
 from __future__ import annotations
@@ -77,13 +91,18 @@ SUPPORTED_GGUF_ARCHS = {
     "glm4": "glm4",
     "glm4moe": "glm4_moe",
     "llama4": "llama4_text",
+    "deepseek2": "deepseek_v3",  # deepseek_v2 where the router is a softmax (make_mla_config)
+    "mistral4": "mistral4",
 }
 # Architectures whose files may carry experts -> the MoE family they load as (llama with
 # expert_count > 0 is Mixtral; without it, dense llama)
 MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 SHARED_EXPERT_ARCHS = {"qwen35moe", "qwen3next"}  # a shared expert beside the routed ones
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-ARCH_EXPERT_TENSORS = {"gemma4": ("ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps")}  # gate and up as one tensor
+ARCH_EXPERT_TENSORS = {  # gate and up as one tensor
+    "gemma4": ("ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps"),
+    "mistral4": ("ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps"),
+}
 # files that run with interleaved RoPE: llama's and SmolLM3's (the converter permuted Q/K for them),
 # GLM-4's and Llama 4's (their own layout)
 INTERLEAVED_ROPE_ARCHS = {"llama", "glm4", "smollm3", "llama4"}
@@ -93,6 +112,8 @@ TILED_VALUE_HEAD_ARCHS = {"qwen35", "qwen35moe"}  # _LinearAttentionVReorderBase
 MAMBA2_ARCHS = {"nemotron_h"}  # Mamba-2 layers (ssm_* tensors, ssm.* keys)
 NO_ROPE_STEP = {"smollm3": 4}  # llama.cpp's n_no_rope_layer_step for the arch: a literal there, no key in the file
 GLM_ARCHS = {"glm4", "glm4moe"}  # partial RoPE (rope.dimension_count); glm4moe: multi-token-prediction blocks last
+MLA_ARCHS = {"deepseek2", "mistral4"}  # multi-head latent attention (models/mla.py)
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama.cpp's expert_gating_func values
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -218,6 +239,23 @@ _ARCH_TENSOR_NAMES["llama4"] = {
     **{f"ffn_{p}_shexp": f"feed_forward.shared_expert.{p}_proj" for p in ("gate", "up", "down")},
     "rope_freqs.weight": "rope_freqs",
 }
+# Multi-head latent attention: the low-rank query and KV projections, kv_b split per head (embed_q / unembed_out,
+# mlx-lm's names) or whole (older files: split by undo_mla_transforms); DeepSeek's MoE block with its shared
+# experts and the sigmoid router's correction bias; Mistral 4's experts with gate and up as one tensor
+_ARCH_TENSOR_NAMES["deepseek2"] = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.embed_q",
+    "attn_v_b": "self_attn.unembed_out",
+    **make_moe_tensor_names("mlp"),
+    **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+_ARCH_TENSOR_NAMES["mistral4"] = {**_ARCH_TENSOR_NAMES["deepseek2"], "ffn_gate_up_exps": "mlp.experts.gate_up_proj"}
 # Nemotron-H: every block is a norm and one mixer (transformers' backbone.layers.N.mixer.*, renamed
 # by our family to mixer / self_attn / mlp by kind)
 _ARCH_TENSOR_NAMES["nemotron_h"] = {
@@ -347,7 +385,115 @@ def make_config_from_gguf(metadata: dict[str, Any], path: Path) -> tuple[str, di
         config.update(make_gemma4_config(get, config, path, tokens))
     if arch == "llama4":
         config.update(make_llama4_config(get, config, path))
+    if arch in MLA_ARCHS:
+        config.update(make_mla_config(arch, get, config, path))
+        family = config["model_type"]
     return family, config
+
+
+def make_mla_config(arch: str, get, config: dict, path: Path) -> dict:
+    """DeepSeek V2/V3 (`deepseek2`) and Mistral 4 (`mistral4`) from the keys DeepseekV2Model.set_gguf_parameters
+    writes, read as llama.cpp reads them: the heads' widths from key_length_mla / value_length_mla (older
+    files: key_length / value_length), the RoPE key's from rope.dimension_count; the router from
+    expert_gating_func (absent: softmax, but for GLM-4.7-Flash's shape, as llama.cpp), a sigmoid one
+    being DeepSeek V3's, a softmax one V2's (never renormalised: transformers' DeepseekV2 reads no
+    norm_topk_prob) or Mistral 4's; leading_dense_block_count, expert groups, weights' norm and scale
+    (absent: 0, none, off, 1). q_lora_rank is read from the tensors (undo_mla_transforms)."""
+    rope = get("rope.dimension_count")
+    key, value = get("attention.key_length_mla", None, required=False), None
+    if key:
+        value = get("attention.value_length_mla")
+    else:  # written before llama.cpp split kv_b: key_length and value_length are the heads'
+        key, value = get("attention.key_length"), get("attention.value_length")
+    if not 0 < rope < key:
+        raise MlxcelError(
+            f"{path}: GGUF metadata gives a RoPE key of {rope} (rope.dimension_count) in heads {key} wide: the "
+            "heads' keys need room beside it (is key_length_mla missing?)"
+        )
+    layers = config["num_hidden_layers"] - (get("nextn_predict_layers", 0, required=False) or 0)
+    experts = get("expert_count", 0, required=False) or 0
+    gating = get("expert_gating_func", None, required=False)
+    if gating is None:  # llama.cpp: the DeepSeek V2 files written before the key; GLM-4.7-Flash's by its shape
+        gating = GATING_SIGMOID if layers in (47, 48) and config["vocab_size"] == 154880 else GATING_SOFTMAX
+    groups = get("expert_group_count", 1, required=False) or 1
+    used_groups = get("expert_group_used_count", groups, required=False) or groups
+    normalize = bool(get("expert_weights_norm", False, required=False))
+    family = "mistral4" if arch == "mistral4" else "deepseek_v3" if gating == GATING_SIGMOID else "deepseek_v2"
+    if gating not in (GATING_SOFTMAX, GATING_SIGMOID) or (arch == "mistral4" and gating != GATING_SOFTMAX):
+        routers = "1 (softmax)" if arch == "mistral4" else "1 (softmax) or 2 (sigmoid)"
+        raise MlxcelError(
+            f"{path}: GGUF metadata '{arch}.expert_gating_func' is {gating}; {arch} routes with {routers}"
+        )
+    if family == "deepseek_v2" and normalize and experts:
+        raise MlxcelError(
+            f"{path}: GGUF metadata '{arch}.expert_weights_norm' is true with a softmax router: DeepSeek V2's "
+            "softmax router never renormalises its top-k weights (transformers' DeepseekV2), and no family here "
+            "reads that combination"
+        )
+    return {
+        "model_type": family,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": config["num_attention_heads"],
+        "kv_lora_rank": get("attention.kv_lora_rank"),
+        "q_lora_rank": get("attention.q_lora_rank", None, required=False) or None,
+        "qk_nope_head_dim": key - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": value,
+        "rope_interleave": True,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": get("expert_used_count") if experts else 1,
+        "moe_intermediate_size": get("expert_feed_forward_length") if experts else 0,
+        "n_shared_experts": get("expert_shared_count", 0, required=False) or 0,
+        "first_k_dense_replace": get("leading_dense_block_count", 0, required=False) or 0,
+        "moe_layer_freq": 1,
+        "n_group": groups,
+        "topk_group": used_groups,
+        "norm_topk_prob": normalize,
+        "routed_scaling_factor": get("expert_weights_scale", 1.0, required=False) or 1.0,
+        "topk_method": "group_limited_greedy" if used_groups < groups else "greedy",
+        "rope_scaling": read_mla_rope_scaling(arch, get, path),
+    }
+
+
+def read_mla_rope_scaling(arch: str, get, path: Path) -> dict | None:
+    """YaRN as DeepseekV2Model writes it (yarn_log_multiplier = 0.1 * mscale_all_dim, undone as llama.cpp
+    does; the rotary mscale taken equal to it, as in every released config), or linear; Mistral 4's query
+    scale (llama_4_scaling_beta, in steps of the original context) beside it."""
+    kind = get("rope.scaling.type", None, required=False)
+    scaling = None
+    if kind == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        }
+        optional = {
+            "beta_fast": "yarn_beta_fast",
+            "beta_slow": "yarn_beta_slow",
+            "attention_factor": "yarn_attn_factor",
+        }
+        for name, key in optional.items():
+            if (found := get(f"rope.scaling.{key}", None, required=False)) is not None:
+                scaling[name] = found
+        if log_multiplier := get("rope.scaling.yarn_log_multiplier", None, required=False):
+            scaling["mscale"] = scaling["mscale_all_dim"] = log_multiplier / 0.1
+    elif kind == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif kind not in (None, "none"):
+        raise MlxcelError(
+            f"{path}: GGUF metadata '{arch}.rope.scaling.type' is {kind!r}; read here: yarn, linear, none"
+        )
+    if arch != "mistral4":
+        return scaling
+    beta = get("attention.temperature_scale", None, required=False)
+    length = get("attention.temperature_length", None, required=False)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        length = scaling["original_max_position_embeddings"]  # (transformers' one key for both)
+    return {
+        **(scaling or {"rope_type": "default"}),
+        "llama_4_scaling_beta": 0.1 if beta is None else beta,  # (the released config's: the converter drops it)
+        "original_max_position_embeddings": length or 8192,
+    }
 
 
 def make_gpt_oss_config(get) -> dict:
@@ -708,6 +854,8 @@ def undo_converter_transforms(
         return undo_glm_transforms(weights, config)
     if arch == "gemma4":
         return undo_gemma4_transforms(weights, config, path)
+    if arch in MLA_ARCHS:
+        return undo_mla_transforms(weights, config, path)
     if arch == "llama4":
         freqs = weights.pop("rope_freqs", None)  # llama3 scaling: each rotated pair's wavelength factor
         if freqs is not None:
@@ -753,6 +901,48 @@ def undo_gemma4_transforms(weights: dict[str, mx.array], config: dict, path: Pat
             continue
         out[key] = value
     return out
+
+
+def undo_mla_transforms(weights: dict[str, mx.array], config: dict, path: Path | None = None) -> dict[str, mx.array]:
+    """The latent-attention families' tensors as they hold them: the multi-token-prediction blocks after the
+    decoder's dropped; q_lora_rank read from q_a_proj (llama.cpp reads no key for it in some files); an older
+    file's kv_b_proj [H * (nope + v), R] split per head into embed_q [H, R, nope] and unembed_out [H, v, R]
+    (dequantized first: the pieces stay dense); Mistral 4's gate_up experts [E, 2I, H] split in two; a sigmoid
+    router without its correction bias (optional to llama.cpp) given a zero one."""
+    layers = config["num_hidden_layers"]
+    weights = {k: v for k, v in weights.items() if not is_past_layer(k, layers)}
+    q_a = "model.layers.0.self_attn.q_a_proj.weight"
+    config["q_lora_rank"] = weights[q_a].shape[0] if q_a in weights else None
+    heads, nope, width = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    for prefix in sorted(k[: -len(".weight")] for k in weights if k.endswith(".self_attn.kv_b_proj.weight")):
+        if f"{prefix}.scales" in weights:
+            dequantize_gguf_tensor(weights, prefix)
+        packed = weights.pop(f"{prefix}.weight")
+        expected = (heads * (nope + width), config["kv_lora_rank"])
+        if tuple(packed.shape) != expected:
+            raise MlxcelError(
+                f"{path or 'GGUF file'}: tensor {prefix} has shape {tuple(packed.shape)}, but the GGUF metadata gives "
+                f"{expected} ({heads} heads of {nope} + {width} over a latent of {config['kv_lora_rank']})"
+            )
+        per_head = packed.reshape(heads, nope + width, -1)
+        attention = prefix[: -len(".kv_b_proj")]
+        weights[f"{attention}.embed_q.weight"] = mx.contiguous(per_head[:, :nope].swapaxes(-1, -2))
+        weights[f"{attention}.unembed_out.weight"] = mx.contiguous(per_head[:, nope:])
+    for key in [k for k in weights if ".mlp.experts.gate_up_proj." in k]:
+        base, part = key.split(".mlp.experts.gate_up_proj.")
+        gate, up = mx.split(weights.pop(key), 2, axis=1)
+        weights[f"{base}.mlp.switch_mlp.gate_proj.{part}"], weights[f"{base}.mlp.switch_mlp.up_proj.{part}"] = gate, up
+    if config["model_type"] == "deepseek_v3" and config["n_routed_experts"]:
+        for layer in range(config["first_k_dense_replace"], layers):
+            weights.setdefault(
+                f"model.layers.{layer}.mlp.gate.e_score_correction_bias", mx.zeros((config["n_routed_experts"],))
+            )
+    return weights
+
+
+def is_past_layer(key: str, layers: int) -> bool:
+    parts = key.split(".")
+    return parts[:2] == ["model", "layers"] and int(parts[2]) >= layers
 
 
 def undo_glm_transforms(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
@@ -908,7 +1098,7 @@ def rename_gguf_weights(
     names = {**_TENSOR_NAMES, **_ARCH_TENSOR_NAMES.get(arch, {})}
     renamed = {}
     for name, value in weights.items():
-        if arch in GLM_ARCHS and re.fullmatch(r"blk\.\d+\.nextn\.\w+\.\w+", name):
+        if arch in GLM_ARCHS | MLA_ARCHS and re.fullmatch(r"blk\.\d+\.nextn\.\w+\.\w+", name):
             continue  # a multi-token-prediction block's own tensors (undo_glm_transforms drops the rest of it)
         match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)(?:\.(weight|bias|scales|biases|scale))?", name)
         layer, base, kind = match.groups() if match else (None, None, None)

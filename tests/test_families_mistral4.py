@@ -250,6 +250,39 @@ def test_mlx_lm_converted_folders_load_and_match_mlx_lm(built, tmp_path):
         assert np.abs(ours - built["logits"]).max() > 1e-3  # (the folder really was quantized)
 
 
+def test_fp8_release_layout_is_dequantized_by_its_scales(built, tmp_path):
+    """Mistral's FP8 layout (mlx-lm's mistral4 reads the same): each projection's weight as e4m3 bytes with a
+    float32 weight_scale_inv a tensor, the stacked experts' with one an expert ([E, 1, 1]: `_scale_inv` after
+    the tensor's name), static activation_scale tensors beside (dropped). Loaded, the logits of the weights
+    dequantized by hand (bfloat16, as the release is meant to be read)."""
+    weights = mx.load(str(built["folder"] / "model.safetensors"))
+    packed, dense = dict(weights), dict(weights)
+    for key, value in weights.items():
+        stacked = key.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+        if not (stacked or (key.endswith("proj.weight") and value.ndim == 2)):
+            continue
+        axes = (1, 2) if stacked else None
+        scale = mx.abs(value).max(axis=axes, keepdims=stacked) / 448.0  # e4m3's largest finite value
+        fp8 = mx.to_fp8(value / scale)
+        packed[key] = fp8
+        packed[f"{key}_scale_inv"] = scale
+        packed[key.replace(".weight", "") + ".activation_scale"] = mx.array(1.0)
+        dense[key] = (mx.from_fp8(fp8, dtype=mx.float32) * scale).astype(mx.bfloat16).astype(mx.float32)
+    got, _ = mlxcel_logits(rewrite_checkpoint(built["folder"], tmp_path / "fp8", packed), LONG_PROMPT)
+    expected, _ = mlxcel_logits(rewrite_checkpoint(built["folder"], tmp_path / "dense", dense), LONG_PROMPT)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert np.abs(got - built["logits"]).max() > 1e-3  # (the weights did change: the test can fail)
+
+
+def rewrite_checkpoint(src: Path, dst: Path, weights: dict[str, mx.array]) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.suffix != ".safetensors":
+            (dst / file.name).write_bytes(file.read_bytes())
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "pt"})
+    return dst
+
+
 # --- Mistral-Small-4's released layout: a Mistral 3 vision-language folder over mistral4 ---------------------
 
 

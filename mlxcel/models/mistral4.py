@@ -196,7 +196,8 @@ class Mistral4Model(nn.Module):
 
 
 class Model(deepseek_v3.Model):
-    """DeepSeek's weights handling (kv_b_proj split per head, experts stacked, FP8 blocks dequantized)."""
+    """DeepSeek's weights handling (kv_b_proj split per head, experts stacked, FP8 blocks dequantized), and
+    Mistral's FP8 layout before it (dequantize_fp8_per_tensor)."""
 
     float32_weights = (".gate.weight",)  # the router computes in float32
 
@@ -207,3 +208,28 @@ class Model(deepseek_v3.Model):
         self.model = Mistral4Model(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return super().sanitize(dequantize_fp8_per_tensor(weights))
+
+
+def dequantize_fp8_per_tensor(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Mistral's FP8 releases (mlx-lm's mistral4 reads the same): `X.weight`, or a stacked expert tensor `X`,
+    as e4m3 bytes with `X.weight_scale_inv` / `X_scale_inv` a float32 scale that broadcasts over it (one a
+    tensor, or [E, 1, 1] one an expert) -> bfloat16; the static activation scales (`*.activation_scale`, for
+    FP8 matmuls) dropped. Scales per 128 x 128 block are left to deepseek_v3.dequantize_fp8."""
+    weights = {k: v for k, v in weights.items() if not k.endswith(".activation_scale")}
+    for key in [k for k in weights if k.endswith("_scale_inv")]:
+        name, scale = key[: -len("_scale_inv")], weights[key]
+        weight = weights.get(name)
+        if weight is None or not broadcasts(scale.shape, weight.shape):
+            continue
+        dense = mx.from_fp8(weight.view(mx.uint8), dtype=mx.float32) * scale.astype(mx.float32)
+        weights[name] = dense.astype(mx.bfloat16)
+        del weights[key]
+    return weights
+
+
+def broadcasts(scale: tuple[int, ...], weight: tuple[int, ...]) -> bool:
+    padded = (1,) * (len(weight) - len(scale)) + tuple(scale)
+    return len(scale) <= len(weight) and all(s in (1, w) for s, w in zip(padded, weight))

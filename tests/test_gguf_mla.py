@@ -291,6 +291,19 @@ def test_q8_0_gguf_quantized_and_dequantized_agree(oracle, family, tmp_path):
     assert np.abs(dense - built["logits"]).max() > 1e-3  # (the file really was quantized)
 
 
+def test_a_packed_file_through_the_scheduler_draws_each_rows_tokens(oracle, tmp_path):
+    """The Q8_0 file kept packed (v_b and the experts quantized) in BatchScheduler's paged pool: rows of 160,
+    23 and 9 tokens prefilled in pieces of 16 beside one another, then decoded together, each drawing what
+    it draws alone through the batch engine."""
+    from tests.family_fixtures import schedule
+
+    path = write_mla_gguf(oracle("deepseek_v3")["folder"], tmp_path / "q8.gguf", quant="Q8_0")
+    model = load_model(str(path), dtype="float32", gguf_weights="quantized").model
+    prompts = [LONG_PROMPT, PROMPT[5:28], PROMPT[:9]]
+    state = schedule(model, prompts, 16, max_rows=4, chunk_size=16)
+    assert [r.token_ids for r in state.results] == [mlxcel_generate(model, [p], 16)[0] for p in prompts]
+
+
 def test_yarn_with_its_log_multiplier_matches_the_safetensors_load(tmp_path):
     """DeepSeek's YaRN (factor 4 over 64 positions, mscale = mscale_all_dim = 0.707): the file's
     yarn_log_multiplier (0.1 x 0.707) back to mscale_all_dim, the softmax scale times its mscale^2."""

@@ -48,6 +48,7 @@ TRANSFORMERS_CLASSES = {
     "gemma4": "Gemma4ForConditionalGeneration",
 }
 ATTENTION_SHAPES = ["gpt-oss-small", "gemma4-e2b-small"]  # issue 41's: sinks, windows, MXFP4 experts, PLE, shared KV
+MLA_SHAPE = "deepseek-v2-lite-small"  # issue 42's: multi-head latent attention, DeepSeek's MoE
 
 
 def shrink_hybrid_shape(name: str) -> dict:
@@ -439,3 +440,166 @@ def test_policy_bench_tables_every_dtype_and_chunk(tiny_llama, tmp_path):
     assert all(float(value) > 0 for row in chunk_rows for value in row[2:])
     with pytest.raises(SystemExit):
         policy.parse_args(["--dtypes", "fp8"])
+
+
+# --- issue 42: the DeepSeek-V2-Lite shape (multi-head latent attention) ---------------------------------
+
+
+def shrink_mla_shape() -> dict:
+    """The DeepSeek-V2-Lite bench shape at a test's scale: its layout and options (a dense first layer, then
+    softmax-routed experts and the shared ones; YaRN x40), a few dims wide, each cached width its own (latent
+    32, RoPE key 8, no-RoPE key 16, value 16) so a width swapped somewhere shows; 8 experts, 3 per token."""
+    shape = copy.deepcopy(RANDOM_SHAPES[MLA_SHAPE])
+    shape.update(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        vocab_size=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return shape
+
+
+def build_tiny_mla(folder, dtype=mx.float32):
+    return build_random_checkpoint(folder, shrink_mla_shape(), dtype)
+
+
+# the tiny shape's KV bytes a position in fp32, 3 layers: mlxcel's pool keeps the latent and the RoPE key
+# (32 + 8); mlx-lm's cache 4 heads' keys (16 + 8) and values (16)
+TINY_MLA_KV_BYTES = {"mlxcel": 3 * (32 + 8) * 4, "mlx-lm": 3 * 4 * ((16 + 8) + 16) * 4}
+
+
+def test_mla_shape_is_deepseek_v2_lite_cut():
+    """8 of DeepSeek-V2-Lite's 27 layers: 4.59B parameters; at the released depth the listing gives the
+    released folder's 15,706,484,224 exactly. Only this shape is an MLA one (the KV-bytes figure's switch)."""
+    from mlxcel.bench.peers import uses_latent_attention
+
+    shape = copy.deepcopy(RANDOM_SHAPES[MLA_SHAPE])
+    assert round(count_parameters(shape) / 1e7) == 459
+    shape["num_hidden_layers"] = 27
+    assert count_parameters(shape) == 15_706_484_224
+    assert [name for name, shape in RANDOM_SHAPES.items() if uses_latent_attention(shape)] == [MLA_SHAPE]
+
+
+def test_mla_shape_is_the_tensors_transformers_builds():
+    """The full-size config reads in transformers 5 as DeepSeek-V2-Lite's (YaRN x40 from `rope_scaling`),
+    and the folder's tensors are its DeepseekV2ForCausalLM's (built on the meta device: no memory), the
+    experts one by one as save_pretrained writes them (transformers fuses them only in memory)."""
+    import torch
+    import transformers
+
+    shape = RANDOM_SHAPES[MLA_SHAPE]
+    config = transformers.AutoConfig.for_model(**shape)
+    rope = config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["rope_theta"], rope["mscale_all_dim"]) == ("yarn", 40, 10000, 0.707)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim) == (None, 512, 192)
+    assert (config.topk_method, config.num_experts_per_tok, config.n_shared_experts) == ("greedy", 6, 2)
+    with torch.device("meta"):
+        model = transformers.DeepseekV2ForCausalLM(config)
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for key in [k for k in theirs if k.endswith("mlp.experts.gate_up_proj")]:
+        experts, rows, columns = theirs.pop(key)
+        _, _, inter = theirs.pop(key.replace("gate_up_proj", "down_proj"))
+        prefix = key.removesuffix("gate_up_proj")
+        for e in range(experts):
+            theirs.update(
+                {
+                    f"{prefix}{e}.gate_proj.weight": (rows // 2, columns),
+                    f"{prefix}{e}.up_proj.weight": (rows // 2, columns),
+                    f"{prefix}{e}.down_proj.weight": (columns, inter),
+                }
+            )
+    assert list_weight_shapes(shape) == theirs
+
+
+def test_mla_checkpoint_reads_the_same_in_mlxcel_transformers_and_mlx_lm(tmp_path):
+    """The folder means one model to all three: transformers reads every tensor (none missing or left
+    over) and writes back the same names and shapes (save_pretrained: the released layout); mlxcel's fp32
+    logits over 40 tokens are transformers' and, with mlx-lm installed, mlx-lm's (its deepseek_v2 sanitize
+    stacks the per-expert tensors)."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    from mlxcel.checkpoints.loader import load_model
+
+    folder = build_tiny_mla(tmp_path / "mla")
+    tokens = [(37 * i + 11) % 400 + 100 for i in range(40)]
+    model = load_model(str(folder), dtype="float32").model
+    ours = np.array(model(mx.array([tokens]), model.make_cache()))
+    oracle, info = transformers.DeepseekV2ForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        theirs = oracle(torch.tensor([tokens])).logits.numpy()
+    assert ours.shape == theirs.shape == (1, 40, 512)
+    assert np.abs(ours - theirs).max() <= 1e-4
+    oracle.save_pretrained(tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "np") as f:
+        assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == list_weight_shapes(shrink_mla_shape())
+    if importlib.util.find_spec("mlx_lm") is not None:
+        from mlxcel.bench.peers import load_peer
+
+        peer = load_peer("mlx-lm", folder, mx.float32)
+        assert np.abs(ours - np.array(peer.model(mx.array([tokens])))).max() <= 1e-4
+
+
+@requires_mlx_lm
+def test_bench_runs_both_engines_on_the_mla_shape_and_prints_the_kv_bytes(tmp_path, capsys):
+    """python -m mlxcel.bench on the tiny shape: the same greedy ids, and the KV bytes a position printed and
+    in --json: mlxcel's pool (the latent and the RoPE key a layer) against mlx-lm's cache as measured on it
+    (decompressed keys and values per head)."""
+    folder = build_tiny_mla(tmp_path / "mla")
+    out = tmp_path / "bench.json"
+    argv = ["--models", str(folder), "--prompt-lengths", "12", "--batch-sizes", "1,2", "--gen", "4", "--reps", "1"]
+    assert bench_cli.main([*argv, "--dtype", "float32", "--work-dir", str(tmp_path), "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads(out.read_text())
+    assert [case["token_ids_agree"] for case in report["cases"]] == ["agree", "agree"]  # fp32, same weights
+    (figure,) = report["kv_bytes_per_position"].values()
+    assert figure == {**TINY_MLA_KV_BYTES, "ratio": 0.25}
+    assert all(case["kv_bytes_per_position"] == figure for case in report["cases"])
+    expected = "KV bytes per position (every layer, the bench dtype): mlxcel 480, mlx-lm 1,920: ratio 0.250 (1/4.0)"
+    assert f"{folder} {expected}" in lines  # (the bench labels a folder by its path)
+
+
+@requires_mlx_lm
+def test_bench_jobs_runs_both_engines_on_the_mla_shape_and_prints_the_kv_bytes(tmp_path, capsys):
+    """python -m mlxcel.bench.jobs on the tiny shape: the scheduler runs the rows, every row's ids are mlx-lm's,
+    and the KV bytes a position is printed and in --json; with mlxcel alone, mlxcel's figure only."""
+    from mlxcel.bench import jobs
+
+    folder = build_tiny_mla(tmp_path / "mla")
+    job = ["--rows", "5", "--prompt-tokens", "3,12", "--output-tokens", "1,6", "--max-rows", "2", "--dtype", "float32"]
+    for engines, figure in (("mlxcel,mlx-lm", {**TINY_MLA_KV_BYTES, "ratio": 0.25}), ("mlxcel", {"mlxcel": 480})):
+        out = tmp_path / "jobs.json"
+        argv = ["--models", str(folder), *job, "--engines", engines, "--work-dir", str(tmp_path), "--json", str(out)]
+        assert jobs.main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        (model,) = json.loads(out.read_text())["models"]
+        assert model["scheduler"]["occupancy"] > 0 and model["kv_bytes_per_position"] == figure
+        assert any(line.startswith(f"{folder.name} KV bytes per position") for line in lines)
+    assert model["ratio"] is None
+    assert lines[-1] == f"{folder.name} KV bytes per position (every layer, the bench dtype): mlxcel 480"
+
+
+def test_mlx_lm_deepseek_experts_in_half_precision_on_the_cpu_are_refused_in_one_line():
+    """DeepSeek names its expert count n_routed_experts: mlx-lm's SwitchGLU there too."""
+    from mlxcel.bench.peers import check_peer_dtype
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("a CPU-only limit of MLX (its gather_mm)")
+    with pytest.raises(ValueError, match="--dtype float32"):
+        check_peer_dtype(RANDOM_SHAPES[MLA_SHAPE], mx.bfloat16)
+    check_peer_dtype(RANDOM_SHAPES[MLA_SHAPE], mx.float32)

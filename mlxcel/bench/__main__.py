@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                     "environment": env,
                     "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                     "cases": [r.to_dict() for r in results],
+                    # MLA models: KV bytes a position, mlxcel's pool against mlx-lm's cache
+                    "kv_bytes_per_position": {r.model: r.kv_bytes for r in results if r.kv_bytes},
                 },
                 indent=1,
             )

@@ -17,6 +17,11 @@ mlx-lm read, so the two run the very same weights.
 - `gemma4-e2b-small`: google/gemma-4-E2B's language model cut to 10 of its 35 layers, in the
   released `gemma4` folder's layout (`text_config`, `model.language_model.*`), no vision or
   audio tower.
+- `deepseek-v2-lite-small`: deepseek-ai/DeepSeek-V2-Lite (multi-head latent attention and
+  DeepSeek's MoE) cut to 8 of its 27 layers, in the released `deepseek_v2` folder's layout, which
+  is also what transformers 5.25's save_pretrained writes (per-expert `mlp.experts.N.*`) and what
+  mlx-lm 0.32's deepseek_v2 sanitize stacks: see DEEPSEEK_V2_LITE_SMALL for where each number
+  comes from and why the cut.
 - any other value: a path to an HF folder; its config gets a top-level `rope_theta` (mlx-lm reads
   nothing else, transformers 5 writes it under `rope_parameters`) and its weights are linked.
 
@@ -181,6 +186,77 @@ GEMMA4_E2B_SMALL = {
     },
 }
 
+# deepseek-ai/DeepSeek-V2-Lite's config.json (the released one: transformers' DeepseekV2Config docstring
+# names that checkpoint, and the config as transformers 5 re-saves it, with the released folder's
+# tensor list, 15,706,484,224 parameters, is in public model reports), read against transformers
+# 5.25's DeepseekV2Config and mlx-lm 0.32's deepseek_v2 ModelArgs, which take every key below:
+# - attention: 16 heads over hidden 2048; no query compression (q_lora_rank null: one q_proj to
+#   16 x (128 + 64)); a latent of kv_lora_rank 512 and one shared RoPE key of qk_rope_head_dim 64
+#   (kv_a_proj_with_mqa 2048 -> 576, kv_a_layernorm), decompressed by kv_b_proj to 16 x (128 + 128);
+# - MLP: layer 0 dense (first_k_dense_replace 1, SwiGLU of 10944), then every layer (moe_layer_freq 1)
+#   64 routed experts of 1408, 6 per token, plus n_shared_experts 2 (one shared MLP of 2 x 1408);
+# - routing: softmax over the experts, greedy top-6 (topk_method greedy, scoring_func softmax,
+#   n_group = topk_group = 1), weights not renormalised (norm_topk_prob false), routed_scaling_factor 1.0;
+# - positions: rope_theta 10000, YaRN (factor 40 over original_max_position_embeddings 4096, beta_fast
+#   32, beta_slow 1, mscale = mscale_all_dim = 0.707), max_position_embeddings 163840 (= 40 x 4096);
+#   written as the released folder writes it (`rope_scaling` with `type`, top-level `rope_theta`):
+#   transformers 5 reads it into rope_parameters, mlx-lm reads only these two keys;
+# - rms_norm_eps 1e-6, vocabulary 102400, untied head, bos 100000, eos 100001.
+# Cut to 8 of its 27 layers (the dense one and 7 MoE layers), every layer as wide as the real one and
+# all 64 experts kept, each token still routed to 6: 4.60B parameters (0.42B of them the embedding
+# and head), ~9.2 GB in bf16. The whole model (15.7B, ~31 GB in bf16) would be built again on every
+# fresh GPU lease, and the ragged job could not fit: mlx-lm caches decompressed keys and values
+# ([B, 16, L, 192] + [B, 16, L, 128] a layer, 27 x 16 x 320 values a position), which at 256 rows of
+# up to ~1.5k positions is ~100 GB beside the two engines' 62 GB of weights on a 141 GB H200. Per
+# layer (what the ratios measure, and the KV bytes a position per layer) the cut changes nothing.
+DEEPSEEK_V2_LITE_LAYERS = 8
+DEEPSEEK_V2_LITE_SMALL = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "num_hidden_layers": DEEPSEEK_V2_LITE_LAYERS,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "attention_bias": False,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "hidden_act": "silu",
+    "vocab_size": 102400,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "initializer_range": 0.02,
+    "use_cache": True,
+}
+
 # Published shapes of the real models (their config.json), random weights; and one made-up shape.
 RANDOM_SHAPES = {
     "qwen2.5-0.5b": {
@@ -280,6 +356,7 @@ RANDOM_SHAPES = {
     },
     "gpt-oss-small": GPT_OSS_SMALL,
     "gemma4-e2b-small": GEMMA4_E2B_SMALL,
+    "deepseek-v2-lite-small": DEEPSEEK_V2_LITE_SMALL,
 }
 CHECKPOINT_NAMES = ("smollm2", *RANDOM_SHAPES)
 
@@ -384,7 +461,9 @@ def dequantize_gguf(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def list_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Llama / Qwen2 / Qwen 3.5 / gpt-oss / Gemma 4 checkpoint."""
+    """HF tensor names and shapes of a Llama / Qwen2 / Qwen 3.5 / gpt-oss / Gemma 4 / DeepSeek V2 checkpoint."""
+    if config["model_type"] == "deepseek_v2":
+        return list_deepseek_v2_shapes(config)
     if config["model_type"] in HYBRID_TYPES:
         return list_qwen3_5_shapes(config)
     if config["model_type"] == "gpt_oss":
@@ -617,6 +696,66 @@ def list_gemma4_shapes(config: dict) -> dict[str, tuple[int, ...]]:
                 }
             )
     if not config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def list_deepseek_v2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """transformers' DeepseekV2ForCausalLM tensors as save_pretrained writes them and DeepSeek released
+    them: each routed expert's SwiGLU on its own (`mlp.experts.N.{gate,up,down}_proj.weight`; transformers
+    fuses them into experts.gate_up_proj / down_proj only in memory, mlx-lm stacks them at load).
+    Multi-head latent attention: a query projection (or the q_a / q_b pair where q_lora_rank is set),
+    kv_a_proj_with_mqa to the latent and the shared RoPE key, kv_a_layernorm, kv_b_proj back to each
+    head's no-RoPE key and value."""
+    hidden, vocab, heads = config["hidden_size"], config["vocab_size"], config["num_attention_heads"]
+    latent, rope, nope, value = (
+        config["kv_lora_rank"],
+        config["qk_rope_head_dim"],
+        config["qk_nope_head_dim"],
+        config["v_head_dim"],
+    )
+    q_rank, experts = config.get("q_lora_rank"), config.get("n_routed_experts") or 0
+    expert_inter, first_dense = config["moe_intermediate_size"], config.get("first_k_dense_replace") or 0
+    frequency = config.get("moe_layer_freq") or 1
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if q_rank:
+            shapes.update(
+                {
+                    a + "q_a_proj.weight": (q_rank, hidden),
+                    a + "q_a_layernorm.weight": (q_rank,),
+                    a + "q_b_proj.weight": (heads * (nope + rope), q_rank),
+                }
+            )
+        else:
+            shapes[a + "q_proj.weight"] = (heads * (nope + rope), hidden)
+        shapes.update(
+            {
+                a + "kv_a_proj_with_mqa.weight": (latent + rope, hidden),
+                a + "kv_a_layernorm.weight": (latent,),
+                a + "kv_b_proj.weight": (heads * (nope + value), latent),
+                a + "o_proj.weight": (hidden, heads * value),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
+        sparse = experts and i >= first_dense and i % frequency == 0
+        mlps = [("mlp.", config["intermediate_size"])]
+        if sparse:
+            shapes[p + "mlp.gate.weight"] = (experts, hidden)
+            mlps = [(f"mlp.experts.{e}.", expert_inter) for e in range(experts)]
+            mlps.append(("mlp.shared_experts.", expert_inter * config["n_shared_experts"]))
+        for m, inter in mlps:
+            shapes.update(
+                {
+                    f"{p}{m}gate_proj.weight": (inter, hidden),
+                    f"{p}{m}up_proj.weight": (inter, hidden),
+                    f"{p}{m}down_proj.weight": (hidden, inter),
+                }
+            )
+    if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
 

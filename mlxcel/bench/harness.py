@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.bench.checkpoints import read_model_config
-from mlxcel.bench.peers import ENGINES, Peer, Run, load_peer
+from mlxcel.bench.peers import ENGINES, Peer, Run, compare_kv_bytes, format_kv_bytes, load_peer, uses_latent_attention
 
 METRICS = {  # key -> (table label, higher is better)
     "prefill_tok_s": ("prefill tok/s", True),
@@ -34,6 +34,7 @@ class CaseResult:
     prompt_len: int
     gen: int
     runs: dict[str, list[Run]] = field(default_factory=lambda: {name: [] for name in ENGINES})
+    kv_bytes: dict[str, float] | None = None  # an MLA model's KV bytes a position (peers.compare_kv_bytes)
 
     def medians(self, engine: str) -> dict[str, float]:
         per_run = [run.metrics() for run in self.runs[engine]]
@@ -55,6 +56,7 @@ class CaseResult:
             "median": {name: self.medians(name) for name in ENGINES},
             "ratio": self.ratios(),
             "token_ids_agree": self.agreement(),
+            "kv_bytes_per_position": self.kv_bytes,
             "runs": {
                 name: [{**run.metrics(), "token_ids": run.token_ids} for run in runs]
                 for name, runs in self.runs.items()
@@ -120,8 +122,13 @@ def bench_model(
 
     A warm-up at a short prompt covers the CPU, where nothing compiles per shape; on a GPU
     `warm_each_case` adds one unmeasured run per case, since kernels are built per shape there."""
-    vocab_size = read_model_config(folder)["vocab_size"]
+    config = read_model_config(folder)
+    vocab_size = config["vocab_size"]
     peers = {name: load_peer(name, folder, dtype) for name in ENGINES}
+    kv_bytes = None
+    if uses_latent_attention(config):  # what the latent saves: mlxcel's pool against mlx-lm's cache
+        kv_bytes = compare_kv_bytes({name: peer.model for name, peer in peers.items()})
+        log(format_kv_bytes(label, kv_bytes))
     for batch in sorted({1, max(batch_sizes)}):
         warm_up(peers, make_prompts(batch, 16, vocab_size), 4)
     results = []
@@ -130,6 +137,7 @@ def bench_model(
             if warm_each_case:
                 warm_up(peers, make_prompts(batch, prompt_len, vocab_size, seed=1), min(gen, 8))
             results.append(measure_case(peers, label, batch, prompt_len, gen, reps, vocab_size))
+            results[-1].kv_bytes = kv_bytes
     del peers
     mx.clear_cache()
     return results
@@ -212,7 +220,9 @@ def format_table(results: list[CaseResult]) -> str:
 
 
 def format_agreement(results: list[CaseResult]) -> str:
-    return "\n".join(
+    lines = [
         f"greedy token ids, {case.model} batch {case.batch} prompt {case.prompt_len}: {case.agreement()}"
         for case in results
-    )
+    ]
+    figures = {case.model: case.kv_bytes for case in results if case.kv_bytes}  # one line a model
+    return "\n".join(lines + [format_kv_bytes(model, figure) for model, figure in figures.items()])

@@ -60,7 +60,16 @@ from mlxcel.bench.harness import (
     log,
 )
 from mlxcel.bench.job_runs import Job, JobRun, compose_config, format_run
-from mlxcel.bench.peers import ENGINES, check_peer_dtype, count_weight_bytes, load_peer, synchronize_streams
+from mlxcel.bench.peers import (
+    ENGINES,
+    check_peer_dtype,
+    compare_kv_bytes,
+    count_weight_bytes,
+    format_kv_bytes,
+    load_peer,
+    synchronize_streams,
+    uses_latent_attention,
+)
 from mlxcel.checkpoints.loader import pick_dtype
 from mlxcel.errors import MlxcelError
 from mlxcel.jobs import JobRow, Sample
@@ -97,6 +106,7 @@ class ModelResult:
     # --batch-invariant: mlxcel with runner.batch_invariant=true at invariant_rows (--max-rows, then a third of it)
     invariant: list[JobRun] | None = None
     invariant_rows: list[int] | None = None
+    kv_bytes: dict[str, float] | None = None  # an MLA model's KV bytes a position (peers.compare_kv_bytes)
 
     @property
     def has_both(self) -> bool:
@@ -138,6 +148,8 @@ class ModelResult:
                 for run in self.ray
             ]
             lines.append(describe_agreement(self.model, self.ray))
+        if self.kv_bytes:
+            lines.append(format_kv_bytes(self.model, self.kv_bytes))
         if self.has_both:
             first = self.find_first_difference()
             detail = "" if first == "agree" else f"; first: {first}"
@@ -193,6 +205,7 @@ class ModelResult:
                 for name, run in self.runs.items()
             },
             "scheduler": self.runs["mlxcel"].scheduler if "mlxcel" in self.runs else None,
+            "kv_bytes_per_position": self.kv_bytes,
             "uniform": None
             if self.uniform is None
             else {**self.uniform.metrics(), "scheduler": self.uniform.scheduler},
@@ -445,13 +458,14 @@ def run_mlx_lm(model, job: Job, max_rows: int) -> JobRun:
 
 def load_engine(
     name: str, folder: Path, tokenizer_dir: Path, dtype: mx.Dtype, max_rows: int, prompt_cache: bool = True
-) -> tuple[Callable[[Job], JobRun], int]:
-    """The engine's job runner and its weight bytes."""
+) -> tuple[Callable[[Job], JobRun], int, object]:
+    """The engine's job runner, its weight bytes and its model."""
     if name == "mlxcel":
         pipeline = load_mlxcel(folder, tokenizer_dir, dtype, max_rows, prompt_cache)
-        return partial(run_mlxcel, pipeline), count_weight_bytes(pipeline.loaded.model)
+        model = pipeline.loaded.model
+        return partial(run_mlxcel, pipeline), count_weight_bytes(model), model
     peer = load_peer(name, folder, dtype)
-    return partial(run_mlx_lm, peer.model, max_rows=max_rows), peer.weight_bytes
+    return partial(run_mlx_lm, peer.model, max_rows=max_rows), peer.weight_bytes, peer.model
 
 
 def measure(run: Callable[[Job], JobRun], job: Job, weight_bytes: int) -> JobRun:
@@ -483,15 +497,19 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
         name: load_engine(name, folder, tokenizer_dir, dtype, args.max_rows, not args.no_prompt_cache)
         for name in args.engines
     }
-    for run, _ in engines.values():
+    kv_bytes = None
+    if uses_latent_attention(config):  # what the latent saves: mlxcel's pool against mlx-lm's cache
+        kv_bytes = compare_kv_bytes({name: model for name, (_, _, model) in engines.items()})
+        log(format_kv_bytes(label, kv_bytes))
+    for run, _, _ in engines.values():
         run(warm_up)
     runs = {}
-    for name, (run, weight_bytes) in engines.items():
+    for name, (run, weight_bytes, _) in engines.items():
         runs[name] = measure(run, job, weight_bytes)
         log(f"{label} {name}: {format_run(runs[name])}")
-    result = ModelResult(label, job, runs)
+    result = ModelResult(label, job, runs, kv_bytes=kv_bytes)
     if args.reruns and "mlxcel" in engines:
-        run, weight_bytes = engines["mlxcel"]
+        run, weight_bytes, _ = engines["mlxcel"]
         result.reruns = [measure(run, job, weight_bytes) for _ in range(args.reruns)]
         log(f"{label} mlxcel: {result.describe_reruns()}")
     if args.batch_invariant and "mlxcel" in engines:
@@ -505,7 +523,7 @@ def bench_model(label: str, folder: Path, args: argparse.Namespace, dtype: mx.Dt
             del pipeline
         log("\n".join(result.describe_invariant()))
     if args.uniform and "mlxcel" in engines:
-        run, weight_bytes = engines["mlxcel"]
+        run, weight_bytes, _ = engines["mlxcel"]
         result.uniform = measure(run, make_uniform(job), weight_bytes)
         log(f"{label} mlxcel, uniform: {format_run(result.uniform)}")
     return result

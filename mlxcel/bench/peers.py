@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
-from mlxcel.engine.scheduler import BatchScheduler, supports_scheduling
+from mlxcel.engine.scheduler import BatchScheduler, kv_bytes_per_position, supports_scheduling
 from mlxcel.sampling import Sampler
 
 ENGINES = ("mlxcel", "mlx-lm")
@@ -92,12 +92,56 @@ def load_peer(name: str, folder, dtype: mx.Dtype) -> Peer:
 def check_peer_dtype(config: dict, dtype: mx.Dtype) -> None:
     """mlx-lm's expert layers (SwitchGLU: gather_mm) run only in float32 on MLX's CPU backend: one
     line before the run instead of its RuntimeError in the middle of it."""
-    experts = config.get("num_experts") or config.get("num_local_experts")
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if experts and mx.default_device() == mx.cpu and dtype != mx.float32:
         raise ValueError(
             f"mlx-lm runs mixture-of-experts layers only in float32 on the CPU (MLX's gather_mm), not "
             f"{str(dtype).removeprefix('mlx.core.')}: pass --dtype float32"
         )
+
+
+KV_PROBE_TOKENS = 4  # the prefill that makes mlx-lm allocate its cache
+
+
+def uses_latent_attention(config: dict) -> bool:
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2, Mistral 4: the config sets a latent rank),
+    where what a position costs in the cache is the point of the model."""
+    return bool(config.get("kv_lora_rank"))
+
+
+def measure_mlx_lm_kv_bytes(model, tokens: int = KV_PROBE_TOKENS) -> float:
+    """Bytes a position takes in mlx-lm's own cache: one prefill of a few tokens into the cache its
+    make_prompt_cache builds for the model, then each cache array's bytes over its positions axis
+    (mlx-lm lays them out [B, heads, positions, dim] and allocates 256 positions at a time, so the
+    arrays, not the tokens fed, say what a position holds)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(1, tokens + 1)[None], cache=cache))
+    arrays = [a for entry in cache for _, a in tree_flatten(entry.state) if isinstance(a, mx.array) and a.ndim == 4]
+    if not arrays or min(a.shape[2] for a in arrays) < tokens:
+        raise RuntimeError("mlx-lm's cache is no longer laid out [B, heads, positions, dim]: update this probe")
+    return sum(a.nbytes / a.shape[2] for a in arrays)
+
+
+def compare_kv_bytes(models: dict[str, object]) -> dict[str, float]:
+    """KV bytes a position for each engine given (name -> loaded model): mlxcel's is what its paged pool
+    keeps (the scheduler's kv_bytes_per_position: for MLA the latent and the RoPE key a layer), mlx-lm's
+    is measured on its cache; with both, `ratio` mlxcel / mlx-lm."""
+    figure: dict[str, float] = {}
+    if "mlxcel" in models:
+        figure["mlxcel"] = kv_bytes_per_position(models["mlxcel"])
+    if "mlx-lm" in models:
+        figure["mlx-lm"] = measure_mlx_lm_kv_bytes(models["mlx-lm"])
+    if len(figure) == 2:
+        figure["ratio"] = figure["mlxcel"] / figure["mlx-lm"]
+    return figure
+
+
+def format_kv_bytes(model: str, figure: dict[str, float]) -> str:
+    engines = ", ".join(f"{name} {figure[name]:,.0f}" for name in ENGINES if name in figure)
+    ratio = f": ratio {figure['ratio']:.3f} (1/{1 / figure['ratio']:.1f})" if "ratio" in figure else ""
+    return f"{model} KV bytes per position (every layer, the bench dtype): {engines}{ratio}"
 
 
 def cast_mlx_lm_model(model, dtype: mx.Dtype) -> None:

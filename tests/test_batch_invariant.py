@@ -26,6 +26,7 @@ from mlxcel.models import invariant
 from mlxcel.sampling import Sampler, make_sampler_chain
 from tests.helpers import CHAINS, run_cli
 
+pytestmark = pytest.mark.cuda  # (the CPU runs these too; on a GPU they check what only CUDA's kernels do)
 ON_GPU = mx.default_device() == mx.gpu
 GREEDY = Sampler("greedy")
 SEEDED = Sampler("categorical", temperature=1.0, seed=7)

@@ -11,7 +11,10 @@ import pytest
 from mlxcel.models import paged_attention
 from mlxcel.models.paged_cache import BLOCK_SIZE, count_blocks, flat_positions
 
-pytestmark = pytest.mark.skipif(not paged_attention.is_available(64), reason="MLX's CUDA backend only")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not paged_attention.is_available(64), reason="MLX's CUDA backend only"),
+]
 
 
 def reference(q, keys, values, table, lengths, scale, window=0, sinks=None):

@@ -411,6 +411,7 @@ def test_a_batch_steps_through_its_key_table_as_the_per_position_keys():
         assert batch.sample(logits).tokens.tolist() == chain(logits, rows, [position] * 3).tolist()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not cuda_draw.is_available(), reason="MLX's CUDA backend only")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_cuda_gumbel_max_draws_the_graph_tokens(dtype):

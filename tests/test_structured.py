@@ -120,6 +120,7 @@ def set_order(monkeypatch, order: str) -> None:
     monkeypatch.setattr(scheduler, "FEW_ROWS_ORDER", few_rows_order)
 
 
+@pytest.mark.cuda  # the orders differ where the device runs apart from the host
 def test_every_order_of_a_constrained_step_draws_alike(tmp_path, tiny_llama, monkeypatch):
     """The orders of a constrained step draw the same tokens, and each runs the steps it claims:
     split queues a first half and advances the matchers on the mask thread, thread only the latter,
@@ -152,6 +153,7 @@ def test_every_order_of_a_constrained_step_draws_alike(tmp_path, tiny_llama, mon
     assert sum(satisfied is True for _, _, satisfied in outcomes["split"].values()) == 10
 
 
+@pytest.mark.cuda  # the orders differ where the device runs apart from the host
 def test_every_order_draws_alike_with_a_quantized_kv_cache(tmp_path, monkeypatch):
     """decode.kv_bits: the split order's first half is then the quantized pool's parts (head_dim 32
     here: the tiny model's 16 is below the smallest group). Every order draws the same tokens, and
@@ -380,6 +382,7 @@ def test_batch_file_lines_carry_their_response_format(tmp_path):
     assert "response_format.type: must be one of" in rows[2].batch["error"]
 
 
+@pytest.mark.cuda  # the orders differ where the device runs apart from the host
 @pytest.mark.parametrize("order", ["split", "thread", "after"])
 def test_constrained_rows_arrive_and_leave_an_open_loop(tiny_llama, monkeypatch, order):
     """A server's shape: constrained and free rows arrive while others decode, one constrained

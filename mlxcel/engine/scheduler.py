@@ -62,13 +62,13 @@ MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer dist
 # batches keep no lookahead. With at least THREADED_MASK_ROWS constrained rows the last draw is read
 # first and a thread computes the masks while the forward pass is queued (H200, batch 32: 0.87 of
 # free throughput against 0.65 with masks after the forward). Fewer rows take FEW_ROWS_ORDER:
-# "after", the forward pass queued, then the masks on this thread (batch 1: 0.86-0.95); "split",
-# the forward pass's first half queued before the draw is read (the device runs it meanwhile, so
-# the read does not stall it), the masks on the thread while the second half is queued, so they
-# leave the host's critical path. Split is not yet measured on a GPU (no device time was left when
-# it was written): `bench.structured --orders split,thread,after` compares them in one process.
+# "split", the forward pass's first half queued before the draw is read (the device runs it
+# meanwhile, so the read does not stall it), the masks on the thread while the second half is
+# queued, so they leave the host's critical path; "after" queues the whole forward pass, then
+# computes the masks on this thread. H200, batch 1, 2026-12-04 (`bench.structured --orders
+# split,thread,after --repeats 5`): split 0.937 of free throughput, thread 0.802, after 0.835.
 THREADED_MASK_ROWS = 8
-FEW_ROWS_ORDER = "after"
+FEW_ROWS_ORDER = "split"
 # Batch-invariant mode: a row's prompt is prefilled in pieces that end on multiples of this, one
 # row a call, whatever the chunk size, budget or history boundary: its pieces are the row's own
 # (a multiple of invariant.ROWS, and of paged_cache.ALIGNED_START for cuDNN's causal fast path)

@@ -91,7 +91,7 @@ class Generator:
             if p.error:
                 results[index] = Generation(p.sample.row.id, "", [], "error", 0, p.error)
         outputs = [results[i] for i in range(len(prepared))]
-        self.stats = make_generation_stats(measured, start, count_reasons(outputs))
+        self.stats = make_generation_stats(measured, start, count_reasons(outputs), **self.pipeline.describe_max_rows())
         return outputs[0] if single else outputs
 
     def stream(
@@ -121,7 +121,9 @@ class Generator:
             yield tail
         if detokenizer.stopped:
             state.results[0].finish_reason = "stop"
-        self.stats = make_generation_stats([measure_batch(state)], start, {state.results[0].finish_reason: 1})
+        self.stats = make_generation_stats(
+            [measure_batch(state)], start, {state.results[0].finish_reason: 1}, **self.pipeline.describe_max_rows()
+        )
 
     def prepare(
         self, prompts: list[Prompt], max_tokens: int | None, seed: int | None, constraint: dict | None = None

@@ -166,7 +166,9 @@ class ChatSession:
         user sent: the session's own clock also runs while the user reads and types."""
         from mlxcel.stats import make_generation_stats
 
-        stats = make_generation_stats(self.batches, self.started, self.finish_reasons)
+        stats = make_generation_stats(
+            self.batches, self.started, self.finish_reasons, **self.pipeline.describe_max_rows()
+        )
         return dataclasses.replace(stats, ttft_ms=round(statistics.median(self.ttfts_ms), 3))
 
     def stop_answer(self, signum, frame) -> None:

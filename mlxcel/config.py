@@ -561,7 +561,8 @@ class RayConfig(Group):
 class RunnerConfig(Group):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")] = "default"
     device: Literal["auto", "cpu", "gpu"] = "auto"
-    max_rows: Annotated[PositiveInt, at_most(MAX_ROWS, f"must be an integer in [1, {MAX_ROWS}]")] = 8  # rows at once
+    # rows decoding at once; auto: 8 on the CPU, what the KV budget holds on a GPU (engine/auto_rows.py)
+    max_rows: int | Literal["auto"] = "auto"
     kv_budget_gb: memory_gb("40% of device memory") = None  # KV cache cap (RAM on the CPU)
     # the prompt cache: rows that start with a cached prefix prefill only the rest (docs/jobs.md)
     prompt_cache: Bool = True
@@ -581,6 +582,13 @@ class RunnerConfig(Group):
         if name in (".", ".."):
             raise reject("must name a folder: letters, digits, '.', '_', '-', not '.' or '..'")
         return name
+
+    @field_validator("max_rows", mode="before")
+    @classmethod
+    def _check_max_rows(cls, value: Any) -> int | str:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_ROWS):
+            return value
+        raise reject(f"must be an integer in [1, {MAX_ROWS}] or 'auto'")
 
 
 class ServeConfig(Group):

@@ -15,6 +15,7 @@ from mlxcel.checkpoints.fingerprint import ModelHeader, read_model_header
 from mlxcel.checkpoints.loader import LoadedModel, load_model, resolve_model_path
 from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine.auto_rows import OPEN_PROMPT_TOKENS, choose_batch_engine_rows, choose_max_rows
 from mlxcel.engine.engine import OnRowDone, OnToken
 from mlxcel.engine.prompt_cache import PROMPT_CACHE_SHARE, PromptCache
 from mlxcel.engine.prompt_cache_files import (
@@ -27,11 +28,13 @@ from mlxcel.engine.prompt_cache_files import (
 from mlxcel.engine.scheduler import (
     BatchScheduler,
     ScheduleState,
+    default_kv_budget_bytes,
     device_memory_bytes,
     supports_scheduling,
 )
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
+from mlxcel.models.paged_cache import BLOCK_SIZE, count_blocks
 from mlxcel.prefill_plan import PrefillPlan, plan_prefill
 from mlxcel.sampling import SamplerChain, make_sampler_chain
 from mlxcel.sampling.config import SamplerConfig
@@ -205,6 +208,7 @@ class Pipeline:
         self.prompt_cache_key = ""  # names this model's folder under runner.prompt_cache_dir (load_prompt_cache)
         self.keep_answers = False  # snapshot answers into the prompt cache too (a chat's next turn starts with them)
         self.row_chains: dict[str, SamplerChain] = {}  # rows' own chains by their settings, LRU (chain_for)
+        self.max_rows: int | None = None  # runner.max_rows as the last engine got it (auto resolved: choose_rows)
         # (a dry run compiles constraints too, against the tokenizer alone: a bad schema fails it)
         self.constraints = (
             Constraints(tokenizer, loaded.model.args.vocab_size, self.eos_ids())
@@ -432,7 +436,7 @@ class Pipeline:
             return []
         if self.can_schedule(rows):
             return [rows]
-        size = self.cfg.runner.max_rows
+        size = self.max_rows = choose_batch_engine_rows(self.cfg.runner.max_rows)
         return [rows[start : start + size] for start in range(0, len(rows), size)]
 
     def can_schedule(self, rows: list) -> bool:
@@ -446,10 +450,11 @@ class Pipeline:
         if supports_scheduling(self.loaded.model, request):
             runner = self.cfg.runner
             budget = int(runner.kv_budget_gb * 1e9) if runner.kv_budget_gb else None
+            self.max_rows = self.choose_rows(request, budget or default_kv_budget_bytes())
             return BatchScheduler(
                 self.loaded.model,
                 self.max_context,
-                runner.max_rows,
+                self.max_rows,
                 budget,
                 pipelined,
                 self.cfg.prefill.chunk_size,
@@ -466,7 +471,38 @@ class Pipeline:
                 f"runner.batch_invariant=true needs the continuous-batching scheduler, which does not run "
                 f"{self.header.arch} with these rows yet: set runner.batch_invariant=false"
             )
+        self.max_rows = choose_batch_engine_rows(self.cfg.runner.max_rows)
         return DirectEngine(self.loaded.model, self.max_context, pipeline=pipelined, decode_step=self.cfg.decode.step)
+
+    def choose_rows(self, request: GenerationRequest, kv_budget_bytes: int) -> int:
+        """runner.max_rows for the scheduler that runs `request` (engine/auto_rows.py). A job's rows
+        are known: their mean positions (prompt, tile and tokens, in whole blocks, as the scheduler
+        reserves them), not a high percentile, since admission already holds the longer rows to the
+        budget and slots short of what it holds would leave it idle. An open loop's (no rows yet: a
+        server, a Ray worker) are not: decode.max_tokens after OPEN_PROMPT_TOKENS, within the context."""
+        tile = request.tile_size or 0
+        if request.rows:
+            lengths = [
+                count_blocks(min(len(r.prompt_ids) + (r.max_tokens or request.max_tokens), self.max_context) + tile)
+                for r in request.rows
+            ]
+            positions = BLOCK_SIZE * sum(lengths) / len(lengths)
+        else:
+            positions = count_blocks(min(OPEN_PROMPT_TOKENS + request.max_tokens, self.max_context) + tile) * BLOCK_SIZE
+        return choose_max_rows(
+            self.cfg.runner.max_rows,
+            self.loaded.model,
+            positions,
+            kv_budget_bytes,
+            rows=len(request.rows) or None,
+            kv_bits=request.kv_bits,
+            kv_group_size=request.kv_group_size,
+        )
+
+    def describe_max_rows(self) -> dict:
+        """What stats.json records: the rows at once the engine got, and whether auto chose them."""
+        setting = self.cfg.runner.max_rows
+        return {"max_rows": self.max_rows or choose_batch_engine_rows(setting), "max_rows_auto": setting == "auto"}
 
     def make_request(self, batch: list[PreparedSample]) -> GenerationRequest:
         cfg = self.cfg

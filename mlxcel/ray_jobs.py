@@ -2,11 +2,13 @@
 
 Each worker is a Ray actor holding the job's Pipeline (the model loaded once) and one open
 BatchScheduler loop on its own thread, fed rows as a server's engine is. The driver hands rows
-out as workers free up: it keeps each worker's queue at twice runner.max_rows (enough that its
+out as workers free up: it keeps each worker's queue at twice its max_rows (enough that its
 scheduler never waits for rows, little enough that a ragged job ends balanced), takes the rows
 that finish and writes them to generations.jsonl as a local job does. A worker that dies has its
 unfinished rows run again on the others; a row is written once, when it comes back. Rows carry
 their own seeds, so a row's tokens do not depend on the worker or what shares its batch.
+runner.max_rows=auto resolves in each worker, on its device, through the pipeline a local job
+uses (Pipeline.choose_rows); a worker's loop is fed as it goes, so it sizes as a server does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import mlx.core as mx
 
 from mlxcel.blas import MARKER, describe_blas, plan_blas_preload
 from mlxcel.config import RayConfig, RunConfig
+from mlxcel.engine.auto_rows import choose_batch_engine_rows
 from mlxcel.engine.scheduler import BatchScheduler, FeedUpdate
 from mlxcel.errors import ConfigError, ConfigIssue, MlxcelError
 from mlxcel.jobs import Sample
@@ -66,6 +69,7 @@ class JobWorker:
             "device": str(mx.default_device()),
             "blas": describe_blas(),
             "load_s": round(self.load_s, 3),
+            "max_rows": getattr(getattr(self, "pipeline", None), "max_rows", None),  # (auto resolved here)
             **({"warm_up_s": round(self.warm_up_s, 3)} if self.warm_up else {}),
         }
 
@@ -332,7 +336,8 @@ def run_on_ray(
         check_resources(ray, cfg.runner.ray)
         workers = start_workers(ray, cfg, log, warm_up)
         began = time.perf_counter()
-        deaths = hand_out(ray, workers, samples, cfg.runner.max_rows, record, progress, log)
+        # (each worker says its own max_rows: auto resolves there)
+        deaths = hand_out(ray, workers, samples, choose_batch_engine_rows(cfg.runner.max_rows), record, progress, log)
         batches, figures = [], []
         for ref in [h.close.remote() for h in workers]:
             worker_figures, stats, worker_now = ray.get(ref)
@@ -364,15 +369,19 @@ def hand_out(ray, workers: dict, samples: list[Sample], max_rows: int, record, p
 
     A worker holds its max_rows running rows plus as many again waiting (so its scheduler never
     waits on the driver), but never more than a fair share of what is left: a small job or a
-    job's tail is spread over every worker, not queued behind the first."""
+    job's tail is spread over every worker, not queued behind the first. Each worker's max_rows is
+    its own (its description's: auto resolves on the worker's device), else `max_rows`."""
     waiting = deque(samples)
     held: dict = {h: {} for h in workers}  # worker -> {sample key: Sample} sent, not yet back
     takes: dict = {}  # pending take() -> worker
     deaths: list[dict] = []
 
+    def rows_of(handle) -> int:
+        return workers[handle].get("max_rows") or max_rows
+
     def top_up(handle, limit: int) -> None:
         chunk = []
-        while waiting and len(held[handle]) < min(limit, max_rows * QUEUED_ROWS_PER_SLOT):
+        while waiting and len(held[handle]) < min(limit, rows_of(handle) * QUEUED_ROWS_PER_SLOT):
             sample = waiting.popleft()
             held[handle][sample.key] = sample
             chunk.append(sample)
@@ -404,11 +413,11 @@ def hand_out(ray, workers: dict, samples: list[Sample], max_rows: int, record, p
                     "rerun with runner.resume=true to finish the job"
                 ) from None
             for other in workers:
-                top_up(other, max_rows + fair_share())
+                top_up(other, rows_of(other) + fair_share())
             continue
         for row in rows:
             if held[handle].pop((str(row["id"]), row["sample"]), None) is not None:  # (once, whatever happens)
                 record(row)
                 progress.update(rows=1, tokens=row.get("generated_tokens", 0))
-        top_up(handle, max_rows + fair_share())
+        top_up(handle, rows_of(handle) + fair_share())
     return deaths

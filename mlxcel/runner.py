@@ -196,7 +196,8 @@ def run_job(
             answer = AnswerStream(stream) if streaming else None
             state = run_batch(pipeline, batch, record, progress, answer, keep_partial=len(samples) == 1)
             batches.append(measure_batch(state))
-            report.update(make_generation_stats(batches, prepare_start, finish_reasons).to_dict())
+            rows_at_once = pipeline.describe_max_rows()
+            report.update(make_generation_stats(batches, prepare_start, finish_reasons, **rows_at_once).to_dict())
     finally:
         progress.close()
         if any(s.row.batch is not None for s in samples):  # an OpenAI batch file: its result lines too
@@ -205,7 +206,12 @@ def run_job(
             report["batch_output"] = {"requests": len(rows), "answered": answered}
     workers = report.get("ray", {}).get("workers", [])  # (side by side, each with its own memory)
     peak = max((w.get("peak_memory_gb", 0.0) for w in workers), default=0.0) if not local else None
-    stats = make_generation_stats(batches, prepare_start, finish_reasons, side_by_side=not local, peak_memory_gb=peak)
+    rows_at_once = pipeline.describe_max_rows()
+    if workers:  # (each worker chose its own, on its own device: the largest)
+        rows_at_once["max_rows"] = max(w.get("max_rows", 0) for w in workers)
+    stats = make_generation_stats(
+        batches, prepare_start, finish_reasons, side_by_side=not local, peak_memory_gb=peak, **rows_at_once
+    )
     report.update(stats.to_dict())
     errors = [row for row in generations if row["finish_reason"] == "error"]
     if errors and len(errors) == len(generations):  # nothing ran: the job itself failed

@@ -70,6 +70,8 @@ class GenerationStats:
     rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     occupancy: float = 0.0  # mean rows decoding per decode step (the scheduler's; 0 for the batch engine)
+    max_rows: int = 0  # rows decoding at once the engine was given (runner.max_rows; auto resolved)
+    max_rows_auto: bool = False  # runner.max_rows=auto chose it (8 on the CPU, what the KV budget holds on a GPU)
     row_ttft_ms: dict[str, float] = field(default_factory=dict)  # p50, p95 over the scheduler's rows
     row_latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p95: start to a row's last token
     kv_budget_gb: float = 0.0  # the scheduler's KV cache cap (runner.kv_budget_gb or the default share)
@@ -142,10 +144,13 @@ def make_generation_stats(
     finish_reasons: dict[str, int],
     side_by_side: bool = False,
     peak_memory_gb: float | None = None,
+    max_rows: int = 0,
+    max_rows_auto: bool = False,
 ) -> GenerationStats:
     """The job's figures from its batches: run one after another (a local job), or `side_by_side`
     (Ray workers), whose times overlap, so the job's are the longest batch's, not their sum.
-    `peak_memory_gb`: where the memory was not this process's (the workers' largest peak)."""
+    `peak_memory_gb`: where the memory was not this process's (the workers' largest peak).
+    `max_rows`, `max_rows_auto`: as Pipeline.describe_max_rows says."""
     combine = max if side_by_side else sum
     prefill_ms = combine([b.prefill_time_ms for b in batches] or [0.0])
     decode_ms = combine([b.decode_time_ms for b in batches] or [0.0])
@@ -166,6 +171,8 @@ def make_generation_stats(
         rows=sum(finish_reasons.values()),
         finish_reasons=dict(finish_reasons),
         occupancy=round(sum(b.rows_decoding_sum for b in batches) / max(1, sum(b.decode_steps for b in batches)), 3),
+        max_rows=max_rows,
+        max_rows_auto=max_rows_auto,
         row_ttft_ms=percentiles([t for b in batches for t in b.row_ttft_ms]),
         row_latency_ms=percentiles([t for b in batches for t in b.row_latency_ms]),
         kv_budget_gb=round(max((b.kv_budget_bytes for b in batches), default=0) / 1e9, 4),

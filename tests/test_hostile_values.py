@@ -107,7 +107,7 @@ def test_a_request_asking_for_a_huge_sampler_window_is_a_400():
         ),
         ({"serve": {"max_body_mb": 1e300}}, "serve.max_body_mb: must be a number of MB in (0, 1024] (got 1e+300)"),
         ({"serve": {"max_body_mb": float("inf")}}, "serve.max_body_mb: must be a number of MB in (0, 1024] (got inf)"),
-        ({"runner": {"max_rows": HUGE}}, f"runner.max_rows: must be an integer in [1, 4096] (got {HUGE})"),
+        ({"runner": {"max_rows": HUGE}}, f"runner.max_rows: must be an integer in [1, 4096] or 'auto' (got {HUGE})"),
         ({"runner": {"ray": {"workers": HUGE}}}, f"runner.ray.workers: must be an integer in [1, 4096] (got {HUGE})"),
         (
             {"runner": {"ray": {"start_timeout_s": float("inf")}}},

@@ -149,9 +149,10 @@ class Server:
             pipeline.keep_answers = True  # a conversation's next request starts with this answer
             return pipeline
 
-        self.engine = ServeEngine(load, cfg.runner.max_rows, settings.max_queue)
+        self.engine = ServeEngine(load, settings.max_queue)
         self.engine.start()
         pipeline = self.engine.pipeline
+        report.update(pipeline.describe_max_rows())  # (auto resolved for the server's open loop)
         report["model"] = describe_model(pipeline)
         report["sampler_chain"] = cfg.sampler.effective_chain()
         report["api_keys"] = len(self.keys)  # how many, never which
@@ -250,7 +251,7 @@ def serve(args: list[str], log=sys.stderr) -> int:
     try:
         server.open()
         print(
-            f"mlxcel-serve: {server.model_id} at {server.url} ({server.cfg.runner.max_rows} rows at once"
+            f"mlxcel-serve: {server.model_id} at {server.url} ({server.engine.max_rows} rows at once"
             f"{', API keys required' if server.keys else ''}); run folder: {server.run_dir}",
             file=log,
             flush=True,

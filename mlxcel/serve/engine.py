@@ -85,11 +85,11 @@ class ServeEngine:
     made them, so arrays made at load time (a lazy RoPE table, prompt cache entries read from
     disk) must be made where they are evaluated."""
 
-    def __init__(self, load: Callable[[], Any], max_rows: int, max_queue: int):
+    def __init__(self, load: Callable[[], Any], max_queue: int):
         self.load = load
         self.pipeline = self.tokenizer = None
         self.ready = threading.Event()
-        self.max_rows = max_rows
+        self.max_rows = 0  # runner.max_rows, auto resolved once the model is loaded (Pipeline.choose_rows)
         self.max_queue = max_queue
         self.inbox: queue.Queue = queue.Queue()
         self.rows: dict[int, tuple[Job, Choice]] = {}
@@ -163,12 +163,12 @@ class ServeEngine:
         try:
             self.pipeline = self.load()
             self.tokenizer = self.pipeline.tokenizer
-            self.ready.set()
             request = self.pipeline.make_request([])
             scheduler = self.pipeline.make_engine(request)
             if not isinstance(scheduler, BatchScheduler):
                 raise MlxcelError("mlxcel-serve needs the scheduler, and this model runs on the batch engine only")
-            self.scheduler = scheduler
+            self.scheduler, self.max_rows = scheduler, self.pipeline.max_rows
+            self.ready.set()  # (after max_rows: submit() reads it)
             for state in scheduler.steps(request, self.on_token, self.on_row_done, feed=self):
                 state.timings.prefill_pieces.clear()  # (a server's loop would keep one per piece, forever)
                 self.totals = {

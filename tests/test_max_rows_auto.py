@@ -144,3 +144,28 @@ def test_a_gpu_server_sizes_for_max_tokens_after_a_long_prompt(tmp_path, on_a_gp
         stats = json.loads((tmp_path / "serve" / "stats.json").read_text())
         assert server.engine.max_rows == stats["max_rows"] == server.engine.scheduler.max_rows == expected
         assert stats["max_rows_auto"] is True
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_a_ray_worker_resolves_auto_as_a_server_does(tmp_path, tiny_llama, monkeypatch, gpu):
+    """A Ray worker's loop is fed as it goes: on its device it sizes as a server does, and says so
+    to the driver (its description's max_rows sets its queue: ray_jobs.hand_out)."""
+    from mlxcel.ray_jobs import JobWorker
+
+    monkeypatch.setattr(auto_rows, "on_gpu", lambda: gpu)
+    cfg = validate_config(
+        {
+            "model": {"path": str(tiny_llama), "max_context": 512, "dtype": "float32"},
+            "template": {"kind": "none"},
+            "prompt": {"file": str(write_rows(tmp_path / "rows.jsonl", ROWS))},
+            "decode": {"max_tokens": 64},
+            "runner": {"progress": "off", "device": "cpu", "kv_budget_gb": 0.01},
+        }
+    )
+    worker = JobWorker(cfg, "worker-0")
+    try:
+        # 512 positions (the context: below the long prompt) of 512 bytes: 38 rows in 10 MB
+        expected = int(1e7 // (512 * kv_bytes_per_position(worker.pipeline.loaded.model))) if gpu else 8
+        assert worker.describe()["max_rows"] == expected == (38 if gpu else 8)
+    finally:
+        worker.close()

@@ -73,6 +73,7 @@ def test_a_job_on_two_workers_equals_the_local_run(tmp_path, tiny_llama, cluster
     # the workers ran side by side: the job's times are the longest worker's, not their sum
     assert stats["decode_time_ms"] == max(b["decode_time_ms"] for b in stats["batches"])
     assert stats["peak_memory_gb"] == max(w["peak_memory_gb"] for w in workers) > 0
+    assert (stats["max_rows"], stats["max_rows_auto"]) == (2, False) and all(w["max_rows"] == 2 for w in workers)
 
 
 def test_a_small_job_is_spread_over_every_worker(tmp_path, tiny_llama, cluster):

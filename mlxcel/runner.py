@@ -208,7 +208,7 @@ def run_job(
     peak = max((w.get("peak_memory_gb", 0.0) for w in workers), default=0.0) if not local else None
     rows_at_once = pipeline.describe_max_rows()
     if workers:  # (each worker chose its own, on its own device: the largest)
-        rows_at_once["max_rows"] = max(w.get("max_rows", 0) for w in workers)
+        rows_at_once["max_rows"] = max(w.get("max_rows") or 0 for w in workers)
     stats = make_generation_stats(
         batches, prepare_start, finish_reasons, side_by_side=not local, peak_memory_gb=peak, **rows_at_once
     )

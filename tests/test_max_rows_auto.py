@@ -169,3 +169,10 @@ def test_a_ray_worker_resolves_auto_as_a_server_does(tmp_path, tiny_llama, monke
         assert worker.describe()["max_rows"] == expected == (38 if gpu else 8)
     finally:
         worker.close()
+
+
+def test_the_batch_engine_keeps_8_on_a_gpu(tmp_path, tiny_llama, monkeypatch, on_a_gpu):
+    """What the scheduler does not run yet has no KV budget to size by: auto stays 8 there."""
+    monkeypatch.setenv("MLXCEL_SCHEDULER", "0")
+    stats, given = run_job(tmp_path, tiny_llama, "dense", monkeypatch)
+    assert (stats["max_rows"], stats["max_rows_auto"], given) == (8, True, [])

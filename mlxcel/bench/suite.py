@@ -29,7 +29,7 @@ from pathlib import Path
 from mlxcel.bench.harness import align_columns
 
 SHAPES = "llama-3.2-1b,qwen2.5-0.5b"
-FAMILY_SHAPES = "qwen3.5-0.8b,gpt-oss-small,gemma4-e2b-small"
+FAMILY_SHAPES = "qwen3.5-0.8b,gpt-oss-small,gemma4-e2b-small,deepseek-v2-lite-small"
 # each part's share of the budget (the rest of the budget goes to the parts still to run)
 SHARES = {"jobs": 0.40, "batch1": 0.20, "readme": 0.20, "structured": 0.20, "families": 1.0}
 DEFAULT_PARTS = "jobs,batch1,readme,structured"
@@ -61,12 +61,24 @@ def commands(part: str, args: argparse.Namespace) -> list[list[str]]:
     if part == "structured":
         orders = ["--orders", "split,thread,after", "--repeats", "3"]
         return [[py, "-m", "mlxcel.bench.structured", "--batch-sizes", "1,32", "--schemas", "records", *orders]]
-    if part == "families":
-        shapes = args.family_shapes
-        jobs = ["--rows", str(args.rows), "--max-rows", "256", "--json", str(out / "families-jobs.json")]
+    if part == "families":  # a command a shape and bench, so a cut keeps what ended before it
+        shapes = args.family_shapes.split(",")
+        jobs = ["--rows", str(args.rows), "--max-rows", "256"]
         return [
-            [py, "-m", "mlxcel.bench", "--models", shapes, *batch1, "--json", str(out / "families-batch1.json")],
-            [py, "-m", "mlxcel.bench.jobs", "--models", shapes, *jobs],
+            [py, "-m", "mlxcel.bench", "--models", shape, *batch1, "--json", str(out / f"families-batch1-{shape}.json")]
+            for shape in shapes
+        ] + [
+            [
+                py,
+                "-m",
+                "mlxcel.bench.jobs",
+                "--models",
+                shape,
+                *jobs,
+                "--json",
+                str(out / f"families-jobs-{shape}.json"),
+            ]
+            for shape in shapes
         ]
     return [readme_command(args)]
 
@@ -121,11 +133,11 @@ def run_part(part: str, args: argparse.Namespace, seconds: float) -> dict:
 def summarize(part: str, out: Path, seconds: float | None = None) -> list[tuple]:
     """(part, case, metric, mlxcel, mlx-lm, ratio) rows from a part's JSON (`seconds`: the part's wall time)."""
     rows = []
-    for name in {"families": ("families-batch1", "families-jobs")}.get(part, (part,)):
-        path = out / f"{name}.json"
+    paths = sorted(out.glob("families-*.json")) if part == "families" else [out / f"{part}.json"]
+    for path in paths:
         if not path.exists():
             continue
-        data = json.loads(path.read_text())
+        name, data = part, json.loads(path.read_text())
         for case in data.get("cases", []):  # bench (batch 1)
             label = f"{case['model']} b{case['batch']}"
             for metric in ("decode_tok_s", "prefill_tok_s", "ttft_ms"):

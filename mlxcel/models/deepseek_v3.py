@@ -203,31 +203,35 @@ class MoE(glm4_moe.MoE):
 
 
 class TransformerBlock(llama.TransformerBlock):
-    def __init__(self, args: ModelArgs, sparse: bool):
+    """MLA, then the dense MLP (the first layers) or the experts; a family that shares the block
+    (Mistral 4) names its own attention and MoE."""
+
+    def __init__(self, args: ModelArgs, sparse: bool, attention=make_attention, moe=MoE):
         nn.Module.__init__(self)
-        self.self_attn = make_attention(args)
-        self.mlp = MoE(args) if sparse else llama.MLP(args)
+        self.self_attn = attention(args)
+        self.mlp = moe(args) if sparse else llama.MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, block=TransformerBlock):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, sparse) for sparse in args.sparse_layers]
+        self.layers = [block(args, sparse) for sparse in args.sparse_layers]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
 class Model(llama.Model):
     # the router computes in float32 (transformers keeps these two in float32 whatever the dtype)
     float32_weights = (".gate.weight", ".e_score_correction_bias")
+    make_block = TransformerBlock  # (args, sparse) -> a layer
 
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)
         self.args = args
         self.model_type = args.model_type
-        self.model = DeepseekModel(args)
+        self.model = DeepseekModel(args, block=type(self).make_block)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

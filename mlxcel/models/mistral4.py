@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxcel.errors import MlxcelError
-from mlxcel.models import deepseek_v3, llama
+from mlxcel.models import deepseek_v3
 from mlxcel.models.mla import MultiHeadLatentAttention
 
 REQUIRED_KEYS = deepseek_v3.REQUIRED_KEYS
@@ -178,21 +178,9 @@ class MoE(deepseek_v3.MoE):
         return y
 
 
-class TransformerBlock(deepseek_v3.TransformerBlock):
-    def __init__(self, args: ModelArgs, sparse: bool):
-        nn.Module.__init__(self)
-        self.self_attn = Attention(args)
-        self.mlp = MoE(args) if sparse else llama.MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-
-class Mistral4Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, sparse) for sparse in args.sparse_layers]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+def make_block(args: ModelArgs, sparse: bool) -> deepseek_v3.TransformerBlock:
+    """DeepSeek V3's block with Mistral 4's attention (its query scale) and router."""
+    return deepseek_v3.TransformerBlock(args, sparse, attention=Attention, moe=MoE)
 
 
 class Model(deepseek_v3.Model):
@@ -200,14 +188,7 @@ class Model(deepseek_v3.Model):
     Mistral's FP8 layout before it (dequantize_fp8_per_tensor)."""
 
     float32_weights = (".gate.weight",)  # the router computes in float32
-
-    def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Mistral4Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+    make_block = make_block
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return super().sanitize(dequantize_fp8_per_tensor(weights))

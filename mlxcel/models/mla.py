@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlxcel.errors import MlxcelError
 from mlxcel.models.base import RoPE, apply_linear, fuse_linears, yarn_mscale
 from mlxcel.models.paged_cache import PagedMask
+from mlxcel.models.switch import quantize_stacked
 
 # Queries per row up to which attention runs absorbed; longer pieces decompress their keys (plain).
 # Measured on the 2-core x86 VM (fp32, MLX 0.32, one V2-Lite-like layer: hidden 2048, 16 heads, R 512,
@@ -62,14 +63,7 @@ class MultiLinear(nn.Module):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedMultiLinear:
         """For nn.quantize: each head quantized along its input dimension, as mlx-lm does."""
-        layer = QuantizedMultiLinear.__new__(QuantizedMultiLinear)
-        nn.Module.__init__(layer)
-        layer.group_size, layer.bits, layer.mode = group_size, bits, mode
-        layer.weight, layer.scales, *biases = mx.quantize(self.weight, group_size, bits, mode=mode)
-        if biases:
-            layer.biases = biases[0]
-        layer.freeze()
-        return layer
+        return quantize_stacked(QuantizedMultiLinear, self.weight, group_size, bits, mode)
 
 
 class QuantizedMultiLinear(nn.Module):

@@ -19,6 +19,19 @@ from mlxcel.models.base import swiglu
 SORT_MIN_PAIRS = 64
 
 
+def quantize_stacked(kind: type, weight: mx.array, group_size: int, bits: int, mode: str) -> nn.Module:
+    """A `kind` module (QuantizedSwitchLinear, mla.QuantizedMultiLinear) holding `weight` [n, out, in]
+    quantized along its input dimension, frozen, as nn.quantize makes quantized layers."""
+    layer = kind.__new__(kind)
+    nn.Module.__init__(layer)
+    layer.group_size, layer.bits, layer.mode = group_size, bits, mode
+    layer.weight, layer.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
+    if biases:
+        layer.biases = biases[0]
+    layer.freeze()
+    return layer
+
+
 class SwitchLinear(nn.Module):
     """E linear layers without bias, weight [E, out, in]; row i of x goes through expert indices[i]."""
 
@@ -42,14 +55,7 @@ class SwitchLinear(nn.Module):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedSwitchLinear:
         """For nn.quantize: each expert quantized along its input dimension, as mlx-lm does."""
-        layer = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
-        nn.Module.__init__(layer)
-        layer.group_size, layer.bits, layer.mode = group_size, bits, mode
-        layer.weight, layer.scales, *biases = mx.quantize(self.weight, group_size, bits, mode=mode)
-        if biases:
-            layer.biases = biases[0]
-        layer.freeze()
-        return layer
+        return quantize_stacked(QuantizedSwitchLinear, self.weight, group_size, bits, mode)
 
 
 class QuantizedSwitchLinear(nn.Module):

@@ -491,3 +491,23 @@ def first_config_error(**groups) -> str:
     except ConfigError as raised:
         return raised.format().splitlines()[0]
     raise AssertionError(f"no config error for {groups}")
+
+
+def drive_job_worker(cfg) -> tuple[list[dict], dict, object]:
+    """The Ray job's worker body (ray_jobs.JobWorker) as a plain object, without Ray, as the driver
+    uses it: the config's rows sent in two parts, each taken until its rows are back (the second
+    part joins the worker's open schedule). (rows written, the worker's figures, its stats)."""
+    from mlxcel.jobs import expand_samples, load_job_rows
+    from mlxcel.ray_jobs import JobWorker
+
+    samples = expand_samples(load_job_rows(cfg.prompt))
+    worker = JobWorker(cfg, "worker-0")
+    got = []
+    for part in (samples[:2], samples[2:]):
+        worker.add(part)
+        for _ in range(60):
+            if {s.row.id for s in part} <= {r["id"] for r in got}:
+                break
+            got += worker.take(wait_s=2.0)
+    figures, stats, _ = worker.close()
+    return got, figures, stats

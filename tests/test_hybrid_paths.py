@@ -20,7 +20,7 @@ import pytest
 
 from mlxcel import load_config, load_generator
 from mlxcel.runner import run
-from tests.helpers import by_key, read_rows, run_mlxcel, stop_cli_after_rows, write_rows
+from tests.helpers import by_key, drive_job_worker, read_rows, run_mlxcel, stop_cli_after_rows, write_rows
 from tests.serve_fixtures import request_json, running_server
 
 pytest.importorskip("torch")
@@ -278,22 +278,11 @@ def send_stream(url: str, body: dict) -> str:
 def test_a_ray_worker_runs_the_rows_as_the_api(qwen3_5, answers, tmp_path):
     """The Ray job's worker body (ray_jobs.JobWorker) as a plain object, without Ray, as
     test_ray_worker drives it: rows sent in two parts join the worker's open schedule."""
-    from mlxcel.jobs import expand_samples, load_job_rows
-    from mlxcel.ray_jobs import JobWorker
     from mlxcel.stats import summarize_prompt_cache
 
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)] + [{"id": "chat", "messages": CONVERSATION}]
     cfg = job_config(qwen3_5, write_rows(tmp_path / "rows.jsonl", rows), "runner.progress=off")
-    samples = expand_samples(load_job_rows(cfg.prompt))
-    worker = JobWorker(cfg, "worker-0")
-    got = []
-    for part in (samples[:2], samples[2:]):
-        worker.add(part)
-        for _ in range(60):
-            if {s.row.id for s in part} <= {r["id"] for r in got}:
-                break
-            got += worker.take(wait_s=2.0)
-    figures, stats, _ = worker.close()
+    got, figures, stats = drive_job_worker(cfg)
     tokens = {r["id"]: r["token_ids"] for r in got}
     assert len(got) == len(rows) == len(tokens) and figures["rows"] == len(rows)
     assert [tokens[f"p{i}"] for i in range(len(PROMPTS))] == answers["prompts"]

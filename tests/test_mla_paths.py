@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from mlxcel.runner import run
-from tests.helpers import by_key, read_rows, write_rows
+from tests.helpers import by_key, drive_job_worker, read_rows, write_rows
 from tests.test_hybrid_paths import CONVERSATION, GREEDY, MODEL, PROMPTS, SCHEMA, job_config, make_generator
 
 pytest.importorskip("torch")
@@ -68,23 +68,10 @@ def test_chat_two_turns_answer_as_the_api_without_a_cache(deepseek, tmp_path, mo
 
 
 def test_a_ray_worker_runs_the_rows_as_the_api(deepseek, answers, tmp_path):
-    """The Ray job's worker body (ray_jobs.JobWorker) as a plain object, without Ray: rows sent in
-    two parts join the worker's open schedule."""
-    from mlxcel.jobs import expand_samples, load_job_rows
-    from mlxcel.ray_jobs import JobWorker
-
+    """The Ray job's worker body without Ray: rows sent in two parts join its open schedule."""
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)] + [{"id": "chat", "messages": CONVERSATION}]
     cfg = job_config(deepseek, write_rows(tmp_path / "rows.jsonl", rows), "runner.progress=off")
-    samples = expand_samples(load_job_rows(cfg.prompt))
-    worker = JobWorker(cfg, "worker-0")
-    got = []
-    for part in (samples[:2], samples[2:]):
-        worker.add(part)
-        for _ in range(60):
-            if {s.row.id for s in part} <= {r["id"] for r in got}:
-                break
-            got += worker.take(wait_s=2.0)
-    figures, _, _ = worker.close()
+    got, figures, _ = drive_job_worker(cfg)
     tokens = {r["id"]: r["token_ids"] for r in got}
     assert len(got) == len(rows) == len(tokens) and figures["rows"] == len(rows)
     assert [tokens[f"p{i}"] for i in range(len(PROMPTS))] == answers["prompts"]

@@ -229,11 +229,17 @@ class Model(nn.Module):
         row of the vocabulary head, not one per prompt token (a quarter of a 0.5B model's FLOPs)."""
         h = embeddings
         masks = self.make_masks(h.shape[1], cache) if mask is None else [mask] * len(cache)
-        for layer, layer_cache, layer_mask in zip(self.model.layers, cache, masks):
+        *layers, last = self.model.layers
+        for layer, layer_cache, layer_mask in zip(layers, cache, masks):
             h = layer(h, layer_mask, layer_cache)
-        if logits_at is not None:
-            h = h[:, logits_at : logits_at + 1, :]
-        return self.compute_logits(self.model.norm(h))
+        if logits_at is None or type(last).__call__ is not TransformerBlock.__call__:
+            h = last(h, masks[-1], cache[len(layers)])
+            return self.compute_logits(self.model.norm(h if logits_at is None else h[:, logits_at : logits_at + 1]))
+        # the last layer writes every position's keys and values, but its MLP runs only where the
+        # logits are asked for: nothing reads its other positions (1/layers of a prefill's MLP work)
+        attended = last.self_attn(last.input_layernorm(h), masks[-1], cache[len(layers)])
+        at = slice(logits_at, logits_at + 1)
+        return self.compute_logits(self.model.norm(last.finish_block(h[:, at], attended[:, at])))
 
     def make_masks(self, length: int, cache: list[KVCache]) -> list:
         """One mask per layer; every layer here sees the same one (sliding-window families differ)."""

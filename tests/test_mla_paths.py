@@ -94,3 +94,14 @@ def test_kv_bits_on_a_latent_wider_than_the_rope_key(tmp_path, on_the_cpu):
     state = schedule(model, prompts, 12, request={"kv_bits": 8, **request}, max_rows=3)
     alone = [mlxcel_generate(model, [p], 12, kv_bits=8, **request)[0] for p in prompts]
     assert [r.token_ids for r in state.results] == alone
+
+
+def test_mla_layers_stay_off_the_in_place_kernels(deepseek, monkeypatch):
+    """The CUDA kernels store keys and values of one width; an MLA layer's latent and RoPE key
+    differ (cache_widths), so even where the kernels run the model takes the plain paged path."""
+    from mlxcel.checkpoints.loader import load_model
+    from mlxcel.engine.scheduler import uses_kernels
+    from mlxcel.models import paged_attention
+
+    monkeypatch.setattr(paged_attention, "is_available", lambda head_dim, group=1: True)
+    assert uses_kernels(load_model(str(deepseek), dtype="float32").model) == (False, False)

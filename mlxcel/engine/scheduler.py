@@ -225,7 +225,7 @@ def uses_kernels(model) -> tuple[bool, bool]:
     head); the decode kernel also needs llama's attend, which hands a PagedDecode mask to it."""
     attentions = [a for a in cache_attentions(model) if a is not None]
     in_place = all(
-        getattr(a, "paged_kernels", True)  # MLA caches keys and values of different widths
+        len(set(cache_widths(a))) == 1  # the kernels store keys and values of one width (not MLA's)
         and paged_attention.is_available(a.head_dim, getattr(a, "n_heads", 1) // getattr(a, "n_kv_heads", 1))
         for a in attentions
     )

@@ -144,23 +144,6 @@ def normalize_config(config: dict) -> dict:
     return text_config(config)
 
 
-def make_attention(args: ModelArgs) -> MultiHeadLatentAttention:
-    return MultiHeadLatentAttention(
-        hidden_size=args.hidden_size,
-        num_heads=args.num_attention_heads,
-        kv_lora_rank=args.kv_lora_rank,
-        qk_nope_head_dim=args.qk_nope_head_dim,
-        qk_rope_head_dim=args.qk_rope_head_dim,
-        v_head_dim=args.v_head_dim,
-        q_lora_rank=args.q_lora_rank,
-        attention_bias=args.attention_bias,
-        rope_theta=args.rope_theta,
-        rope_interleave=args.rope_interleave,
-        rope_scaling=args.rope_scaling,
-        max_position_embeddings=args.max_position_embeddings,
-    )
-
-
 class SoftmaxRouter(nn.Module):
     """DeepSeek V2's router (transformers' DeepseekV2TopkRouter): softmax over every expert in float32;
     `greedy` takes the top k, `group_limited_greedy` the top k of the topk_group groups whose best
@@ -206,7 +189,7 @@ class TransformerBlock(llama.TransformerBlock):
     """MLA, then the dense MLP (the first layers) or the experts; a family that shares the block
     (Mistral 4) names its own attention and MoE."""
 
-    def __init__(self, args: ModelArgs, sparse: bool, attention=make_attention, moe=MoE):
+    def __init__(self, args: ModelArgs, sparse: bool, attention=MultiHeadLatentAttention.from_args, moe=MoE):
         nn.Module.__init__(self)
         self.self_attn = attention(args)
         self.mlp = moe(args) if sparse else llama.MLP(args)

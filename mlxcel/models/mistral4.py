@@ -93,22 +93,11 @@ class ModelArgs(deepseek_v3.ModelArgs):
 class Attention(MultiHeadLatentAttention):
     """MLA with Llama 4's query scale by position (mla.py's `queries` hook)."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(
-            hidden_size=args.hidden_size,
-            num_heads=args.num_attention_heads,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim,
-            v_head_dim=args.v_head_dim,
-            q_lora_rank=args.q_lora_rank,
-            attention_bias=args.attention_bias,
-            rope_theta=args.rope_theta,
-            rope_interleave=args.rope_interleave,
-            rope_scaling=args.rope_scaling,
-            max_position_embeddings=args.max_position_embeddings,
-        )
-        self.query_scaling = (args.llama_4_scaling_beta, args.llama_4_scaling_length)
+    @classmethod
+    def from_args(cls, args: ModelArgs) -> Attention:
+        attention = super().from_args(args)
+        attention.query_scaling = (args.llama_4_scaling_beta, args.llama_4_scaling_length)
+        return attention
 
     def queries(self, q: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
         q_nope, q_pe = super().queries(q, offset)
@@ -180,7 +169,7 @@ class MoE(deepseek_v3.MoE):
 
 def make_block(args: ModelArgs, sparse: bool) -> deepseek_v3.TransformerBlock:
     """DeepSeek V3's block with Mistral 4's attention (its query scale) and router."""
-    return deepseek_v3.TransformerBlock(args, sparse, attention=Attention, moe=MoE)
+    return deepseek_v3.TransformerBlock(args, sparse, attention=Attention.from_args, moe=MoE)
 
 
 class Model(deepseek_v3.Model):

@@ -109,7 +109,6 @@ class MultiHeadLatentAttention(nn.Module):
     `norm_eps`: the q_a and kv_a RMSNorms' epsilon (transformers leaves them at 1e-6)."""
 
     n_kv_heads = 1  # one latent a position, shared by every head
-    paged_kernels = False  # the CUDA in-place kernels assume keys and values of one width
 
     def __init__(
         self,
@@ -148,6 +147,24 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
         self.rope = RoPE(qk_rope_head_dim, rope_theta, rope_interleave, rope_scaling, max_position_embeddings)
         self.absorbed_max_queries = ABSORBED_MAX_QUERIES  # (a test sets it to run one form throughout)
+
+    @classmethod
+    def from_args(cls, args) -> MultiHeadLatentAttention:
+        """From a family's args under DeepSeek's config names (DeepSeek V2/V3, Mistral 4)."""
+        return cls(
+            hidden_size=args.hidden_size,
+            num_heads=args.num_attention_heads,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
+            q_lora_rank=args.q_lora_rank,
+            attention_bias=args.attention_bias,
+            rope_theta=args.rope_theta,
+            rope_interleave=args.rope_interleave,
+            rope_scaling=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
 
     # --- weights ---------------------------------------------------------------------------------
 

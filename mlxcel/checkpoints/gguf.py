@@ -891,15 +891,20 @@ def undo_gemma4_transforms(weights: dict[str, mx.array], config: dict, path: Pat
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= first_shared and parts[3] == "self_attn":
             if parts[4] in ("k_proj", "v_proj", "k_norm"):
                 continue
-        if ".experts.gate_up_proj." in key:
-            base, part = key.split(".experts.gate_up_proj.")
-            gate, up = mx.split(value, 2, axis=1)
-            out[f"{base}.experts.switch_glu.gate_proj.{part}"], out[f"{base}.experts.switch_glu.up_proj.{part}"] = (
-                gate,
-                up,
-            )
-            continue
         out[key] = value
+    return split_gate_up_experts(out, "experts.gate_up_proj", "experts.switch_glu")
+
+
+def split_gate_up_experts(weights: dict[str, mx.array], fused: str, into: str) -> dict[str, mx.array]:
+    """Experts whose gate and up come as one tensor [E, 2I, H] (`fused`, each part: weight, scales,
+    biases) split into `into`.gate_proj and `into`.up_proj (Gemma 4's and Mistral 4's files)."""
+    out = {}
+    for key, value in weights.items():
+        if f".{fused}." not in key:
+            out[key] = value
+            continue
+        base, part = key.split(f".{fused}.")
+        out[f"{base}.{into}.gate_proj.{part}"], out[f"{base}.{into}.up_proj.{part}"] = mx.split(value, 2, axis=1)
     return out
 
 
@@ -907,10 +912,13 @@ def undo_mla_transforms(weights: dict[str, mx.array], config: dict, path: Path |
     """The latent-attention families' tensors as they hold them: the multi-token-prediction blocks after the
     decoder's dropped; q_lora_rank read from q_a_proj (llama.cpp reads no key for it in some files); an older
     file's kv_b_proj [H * (nope + v), R] split per head into embed_q [H, R, nope] and unembed_out [H, v, R]
-    (dequantized first: the pieces stay dense); Mistral 4's gate_up experts [E, 2I, H] split in two; a sigmoid
-    router without its correction bias (optional to llama.cpp) given a zero one."""
+    (mla.split_kv_b; dequantized first: the pieces stay dense); Mistral 4's gate_up experts [E, 2I, H] split in
+    two; a sigmoid router without its correction bias (optional to llama.cpp) given a zero one."""
+    from mlxcel.models.glm4_moe import is_past_last_layer
+    from mlxcel.models.mla import split_kv_b
+
     layers = config["num_hidden_layers"]
-    weights = {k: v for k, v in weights.items() if not is_past_layer(k, layers)}
+    weights = {k: v for k, v in weights.items() if not is_past_last_layer(k, layers)}
     q_a = "model.layers.0.self_attn.q_a_proj.weight"
     config["q_lora_rank"] = weights[q_a].shape[0] if q_a in weights else None
     heads, nope, width = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
@@ -924,25 +932,17 @@ def undo_mla_transforms(weights: dict[str, mx.array], config: dict, path: Path |
                 f"{path or 'GGUF file'}: tensor {prefix} has shape {tuple(packed.shape)}, but the GGUF metadata gives "
                 f"{expected} ({heads} heads of {nope} + {width} over a latent of {config['kv_lora_rank']})"
             )
-        per_head = packed.reshape(heads, nope + width, -1)
         attention = prefix[: -len(".kv_b_proj")]
-        weights[f"{attention}.embed_q.weight"] = mx.contiguous(per_head[:, :nope].swapaxes(-1, -2))
-        weights[f"{attention}.unembed_out.weight"] = mx.contiguous(per_head[:, nope:])
-    for key in [k for k in weights if ".mlp.experts.gate_up_proj." in k]:
-        base, part = key.split(".mlp.experts.gate_up_proj.")
-        gate, up = mx.split(weights.pop(key), 2, axis=1)
-        weights[f"{base}.mlp.switch_mlp.gate_proj.{part}"], weights[f"{base}.mlp.switch_mlp.up_proj.{part}"] = gate, up
+        weights[f"{attention}.embed_q.weight"], weights[f"{attention}.unembed_out.weight"] = split_kv_b(
+            packed, heads, nope
+        )
+    weights = split_gate_up_experts(weights, "mlp.experts.gate_up_proj", "mlp.switch_mlp")
     if config["model_type"] == "deepseek_v3" and config["n_routed_experts"]:
         for layer in range(config["first_k_dense_replace"], layers):
             weights.setdefault(
                 f"model.layers.{layer}.mlp.gate.e_score_correction_bias", mx.zeros((config["n_routed_experts"],))
             )
     return weights
-
-
-def is_past_layer(key: str, layers: int) -> bool:
-    parts = key.split(".")
-    return parts[:2] == ["model", "layers"] and int(parts[2]) >= layers
 
 
 def undo_glm_transforms(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:

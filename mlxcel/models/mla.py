@@ -102,6 +102,13 @@ def softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
     return scale
 
 
+def split_kv_b(kv_b: mx.array, heads: int, nope: int) -> tuple[mx.array, mx.array]:
+    """kv_b_proj [H * (nope + v), R] (or its packed parts, along R) per head: (W_uk^T [H, R, nope],
+    embed_q: q_nope -> latent; W_uv [H, v, R], unembed_out: latent -> v)."""
+    per_head = kv_b.reshape(heads, -1, kv_b.shape[-1])
+    return mx.contiguous(per_head[:, :nope].swapaxes(-1, -2)), mx.contiguous(per_head[:, nope:])
+
+
 class MultiHeadLatentAttention(nn.Module):
     """MLA over plain sizes (module docstring). `rope_interleave`: the RoPE dimensions come in
     interleaved pairs (transformers' rope_interleave, DeepSeek's layout; MLX's traditional RoPE);
@@ -203,11 +210,10 @@ class MultiHeadLatentAttention(nn.Module):
                 f"{prefix}.kv_b_proj: shape {tuple(weight.shape)}, but the config gives {expected} "
                 "(does config.json belong to these weights?)"
             )
-        # W_uk^T per head [H, R, nope]: q_nope -> latent (transposed: latent -> k_nope)
-        weights[f"{prefix}.embed_q.weight"] = mx.contiguous(weight.reshape(H, nope + v, R)[:, :nope].swapaxes(-1, -2))
+        weights[f"{prefix}.embed_q.weight"] = split_kv_b(weight, H, nope)[0]
         parts = {"weight": packed} if scales is None else {"weight": packed, "scales": scales, "biases": biases}
-        for name, part in parts.items():  # W_uv per head [H, v, R]: latent -> v
-            weights[f"{prefix}.unembed_out.{name}"] = mx.contiguous(part.reshape(H, nope + v, -1)[:, nope:])
+        for name, part in parts.items():  # (packed along R, as unembed_out reads it)
+            weights[f"{prefix}.unembed_out.{name}"] = split_kv_b(part, H, nope)[1]
         return weights
 
     # --- attention -------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import mlx.nn as nn
 from mlxcel.errors import MlxcelError
 from mlxcel.models import glm4_moe, llama
 from mlxcel.models.mla import MultiHeadLatentAttention
-from mlxcel.models.switch import stack_expert_weights
+from mlxcel.models.switch import pick_experts, stack_expert_weights
 from mlxcel.models.text_backbone import rename_language_model
 
 REQUIRED_KEYS = (*llama.REQUIRED_KEYS, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -165,14 +165,9 @@ class SoftmaxRouter(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         scores = mx.softmax(x.astype(mx.float32) @ self.weight.astype(mx.float32).T, axis=-1, precise=True)
-        if self.groups is not None:
-            n_group, topk_group = self.groups
-            grouped = mx.unflatten(scores, -1, (n_group, -1))
-            best = grouped.max(axis=-1)  # [..., n_group]
-            dropped = mx.argpartition(best, kth=n_group - topk_group - 1, axis=-1)[..., : n_group - topk_group, None]
-            scores = mx.flatten(mx.put_along_axis(grouped, dropped, mx.array(0.0), axis=-2), -2, -1)
-        indices = mx.argpartition(-scores, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        return indices, mx.take_along_axis(scores, indices, axis=-1) * self.scale
+        # (a group scored by its best expert; transformers takes the weights from the group-masked scores,
+        # which are the plain ones at the chosen experts)
+        return pick_experts(scores, scores, self.top_k, self.groups, group_best=1, scale=self.scale)
 
 
 class MoE(glm4_moe.MoE):

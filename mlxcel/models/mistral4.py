@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mlxcel.errors import MlxcelError
 from mlxcel.models import deepseek_v3
 from mlxcel.models.mla import MultiHeadLatentAttention
+from mlxcel.models.switch import pick_experts
 
 REQUIRED_KEYS = deepseek_v3.REQUIRED_KEYS
 # transformers' Mistral4Config defaults for the keys read here, where config.json is silent
@@ -135,18 +136,7 @@ class Router:
 
     def __call__(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         scores = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-        choice = scores
-        if self.groups is not None:
-            n_group, topk_group = self.groups
-            grouped = mx.unflatten(scores, -1, (n_group, -1))
-            best = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., n_group]
-            dropped = mx.argpartition(best, kth=n_group - topk_group - 1, axis=-1)[..., : n_group - topk_group, None]
-            choice = mx.flatten(mx.put_along_axis(grouped, dropped, mx.array(0.0), axis=-2), -2, -1)
-        indices = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        weights = mx.take_along_axis(scores, indices, axis=-1)
-        if self.normalize:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return indices, weights * self.scale
+        return pick_experts(scores, scores, self.top_k, self.groups, 2, 0.0, self.normalize, self.scale)
 
 
 class MoE(deepseek_v3.MoE):

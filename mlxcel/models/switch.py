@@ -216,18 +216,37 @@ class GroupedSigmoidRouter(nn.Module):
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
         choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        if self.n_group > 1 and self.topk_group < self.n_group:
-            grouped = mx.unflatten(choice, -1, (self.n_group, -1))
-            group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., n_group]
-            dropped = mx.argpartition(group_scores, kth=self.n_group - self.topk_group - 1, axis=-1)
-            dropped = dropped[..., : self.n_group - self.topk_group, None]
-            grouped = mx.put_along_axis(grouped, dropped, mx.array(-mx.inf), axis=-2)
-            choice = mx.flatten(grouped, -2, -1)
-        indices = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        weights = mx.take_along_axis(scores, indices, axis=-1)
-        if self.normalize:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return indices, weights * self.scale
+        groups = (self.n_group, self.topk_group) if self.n_group > 1 and self.topk_group < self.n_group else None
+        return pick_experts(scores, choice, self.top_k, groups, 2, -mx.inf, self.normalize, self.scale)
+
+
+def pick_experts(
+    scores: mx.array,
+    choice: mx.array,
+    top_k: int,
+    groups: tuple[int, int] | None = None,
+    group_best: int = 2,
+    dropped_value: float = 0.0,
+    normalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[mx.array, mx.array]:
+    """The DeepSeek-style routers' choice (V3's and GLM's sigmoid, V2's and Mistral 4's softmax):
+    with `groups` (n_group, topk_group), keep the topk_group groups whose `group_best` best `choice`
+    values sum highest, the others' set to `dropped_value`; the top_k of `choice`; their `scores` as
+    weights, normalised when `normalize`, times `scale`."""
+    if groups is not None:
+        n_group, topk_group = groups
+        grouped = mx.unflatten(choice, -1, (n_group, -1))
+        group_scores = mx.topk(grouped, group_best, axis=-1).sum(axis=-1)  # [..., n_group]
+        dropped = mx.argpartition(group_scores, kth=n_group - topk_group - 1, axis=-1)[
+            ..., : n_group - topk_group, None
+        ]
+        choice = mx.flatten(mx.put_along_axis(grouped, dropped, mx.array(dropped_value), axis=-2), -2, -1)
+    indices = mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k]
+    weights = mx.take_along_axis(scores, indices, axis=-1)
+    if normalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return indices, weights * scale
 
 
 class SparseMoeBlock(nn.Module):

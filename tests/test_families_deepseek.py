@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
+from mlxcel.bench.checkpoints import DEEPSEEK_V2_LITE_SMALL
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.errors import MlxcelError
 from tests.family_fixtures import (
@@ -328,44 +329,8 @@ def test_a_v2_lite_shaped_pool_keeps_under_an_eighth_of_the_decompressed_keys_an
     assert per_position * 8 <= decompressed
 
 
-V2_LITE = {
-    "model_type": "deepseek_v2",
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "n_shared_experts": 2,
-    "n_routed_experts": 64,
-    "num_experts_per_tok": 6,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "kv_lora_rank": 512,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "topk_method": "greedy",
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 1.0,
-    "norm_topk_prob": False,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-    "rms_norm_eps": 1e-6,
-    "eos_token_id": 100001,
-}
+# deepseek-ai/DeepSeek-V2-Lite's released config.json (the bench's shape, at its 27 layers)
+V2_LITE = {**DEEPSEEK_V2_LITE_SMALL, "num_hidden_layers": 27}
 
 
 def test_kv_bits_quantizes_the_latent_or_is_refused(built):

@@ -43,6 +43,8 @@ class BatchStats:
     kv_peak_bytes: int = 0
     state_bytes: int = 0  # rows' fixed-size state, every slot's: recurrent layers' states, sliding layers' rings
     iterations: int = 0  # the scheduler's loop iterations
+    forward_calls: int = 0  # the model's forward calls (one an iteration where decode and prefill pack)
+    call_shapes: int = 0  # their distinct shapes (each may cost the device a plan or graph build)
     host_ms: float = 0.0  # host work over them (not waiting on the device)
     row_ttft_ms: list[float] = field(default_factory=list)  # the scheduler's rows, from its start
     row_latency_ms: list[float] = field(default_factory=list)
@@ -79,6 +81,9 @@ class GenerationStats:
     row_state_gb: float = 0.0  # every row slot's recurrent states and sliding rings (in the KV budget; 0: none)
     # the scheduler's host work per iteration: below the device's step time, the device bounds the job
     host_ms_per_step: float = 0.0
+    # the scheduler's forward calls and their distinct shapes (0 for the batch engine)
+    forward_calls: int = 0
+    call_shapes: int = 0
     # rows that adopted a prefix, prompt tokens adopted and computed, and the cache's entries; empty
     # with runner.prompt_cache=false. (Time saved is measured by python -m mlxcel.bench.prefix, cache off
     # vs on: in continuous batching no row's prefill time can be subtracted from the job's.)
@@ -114,6 +119,8 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         kv_peak_bytes=getattr(state, "kv_peak_bytes", 0),
         state_bytes=getattr(state, "state_bytes", 0),
         iterations=getattr(state, "iterations", 0),
+        forward_calls=getattr(state, "forward_calls", 0),
+        call_shapes=len(getattr(state, "call_shapes", ())),
         host_ms=1000 * getattr(state, "host_seconds", 0.0),
         row_ttft_ms=[r.timing["ttft_ms"] for r in results if r.timing],
         row_latency_ms=[r.timing["latency_ms"] for r in results if r.timing],
@@ -179,6 +186,8 @@ def make_generation_stats(
         kv_peak_gb=round(max((b.kv_peak_bytes for b in batches), default=0) / 1e9, 4),
         row_state_gb=round(max((b.state_bytes for b in batches), default=0) / 1e9, 4),
         host_ms_per_step=round(sum(b.host_ms for b in batches) / max(1, sum(b.iterations for b in batches)), 3),
+        forward_calls=sum(b.forward_calls for b in batches),
+        call_shapes=sum(b.call_shapes for b in batches),
         prompt_cache=summarize_prompt_cache(batches),
         constraints=summarize_constraints(batches),
         batches=[

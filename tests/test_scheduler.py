@@ -40,12 +40,15 @@ def schedule(
     pipeline=True,
     on_token=None,
     ragged=None,
+    packed=None,
     **kwargs,
 ):
     rows = [RowRequest(p, row_id=i, max_tokens=m) for p, i, m in zip(prompts, row_ids, max_tokens)]
     request = GenerationRequest(rows, sampler, max_tokens=64, **kwargs)
     scheduler = BatchScheduler(model, 512, max_rows, chunk_size=chunk_size, pipeline=pipeline)
     scheduler.ragged_prefill = ragged  # None: where the CUDA kernels run, so off here unless asked
+    if packed is not None:  # (None: the default, on for the tiny Llama)
+        scheduler.packed = packed
     return scheduler.generate(request, on_token or (lambda row, token: True))
 
 
@@ -56,10 +59,15 @@ def test_the_tiny_llama_runs_through_the_scheduler(model):
     assert supports_scheduling(model, GenerationRequest(rows, GREEDY, kv_bits=4))
 
 
-@pytest.mark.parametrize("ragged", [False, True], ids=["equal-pieces", "ragged-pieces"])
+MODES = {"equal-pieces": (False, False), "ragged-pieces": (True, False), "packed": (None, True)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("sampler", [GREEDY, CATEGORICAL], ids=["greedy", "categorical"])
-def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
-    """ragged: rows' pieces of different lengths and starts share a padded call (the GPU default)."""
+def test_randomized_schedules_equal_each_row_alone(model, sampler, mode):
+    """ragged-pieces: rows' pieces of different lengths and starts share a padded call; packed:
+    the decode rows and the pieces share one call an iteration (the default where it runs)."""
+    ragged, packed = MODES[mode]
     prompts = make_token_prompts(0, 9)
     lengths = [random.Random(i).randint(1, 24) for i in range(9)]
     expected = [run_alone(model, sampler, p, i, m).token_ids for i, (p, m) in enumerate(zip(prompts, lengths))]
@@ -78,13 +86,19 @@ def test_randomized_schedules_equal_each_row_alone(model, sampler, ragged):
             chunk,
             pipeline,
             ragged=ragged,
+            packed=packed,
         )
         got = {order[k]: r.token_ids for k, r in enumerate(state.results)}
         assert got == dict(enumerate(expected)), (seed, max_rows, chunk, pipeline)
         assert all(r.finish_reason == "length" for r in state.results)
         grouped += sum(p["rows"] > 1 for p in state.timings.prefill_pieces)
         padded += sum(p["rows"] > 1 and p["pad"] > 0 for p in state.timings.prefill_pieces)
-    assert grouped > 0 and (padded > 0) == ragged
+        kinds = {shape[0] for shape in state.call_shapes}
+        if packed:  # one call an iteration at most: packed where pieces run, else the decode step
+            assert kinds <= {"packed", "decode"} and state.forward_calls <= state.iterations
+        else:
+            assert "packed" not in kinds
+    assert grouped > 0 and (padded > 0) == bool(ragged)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -113,7 +127,7 @@ def test_a_lone_rows_odd_piece_is_padded_and_exact(model):
     cuDNN a graph build); the padding is neither cached nor attended to."""
     prompt = make_token_prompts(5, 1)[0][:37]
     expected = run_alone(model, GREEDY, prompt, 0, 9).token_ids
-    state = schedule(model, GREEDY, [prompt], [0], [9], max_rows=1, ragged=True)
+    state = schedule(model, GREEDY, [prompt], [0], [9], max_rows=1, ragged=True, packed=False)
     assert state.results[0].token_ids == expected
     assert [(p["rows"], p["end"] - p["start"], p["pad"]) for p in state.timings.prefill_pieces] == [(1, 37, 64 - 37)]
 
@@ -165,18 +179,28 @@ def test_logprobs_equal_each_row_alone(model):
     assert [r.logprobs for r in state.results] == expected
 
 
-@pytest.mark.parametrize("ragged", [False, True], ids=["equal-pieces", "ragged-pieces"])
-def test_reruns_form_the_same_batches(model, ragged):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_reruns_form_the_same_batches(model, mode):
     prompts = make_token_prompts(4, 8)
+    ragged, packed = MODES[mode]
     runs = [
         schedule(
-            model, CATEGORICAL, prompts, range(8), [5, 9, 2, 14, 7, 1, 11, 3], max_rows=3, chunk_size=16, ragged=ragged
+            model,
+            CATEGORICAL,
+            prompts,
+            range(8),
+            [5, 9, 2, 14, 7, 1, 11, 3],
+            max_rows=3,
+            chunk_size=16,
+            ragged=ragged,
+            packed=packed,
         )
         for _ in range(3)
     ]
     pieces = [[(p["row"], p["start"], p["end"]) for p in run.timings.prefill_pieces] for run in runs]
     assert pieces[0] == pieces[1] == pieces[2]
-    assert len({(run.decode_steps, run.rows_decoding_sum) for run in runs}) == 1
+    assert len({(run.decode_steps, run.rows_decoding_sum, run.forward_calls) for run in runs}) == 1
+    assert len({frozenset(run.call_shapes) for run in runs}) == 1
     assert len({tuple(tuple(r.token_ids) for r in run.results) for run in runs}) == 1
 
 

@@ -74,7 +74,8 @@ def format_run(run: JobRun) -> str:
     if run.scheduler:
         s = run.scheduler
         line += (
-            f"; occupancy {s['occupancy']:.1f}, host {s['host_ms_per_step']:.2f} ms per step, KV peak "
-            f"{s['kv_peak_gb']:.3f} GB"
+            f"; occupancy {s['occupancy']:.1f}, host {s['host_ms_per_step']:.2f} ms per step, "
+            f"{s.get('forward_calls', 0)} forward calls of {s.get('call_shapes', 0)} shapes, "
+            f"KV peak {s['kv_peak_gb']:.3f} GB"
         )
     return line

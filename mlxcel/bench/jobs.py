@@ -421,6 +421,8 @@ def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
         else {
             "occupancy": stats.occupancy,
             "host_ms_per_step": stats.host_ms_per_step,
+            "forward_calls": stats.forward_calls,
+            "call_shapes": stats.call_shapes,
             "kv_peak_gb": stats.kv_peak_gb,
             "prompt_cache": stats.prompt_cache,
         }

@@ -44,6 +44,7 @@ class PrefixReuse:
         self.shared = {} if snapshot_all else count_shared_prefixes(rows, self.limit)
         self.pinned: dict[int, Match] = {}  # row index -> the path it relies on while it prefills
         self.inflight: dict[int, int] = {}  # block hash -> prefilling rows whose prefixes have that block
+        self.prefilling: dict[int, object] = {}  # row index -> an admitted row still prefilling
         self.row_blocks: dict[int, list[int]] = {}
         self.arrays: dict[int, np.ndarray] = {}  # row index -> its prompt as int32 (matched often)
         # a hybrid's recurrent layers' caches (PagedRecurrentCache): their rows' states, not positions
@@ -80,19 +81,35 @@ class PrefixReuse:
 
     # ---- admission ----
     def should_wait(self, row) -> bool:
-        """Whether a prefilling row is computing more of this row's prefix than the cache holds."""
+        """Whether a prefilling row is computing more of this row's prefix than the cache holds:
+        whole blocks of it, or, once those are cached, the rest of its shared prefix that a
+        prefilling row has still to reach (a prefix of 80 tokens is 2 blocks and 16 more: a row
+        admitted at 64 would compute the 16 again, and a hybrid's state exists only at 80)."""
         if not self.inflight:
             return False
-        shared = 0
-        for block in self.blocks(row):
+        blocks, shared = self.blocks(row), 0
+        for block in blocks:
             if block not in self.inflight:
                 break
             shared += BLOCK_SIZE
-        return shared > 0 and shared > self.match(row, self.limit(row)).length
+        if shared == 0:
+            return False
+        have = self.match(row, self.limit(row)).length
+        if shared > have:
+            return True
+        if shared < len(blocks) * BLOCK_SIZE:
+            return False
+        prompt, most = self.prompt_array(row), min(self.limit(row), len(row.prompt) - 1)
+        for other in self.prefilling.values():
+            common = min(count_common(prompt, self.prompt_array(other)), most, self.snapshot_limit(other))
+            if common > have and other.prefilled < common:
+                return True
+        return False
 
     def adopt(self, row) -> int:
         """Write the longest cached prefix of the admitted row's prompt (all but its last token,
         whose logits the row needs) into its blocks; returns the positions adopted."""
+        self.prefilling[row.index] = row
         for block in self.blocks(row):
             self.inflight[block] = self.inflight.get(block, 0) + 1
         found = self.match(row, min(self.limit(row), len(row.prompt) - 1))
@@ -168,6 +185,7 @@ class PrefixReuse:
     def finish_prefill(self, row) -> None:
         """The row's prompt is in the cache (or was refused by its budget): rows waiting for its
         prefix may go, and its path may be evicted again."""
+        self.prefilling.pop(row.index, None)
         for block in self.blocks(row):
             left = self.inflight.get(block, 0) - 1
             if left > 0:
@@ -187,6 +205,7 @@ class PrefixReuse:
             self.cache.pin(found, -1)
         self.pinned.clear()
         self.inflight.clear()
+        self.prefilling.clear()
 
     def hold(self, row, found: Match) -> None:
         if row.index in self.pinned:

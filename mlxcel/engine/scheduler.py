@@ -42,6 +42,7 @@ from mlxcel.models.cache import ChunkedKVCache, KVCache
 from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant, sliced_matmuls
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks
 from mlxcel.models.paged_layers import make_paged_caches
+from mlxcel.models.paged_packed import begin_packed
 from mlxcel.models.recurrent import RecurrentCache
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
@@ -143,6 +144,8 @@ class ScheduleState:
     mask_wait_seconds: float = 0.0  # structured output: waiting for the masks after queueing the forward pass
     idle_seconds: float = 0.0  # an open loop blocked on its feed with no rows to run, after its first rows
     draw_gap_seconds: float = 0.0  # structured output: from the forward pass queued to its draw queued
+    forward_calls: int = 0  # the model's forward calls (packed: one an iteration; else a decode step, pieces)
+    call_shapes: set = field(default_factory=set)  # their distinct shapes (count_call)
 
     @property
     def host_seconds(self) -> float:
@@ -231,6 +234,27 @@ def uses_kernels(model) -> tuple[bool, bool]:
     )
     plain_attend = all(type(a).attend is llama.Attention.attend for a in attentions)
     return in_place, in_place and plain_attend
+
+
+def supports_packed_calls(model) -> bool:
+    """Whether a family's forward call can carry packed tokens (models/paged_packed.py): llama's
+    forward (per-token layers around attention, logits at any positions) and, in every layer,
+    llama's attention call with llama's RoPE step (its own projections and attend are fine: they
+    see each part as the scheduler's steps do). Not hybrids (a recurrent layer's scan needs a row's tokens in a row),
+    per-row RoPE factors (longrope, M-RoPE) or a per-row adapter."""
+    if type(model).forward_with_embeddings is not llama.Model.forward_with_embeddings:
+        return False
+    if any(hasattr(model, name) for name in ("longrope_limit", "lora_control", "make_prefill_extras")):
+        return False
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    for layer in layers:
+        attention = layer["self_attn"] if "self_attn" in layer else None
+        if attention is None or not isinstance(attention, llama.Attention):
+            return False
+        kind = type(attention)
+        if kind.__call__ is not llama.Attention.__call__ or kind.prepare is not llama.Attention.prepare:
+            return False
+    return bool(layers)
 
 
 def kv_bytes_per_position(model, kv_bits: int | None = None, kv_group_size: int = 64, rings: bool = False) -> int:
@@ -333,6 +357,10 @@ class BatchScheduler:
         self._mask_worker: ThreadPoolExecutor | None = None  # structured output's masks (advance_matchers)
         ragged_off = os.environ.get("MLXCEL_RAGGED_PREFILL", "1") == "0" or batch_invariant
         self.ragged_prefill: bool | None = False if ragged_off else None
+        # decode rows and prefill pieces in one forward call an iteration (models/paged_packed.py);
+        # $MLXCEL_PACKED=0 turns it off (a call for the decode rows and one a group of pieces), to compare
+        packed_off = os.environ.get("MLXCEL_PACKED", "1") == "0" or batch_invariant
+        self.packed = not packed_off and supports_packed_calls(model)
 
     def generate(
         self,
@@ -466,6 +494,7 @@ class BatchScheduler:
         sampler = GroupedRowsSampler(request.sampler, request.logprobs)
         batch = DecodeBatch()
         ragged = table.decode_kernel if self.ragged_prefill is None else self.ragged_prefill
+        packed = self.packed and not request.kv_bits and not self.tile_size(request)
         prefilling: deque[Row] = deque()
         free_slots = list(range(self.slots))
         inflight: deque[PendingDraw] = deque()
@@ -520,18 +549,32 @@ class BatchScheduler:
                     row.prefilled = row.result.cached_tokens = reuse.adopt(row)
                 prefilling.append(row)
             state.kv_peak_blocks = max(state.kv_peak_blocks, table.num_blocks - table.free_blocks)
-            # 2. the decode step, then prefill pieces within the iteration's token budget
+            # 2. the decode step, then prefill pieces within the iteration's token budget: in one
+            # packed call where the family and request allow it (models/paged_packed.py)
             logits_parts, joined = [], []
-            if len(batch):
-                logits_parts.append(self.decode_step(table, caches, batch))
-                state.decode_steps += 1
-                state.rows_decoding_sum += len(batch)
             piece = self.pinned_chunk or (BUSY_CHUNK_SIZE if len(batch) else DEFAULT_CHUNK_SIZE)
             if request.kv_bits:
                 # a later piece attends to the earlier ones' quantized keys, so where pieces end
                 # changes a row's tokens: with kv_bits they are the row's own, as in the batch engine
                 piece = self.pinned_chunk or request.chunk_size
             budget = (PIECES_PER_STEP if len(batch) else IDLE_PIECES_PER_STEP) * piece
+            group = self.pick_pieces(prefilling, piece, budget, request) if packed and prefilling else None
+            if group is not None:
+                logits, done = self.step_packed(table, caches, batch, *group, request, state)
+                budget = 0  # one call an iteration
+                if logits is not None:
+                    logits_parts.append(logits)
+                joined += done
+                for row in done:
+                    prefilling.remove(row)
+                    if self.reuse is not None:
+                        self.reuse.finish_prefill(row)
+            elif len(batch):
+                logits_parts.append(self.decode_step(table, caches, batch))
+                self.count_call(state, ("decode", len(batch)))
+            if len(batch):
+                state.decode_steps += 1
+                state.rows_decoding_sum += len(batch)
             while prefilling and budget > 0:
                 if budget < min(piece, len(prefilling[0].prompt) - prefilling[0].prefilled):
                     # No piece is cut short by the iteration's budget: pieces start on multiples of
@@ -867,6 +910,19 @@ class BatchScheduler:
         ragged job's rows each bring a piece of their own length: one call each would bound the
         job. Widths are powers of two, so the attention meets few shapes (cuDNN builds a graph
         for each)."""
+        group = self.pick_pieces(prefilling, piece, budget, request)
+        if group is None or (len(group[0]) == 1 and group[1][0][1] - group[1][0][0] == group[2]):
+            return None  # nothing to pad: the piece runs as it is (prefill_piece)
+        # A lone row's piece is padded too: cuDNN builds a graph for every new query length
+        # (docs/benchmarks.md), and a ragged job's last pieces come in every length.
+        return group
+
+    def pick_pieces(
+        self, prefilling: deque, piece: int, budget: int, request: GenerationRequest
+    ) -> tuple[list[Row], list[tuple[int, int]], int] | None:
+        """The first waiting rows' next pieces that one ragged call (or packed call's attention)
+        takes: (rows, their spans, the line's width), or None where the head row's piece cannot
+        be one (images, tiles, longrope, quantized pools, no whole piece within the budget)."""
         if request.kv_bits or self.tile_size(request) or getattr(self.model, "longrope_limit", None) is not None:
             return None
         rows, spans, width = [], [], 0
@@ -882,11 +938,43 @@ class BatchScheduler:
             rows.append(row)
             spans.append((start, end))
             width = wider
-        if not rows or (len(rows) == 1 and spans[0][1] - spans[0][0] == width):
-            return None  # nothing to pad: the piece runs as it is (prefill_piece)
-        # A lone row's piece is padded too: cuDNN builds a graph for every new query length
-        # (docs/benchmarks.md), and a ragged job's last pieces come in every length.
-        return rows, spans, width
+        return (rows, spans, width) if rows else None
+
+    def step_packed(
+        self,
+        table: PageTable,
+        caches: list,
+        batch: DecodeBatch,
+        rows: list[Row],
+        spans: list[tuple[int, int]],
+        width: int,
+        request: GenerationRequest,
+        state: ScheduleState,
+    ) -> tuple[mx.array | None, list[Row]]:
+        """The decode rows' step and the pieces `spans` of `rows` in one forward call (models/
+        paged_packed.py): (logits of the decode rows, then of the rows whose prompts are done, or
+        None if neither; those rows)."""
+        began = time.perf_counter()
+        if not table.decode_kernel:  # (powers of two bound cuDNN's shapes; plain attention needs the longest)
+            width = max(end - start for start, end in spans)
+        step = begin_packed(table, batch.slots, np.array([r.slot for r in rows]), spans, width)
+        pieces = [t for r, (start, end) in zip(rows, spans) for t in r.prompt[start:end]]
+        tokens = mx.array(pieces + [request.pad_token_id] * (step.length - step.tokens), dtype=mx.int32)
+        if len(batch):
+            tokens = mx.concatenate([batch.next_input.astype(mx.int32), tokens])
+        done = [i for i, (r, (_, end)) in enumerate(zip(rows, spans)) if end == len(r.prompt)]
+        wanted = len(batch) + len(done)
+        logits_at = step.last_positions(done) if wanted else step.length - 1
+        logits = self.model(tokens[None], caches, logits_at=logits_at)[0]
+        table.end()
+        self.count_call(state, ("packed", step.length, len(rows), width))
+        self.finish_call(caches, rows, spans, [0] * len(rows), began, state)
+        return (logits if wanted else None), [rows[i] for i in done]
+
+    def count_call(self, state: ScheduleState, shape: tuple) -> None:
+        """A forward call and its shape (what the device's plans and graphs are built for)."""
+        state.forward_calls += 1
+        state.call_shapes.add(shape)
 
     def prefill_ragged(
         self,
@@ -912,6 +1000,7 @@ class BatchScheduler:
         table.begin(slots, width, leads)
         logits = self.model(chunk, caches, logits_at=width - 1)[:, -1, :]
         table.end()
+        self.count_call(state, ("ragged", len(rows), width))
         self.finish_call(caches, rows, spans, leads.tolist(), began, state)
         done = [i for i, (r, (_, end)) in enumerate(zip(rows, spans)) if end == len(r.prompt)]
         if not done:
@@ -959,6 +1048,7 @@ class BatchScheduler:
             chunk = mx.array([r.prompt[start:end] + [request.pad_token_id] * pad for r in rows])
             logits = self.model(chunk, caches, logits_at=size - 1 if is_last else None)
         table.end(padding=pad)
+        self.count_call(state, ("piece", len(rows), size + pad))
         self.finish_call(caches, rows, [(start, end)] * len(rows), [pad] * len(rows), began, state)
         return (logits[:, -1, :] if is_last else None), (size + pad) * len(rows)
 

@@ -149,9 +149,16 @@ class Attention(nn.Module):
         return apply_linear(self.o_proj, out.reshape(B, L, -1))
 
     def __call__(self, x: mx.array, mask: Any, cache: KVCache) -> mx.array:
+        if isinstance(mask, PagedMask) and mask.packed:  # decode rows and pieces in one line (paged_packed.py)
+            return mask.run(self, x, cache)
         q, k, v = self.prepare(x, cache.rope_offset())
         k, v = cache.update_and_fetch(k, v)
         return self.finish(self.attend(q, k, v, mask))
+
+
+def logit_positions(logits_at: int | mx.array) -> slice | mx.array:
+    """The sequence index of `logits_at`: one position (kept as an axis) or an array of them."""
+    return logits_at if isinstance(logits_at, mx.array) else slice(logits_at, logits_at + 1)
 
 
 class MLP(nn.Module):
@@ -223,10 +230,11 @@ class Model(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward_with_embeddings(
-        self, embeddings: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | None = None
+        self, embeddings: mx.array, cache: list[KVCache], mask: Any = None, logits_at: int | mx.array | None = None
     ) -> mx.array:
-        """Logits [B, L, V]; with `logits_at`, only that position's ([B, 1, V]): a prefill needs one
-        row of the vocabulary head, not one per prompt token (a quarter of a 0.5B model's FLOPs)."""
+        """Logits [B, L, V]; with `logits_at`, only that position's ([B, 1, V]), or those positions'
+        ([B, n, V]: an int32 array, a packed call's rows): a prefill needs one row of the
+        vocabulary head, not one per prompt token (a quarter of a 0.5B model's FLOPs)."""
         h = embeddings
         masks = self.make_masks(h.shape[1], cache) if mask is None else [mask] * len(cache)
         *layers, last = self.model.layers
@@ -234,11 +242,11 @@ class Model(nn.Module):
             h = layer(h, layer_mask, layer_cache)
         if logits_at is None or type(last).__call__ is not TransformerBlock.__call__:
             h = last(h, masks[-1], cache[len(layers)])
-            return self.compute_logits(self.model.norm(h if logits_at is None else h[:, logits_at : logits_at + 1]))
+            return self.compute_logits(self.model.norm(h if logits_at is None else h[:, logit_positions(logits_at)]))
         # the last layer writes every position's keys and values, but its MLP runs only where the
         # logits are asked for: nothing reads its other positions (1/layers of a prefill's MLP work)
         attended = last.self_attn(last.input_layernorm(h), masks[-1], cache[len(layers)])
-        at = slice(logits_at, logits_at + 1)
+        at = logit_positions(logits_at)
         return self.compute_logits(self.model.norm(last.finish_block(h[:, at], attended[:, at])))
 
     def make_masks(self, length: int, cache: list[KVCache]) -> list:

@@ -129,12 +129,17 @@ class PageTable:
         """The call's positions are written: the rows grow by its tokens, less the `padding` at
         their end (a tile-padded prefill piece), which later writes overwrite, and their leads."""
         step = self.step
-        self.lengths[step.slots] += step.new_tokens - padding - step.leads
+        if step.packed:
+            step.advance()
+        else:
+            self.lengths[step.slots] += step.new_tokens - padding - step.leads
         self.step = None
 
 
 class StepIndices:
     """One forward call's device indices, shared by every layer."""
+
+    packed = False  # (a packed call's step is paged_packed.PackedStep)
 
     def __init__(self, table: PageTable, slots: np.ndarray, new_tokens: int, leads: np.ndarray | None = None):
         self.slots, self.new_tokens = slots, new_tokens
@@ -246,7 +251,10 @@ class StepIndices:
 class PagedMask:
     """A mask argument the model's attention hands its queries, keys and values to (llama's
     Attention.attend): the paged cache decides how they attend. `sinks` [heads]: a learned logit
-    per head in every query's softmax (gpt-oss), where the family has them."""
+    per head in every query's softmax (gpt-oss), where the family has them. `packed`: the mask
+    runs the layer's whole attention (paged_packed.PackedStep.run), not only its attend."""
+
+    packed = False
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         raise NotImplementedError

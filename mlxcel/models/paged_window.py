@@ -46,6 +46,8 @@ class PagedWindowCache:
 
     def attention_mask(self, length: int) -> mx.array | PagedMask:
         step = self.table.step
+        if step.packed:
+            return step  # (its parts come back here, one at a time)
         key = ("ring", self.window, self.chunk)
         if key not in step.masks:
             mask = mx.array(ring_mask(step, self.window, self.chunk is not None))

@@ -71,8 +71,8 @@ def test_a_packed_call_gives_the_separate_calls_logits_and_pools(model):
     want = mx.concatenate([decoded, pieces[1:]])
 
     table, caches = packed
-    step = begin_packed(table, np.array([0]), np.array([1, 2]), [(0, 23), (0, 9)], 32)
-    assert step.tokens == 1 + 23 + 9 and step.length == PACKED_ALIGN  # padded at its end
+    step = begin_packed(table, np.array([0]), np.array([1, 2]), [(0, 23), (0, 9)], 32, PACKED_ALIGN)
+    assert step.tokens == 1 + 23 + 9 and step.length == PACKED_ALIGN  # padded at its end (as on CUDA)
     line = mx.array([token] + b[:23] + c + [0] * (step.length - step.tokens))
     got = model(line[None], caches, logits_at=step.last_positions([1]))[0]
     table.end()

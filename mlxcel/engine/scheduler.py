@@ -42,7 +42,7 @@ from mlxcel.models.cache import ChunkedKVCache, KVCache
 from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant, sliced_matmuls
 from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks
 from mlxcel.models.paged_layers import make_paged_caches
-from mlxcel.models.paged_packed import begin_packed
+from mlxcel.models.paged_packed import PACKED_ALIGN, begin_packed
 from mlxcel.models.recurrent import RecurrentCache
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
@@ -955,9 +955,13 @@ class BatchScheduler:
         paged_packed.py): (logits of the decode rows, then of the rows whose prompts are done, or
         None if neither; those rows)."""
         began = time.perf_counter()
-        if not table.decode_kernel:  # (powers of two bound cuDNN's shapes; plain attention needs the longest)
+        # Where the CUDA kernels run, the line is padded to a multiple of PACKED_ALIGN and its pieces'
+        # width is a power of two, so cuBLAS and cuDNN meet few shapes; on the plain path a padded
+        # token costs what a real one does, and no shape costs a build.
+        align = PACKED_ALIGN if table.decode_kernel else 1
+        if not table.decode_kernel:
             width = max(end - start for start, end in spans)
-        step = begin_packed(table, batch.slots, np.array([r.slot for r in rows]), spans, width)
+        step = begin_packed(table, batch.slots, np.array([r.slot for r in rows]), spans, width, align)
         pieces = [t for r, (start, end) in zip(rows, spans) for t in r.prompt[start:end]]
         tokens = mx.array(pieces + [request.pad_token_id] * (step.length - step.tokens), dtype=mx.int32)
         if len(batch):

@@ -3,10 +3,11 @@
 The scheduler's iteration used to make one call for its decode rows and one more for each group
 of prefill pieces, and a forward call costs a few ms on a GPU however few its tokens (docs/
 benchmarks.md). Here the call's tokens go through the model as one line [1, T]: the decode rows'
-tokens first, then each piece's, then padding up to a multiple of PACKED_ALIGN (so a job meets a
-bounded set of call shapes). Everything but attention (projections, norms, MLP, the vocabulary head
-at the positions asked for) is per token, so it runs once over the T tokens with no padding to a
-longest row. Each attention layer splits its queries, keys and values into two parts and runs each
+tokens first, then each piece's, then (where the CUDA kernels run) padding up to a multiple of
+PACKED_ALIGN, so a job meets a bounded set of call shapes (cuBLAS and cuDNN plan each).
+Everything but attention (projections, norms, MLP, the vocabulary head at the positions asked
+for) is per token, so it runs once over the T tokens with no padding to a longest row. Each
+attention layer splits its queries, keys and values into two parts and runs each
 as the scheduler's own step would (vLLM's flattened batch, in our two attention paths):
 - the decode rows, one token each: the decode step's attention (the paged kernel reading the pool
   in place where it runs, the gathered blocks elsewhere);
@@ -26,10 +27,13 @@ from mlxcel.models.paged_cache import PagedMask, StepIndices
 PACKED_ALIGN = 64  # a packed call's tokens are padded to a multiple of this (few distinct call shapes)
 
 
-def begin_packed(table, decode_slots: np.ndarray, slots: np.ndarray, spans: list[tuple[int, int]], width: int):
+def begin_packed(
+    table, decode_slots: np.ndarray, slots: np.ndarray, spans: list[tuple[int, int]], width: int, align: int = 1
+):
     """The page table's step for one packed call (PageTable.begin's counterpart; PageTable.end
-    ends it): the decode rows' next tokens and the pieces `spans` of the rows in `slots`."""
-    table.step = PackedStep(table, decode_slots, slots, spans, width)
+    ends it): the decode rows' next tokens and the pieces `spans` of the rows in `slots`, the line
+    padded to a multiple of `align`."""
+    table.step = PackedStep(table, decode_slots, slots, spans, width, align)
     return table.step
 
 
@@ -37,11 +41,19 @@ class PackedStep(PagedMask):
     """The page table's step for a packed call, and the mask every attention layer gets: it runs
     the layer's attention over its two parts (`run`). `decode_slots`: the decode rows' slots, in
     batch order; `slots`, `spans`, `width`: the pieces (rows' slots, (start, end) of their prompts,
-    the ragged line's width)."""
+    the ragged line's width); `align`: the line is padded to a multiple of it."""
 
     packed = True
 
-    def __init__(self, table, decode_slots: np.ndarray, slots: np.ndarray, spans: list[tuple[int, int]], width: int):
+    def __init__(
+        self,
+        table,
+        decode_slots: np.ndarray,
+        slots: np.ndarray,
+        spans: list[tuple[int, int]],
+        width: int,
+        align: int = 1,
+    ):
         self.table = table
         self.decode_rows = len(decode_slots)
         sizes = np.array([end - start for start, end in spans], dtype=np.int32)
@@ -56,7 +68,7 @@ class PackedStep(PagedMask):
             self.prefill.decoding = False
             self.parts.append(self.prefill)
         self.tokens = self.decode_rows + int(sizes.sum())
-        self.length = -(-self.tokens // PACKED_ALIGN) * PACKED_ALIGN
+        self.length = -(-self.tokens // align) * align
         # each piece's first token in the line, and the line's index of each slot of the ragged layout
         firsts = self.decode_rows + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
         column = np.arange(width)[None, :]

@@ -74,7 +74,8 @@ class PackedStep(PagedMask):
         column = np.arange(width)[None, :]
         self.piece_tokens = None  # [rows * width] line indices (a lead takes its row's first token)
         self.piece_order = None  # [pieces' tokens] their places in the ragged layout, in line order
-        if self.prefill is not None:
+        self.one_piece = len(sizes) == 1 and width == int(sizes[0])  # a slice of the line: no gathers
+        if self.prefill is not None and not self.one_piece:
             self.piece_tokens = mx.array((firsts[:, None] + np.maximum(column - leads[:, None], 0)).reshape(-1))
             own = (column >= leads[:, None]).reshape(-1)
             self.piece_order = mx.array(np.nonzero(own)[0].astype(np.int32))
@@ -119,12 +120,16 @@ class PackedStep(PagedMask):
 
     def take_pieces(self, t: mx.array) -> mx.array:
         """[1, heads, T, D] -> the pieces' ragged layout [rows, heads, width, D]."""
+        if self.one_piece:
+            return t[:, :, self.decode_rows : self.tokens]
         heads, dim, rows = t.shape[1], t.shape[3], len(self.sizes)
         taken = mx.take(t[0], self.piece_tokens, axis=1)
         return taken.reshape(heads, rows, -1, dim).transpose(1, 0, 2, 3)
 
     def put_pieces(self, out: mx.array) -> mx.array:
         """The ragged layout's output [rows, heads, width, D] -> the pieces' tokens [heads, n, D]."""
+        if self.one_piece:
+            return out[0]
         rows, heads, width, dim = out.shape
         return mx.take(out.transpose(1, 0, 2, 3).reshape(heads, rows * width, dim), self.piece_order, axis=1)
 

@@ -115,22 +115,10 @@ def dequantize_model(model: nn.Module) -> None:
         if isinstance(module, QuantizedSwitchLinear):  # MoE experts: [E, out, in], dequantized as they are
             dense = SwitchLinear.__new__(SwitchLinear)
             nn.Module.__init__(dense)
-            dense.weight = mx.dequantize(
-                module.weight,
-                module.scales.astype(mx.float32),
-                module.biases.astype(mx.float32),
-                module.group_size,
-                module.bits,
-            )
+            dense.weight = dequantize_weight(module)
             set_module(model, path, dense)
         elif isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            weight = mx.dequantize(
-                module.weight,
-                module.scales.astype(mx.float32),
-                module.biases.astype(mx.float32),
-                module.group_size,
-                module.bits,
-            )
+            weight = dequantize_weight(module)
             if isinstance(module, nn.QuantizedLinear):
                 dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
                 if "bias" in module:
@@ -139,6 +127,17 @@ def dequantize_model(model: nn.Module) -> None:
                 dense = nn.Embedding(weight.shape[0], weight.shape[1])
             dense.weight = weight
             set_module(model, path, dense)
+
+
+def dequantize_weight(module: nn.Module) -> mx.array:
+    """A quantized layer's weight in float32, whatever its mode (mxfp4's and nvfp4's scales are
+    bytes, and they have no biases)."""
+    mode = getattr(module, "mode", "affine")
+    if mode != "affine":
+        weight = mx.dequantize(module.weight, module.scales, None, module.group_size, module.bits, mode=mode)
+        return weight.astype(mx.float32)
+    scales, biases = module.scales.astype(mx.float32), module.biases.astype(mx.float32)
+    return mx.dequantize(module.weight, scales, biases, module.group_size, module.bits)
 
 
 def set_module(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -243,7 +243,10 @@ def test_cli_converts_a_hub_id_from_the_cache(tiny_llama, tmp_path):
     from tests.test_hub import make_hub_cache
 
     make_hub_cache(tmp_path / "cache", "tiny/llama", tiny_llama)
+    from tests.helpers import REPO
+
     env = {"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "MLXCEL_BLAS": "off"}
+    env["PYTHONPATH"] = str(REPO)  # (this checkout's code)
     command = [sys.executable, "-m", "mlxcel.convert", "model.path=tiny/llama", f"convert.output={tmp_path / 'out'}"]
     import os
 

@@ -54,6 +54,8 @@ MAX_MEMORY_GB = 4096.0  # a cache budget: 4 TB, past the memory of any machine M
 MAX_BODY_MB = 1024.0  # a request body, images included (base64)
 
 
+ADAPTER_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}"  # model.adapters' names (requests say base:name)
+
 # Keys that moved: naming the old one is an error that names the new one.
 RENAMED_KEYS = {"runner.batch_size": ("runner.max_rows", "rows decoding at once")}
 
@@ -112,6 +114,23 @@ class ModelConfig(Group):
     families: list[str] | None = None
     hub_ids: list[str] | None = None  # a family preset's usual Hub repos, named when model.path is missing
     fuse: Bool = True  # QKV and gate/up as single matmuls at load; $MLXCEL_FUSE overrides (to measure or debug)
+    # LoRA adapters (docs/adapters.md): one folder merged at load, or several {name: folder} kept unmerged
+    adapter: str | None = None
+    adapters: dict[str, str] | None = None
+    merge_adapter: Bool = True  # model.adapter into dense weights at load (false: kept beside them)
+
+    @field_validator("adapters")
+    @classmethod
+    def _check_adapter_names(cls, adapters: dict[str, str] | None) -> dict[str, str] | None:
+        if adapters is not None and not adapters:
+            raise reject("must name at least one adapter ({name: folder, ...}), or be null")
+        for name in adapters or {}:
+            if not re.fullmatch(ADAPTER_NAME, name):
+                raise reject(
+                    f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-' (not starting with "
+                    "'.' or '-'; no ':' or '/': requests name an adapter as base:name)"
+                )
+        return adapters
 
     @field_validator("path")
     @classmethod
@@ -138,6 +157,12 @@ class ModelConfig(Group):
                     "model.path=/path/to/model)"
                 )
             raise reject(f"required: {hint}", "path", NO_VALUE if self.path is None else self.path)
+        if self.adapter is not None and self.adapters is not None:
+            raise reject(
+                "set model.adapter (one adapter, merged) or model.adapters (several, unmerged), not both",
+                "adapters",
+                NO_VALUE,
+            )
         return self
 
 
@@ -707,7 +732,13 @@ def check_paths(cfg: RunConfig) -> list[ConfigIssue]:
         "template.file": cfg.template.file,
         "prompt.file": cfg.prompt.file,
     }
+    adapters = {"model.adapter": cfg.model.adapter} | {
+        f"model.adapters.{name}": path for name, path in (cfg.model.adapters or {}).items()
+    }
     issues = []
+    for key, path in adapters.items():
+        if path is not None and not Path(path).expanduser().is_dir():
+            issues.append(ConfigIssue(key, "must be an adapter folder (adapter_config.json + *.safetensors)", path))
     for key, path in paths.items():
         if path is None or path.startswith("embedded:"):
             continue

@@ -126,7 +126,7 @@ ERROR_CASES = [
     (
         {"model": {"colour": 1}},
         "model.colour: unknown key; valid keys: path, dtype, gguf_weights, max_context, quantize, families, "
-        "hub_ids, fuse (got 1)",
+        "hub_ids, fuse, adapter, adapters, merge_adapter (got 1)",
     ),
     (
         {"runner": {"batch_size": 4}},

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxcel.checkpoints import gguf
+from mlxcel.checkpoints.adapters import plan_adapters
 from mlxcel.checkpoints.embedded import EMBEDDED_MODELS, locate_embedded_model
 from mlxcel.checkpoints.fingerprint import check_model_files
 from mlxcel.checkpoints.hub import is_repo_id, resolve_repo
@@ -155,25 +157,38 @@ def load_model(
     gguf_weights: str = "auto",
     quantize: dict | None = None,
     fuse: bool | None = None,
+    adapter: str | None = None,
+    adapters: dict[str, str] | None = None,
+    merge_adapter: bool = True,
 ) -> LoadedModel:
     """`quantize` ({"bits", "group_size"}): quantize the dense layers at load and record the
     logit error that costs in info["quantization"]. `fuse` (model.fuse; None: $MLXCEL_FUSE, else
-    on): QKV and gate/up as single matmuls."""
+    on): QKV and gate/up as single matmuls. `adapter` (a LoRA folder: merged into dense weights
+    unless merge_adapter is false) or `adapters` ({name: folder}: unmerged, picked per token through
+    model.adapter_control): checkpoints/adapters.py, checked against the model before its weights load."""
     start = time.perf_counter()
     resolved = resolve_model_path(path)
     target_dtype = pick_dtype(dtype)
+    plan = plan_adapters(adapter, adapters, merge_adapter)
     if resolved.is_file() and resolved.suffix == ".gguf":
         loaded = load_gguf_model(resolved, target_dtype, gguf_weights)
+        if plan is not None:
+            plan.check(loaded.model)
     elif resolved.is_dir():
-        loaded = load_hf_model(resolved, target_dtype)
+        loaded = load_hf_model(resolved, target_dtype, plan.check if plan is not None else None)
     else:
         raise ConfigError(
             ConfigIssue(
                 "model.path", "expected a model folder (config.json + *.safetensors) or a .gguf file", str(resolved)
             )
         )
+    if plan is not None:
+        plan.merge_into(loaded.model)  # one adapter, dense weights: merged before quantizing and fusing
     if quantize:
         loaded.info["quantization"] = quantize_at_load(loaded.model, quantize["bits"], quantize["group_size"])
+    if plan is not None:
+        plan.attach(loaded.model)  # the rest stays beside the (maybe quantized) weights
+        loaded.info["adapters"] = plan.describe()
     if (fuse_projections_enabled() if fuse is None else fuse) and hasattr(loaded.model, "fuse_projections"):
         loaded.model.fuse_projections()  # QKV and gate/up as single matmuls: fewer ops per token
     mx.eval(read_language_parameters(loaded.model))
@@ -234,7 +249,8 @@ def read_json(path: Path) -> dict:
         raise MlxcelError(f"{path}: invalid JSON ({exc})") from exc
 
 
-def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
+def load_hf_model(folder: Path, dtype: mx.Dtype, check: Callable[[nn.Module], None] | None = None) -> LoadedModel:
+    """`check`: called with the model as its config builds it, before any weight is read."""
     check_model_files(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -246,6 +262,8 @@ def load_hf_model(folder: Path, dtype: mx.Dtype) -> LoadedModel:
     quantization = config.get("quantization")
     family = import_family(model_type, config_path)
     model = make_model(family, read_family_config(family, config), config_path)
+    if check is not None:
+        check(model)
     weights, origins = load_safetensors(folder)
     weights = model.sanitize(weights)
     info = {"arch": model_type, "format": "safetensors"}

@@ -9,6 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxcel.models.adapters import fuse_adapters, unadapted_type
 from mlxcel.models.cache import KVCache
 
 
@@ -193,9 +194,10 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     """One layer computing several projections of the same input (QKV, gate/up): fewer, larger
     matmuls per token. Concatenates along the output dimension; None when the layers cannot be
-    fused (mixed quantization, mixed bias)."""
+    fused (mixed quantization, mixed bias). LoRA adapters kept beside the weights (models/adapters.py)
+    follow into the fused layer."""
     first = layers[0]
-    if any(type(layer) is not type(first) for layer in layers):
+    if any(unadapted_type(layer) is not unadapted_type(first) for layer in layers):
         return None
     has_bias = ["bias" in layer for layer in layers]
     if any(has_bias) and not all(has_bias):
@@ -224,4 +226,4 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
         return None
     if all(has_bias):
         fused.bias = mx.concatenate([layer.bias for layer in layers], axis=0)
-    return fused
+    return fuse_adapters(fused, layers)

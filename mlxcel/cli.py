@@ -433,7 +433,7 @@ def claim_run_folder_early(composed: Any, claimed: list[Path]) -> str:
 
     run_cfg = validate_config(read_job_config(composed))
     # a bad input file is a config error too
-    samples = expand_samples(load_job_rows(run_cfg.prompt, run_cfg.sampler))
+    samples = expand_samples(load_job_rows(run_cfg.prompt, run_cfg.sampler, list(run_cfg.model.adapters or {})))
     if not run_cfg.runner.resume:  # (a resume's model was checked when the run began)
         check_model_config(run_cfg)
     run_dir = Path(str(OmegaConf.select(composed, "hydra.run.dir"))).expanduser().absolute()

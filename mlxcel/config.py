@@ -471,6 +471,7 @@ class PromptRow(Group):
     # that cannot be read is the row's error, not the job's (jobs.read_row_constraint)
     constraint: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    adapter: str | None = None  # one of model.adapters' names (default: the base model)
 
     _check_prompt = field_validator("prompt")(_check_not_blank)
 

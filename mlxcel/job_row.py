@@ -23,6 +23,7 @@ class JobRow:
     batch: dict | None = None  # custom_id, endpoint, model, ...; "error": the line cannot run
     constraint: dict | None = None  # structured output: the row's own spec (mlxcel.structured.spec); None: the job's
     constraint_error: str | None = None  # why the row's own constraint cannot be read: the row is an error row
+    adapter: str | None = None  # one of model.adapters' names: the LoRA adapter this row runs with (None: the base)
 
 
 def hash_row(row: JobRow) -> str:
@@ -42,6 +43,8 @@ def hash_row(row: JobRow) -> str:
         content.update(raw=row.raw, sampler=row.sampler, stop=row.stop, logprobs=row.logprobs, batch=row.batch)
     if row.constraint is not None:
         content["constraint"] = row.constraint
+    if row.adapter is not None:
+        content["adapter"] = row.adapter
     if row.constraint_error is not None:  # (a fixed row then asks for something else)
         content["constraint_error"] = row.constraint_error
     return hashlib.sha256(

@@ -34,8 +34,9 @@ class Sample:
         return (str(self.row.id), self.index)
 
 
-def load_job_rows(prompt: PromptConfig, sampler=None) -> list[JobRow]:
-    """`sampler`: the job's sampler config, under a batch file's per-request settings."""
+def load_job_rows(prompt: PromptConfig, sampler=None, adapters: list[str] | None = None) -> list[JobRow]:
+    """`sampler`: the job's sampler config, under a batch file's per-request settings; `adapters`:
+    model.adapters' names, which a row's `adapter` must be one of."""
     if prompt.file is not None:
         from mlxcel.batch_files import detect_format, read_batch_rows
 
@@ -45,10 +46,10 @@ def load_job_rows(prompt: PromptConfig, sampler=None) -> list[JobRow]:
         path = Path(prompt.file)
         if prompt.format == "openai_batch" or (prompt.format == "auto" and detect_format(path) == "openai_batch"):
             return read_batch_rows(path, prompt.system, sampler)
-        return check_rows(read_jsonl_rows(path), prompt, f"prompt.file={prompt.file}")
+        return check_rows(read_jsonl_rows(path), prompt, f"prompt.file={prompt.file}", adapters)
     if prompt.rows is not None:
         items = [(index, row.model_dump(exclude_unset=True)) for index, row in enumerate(prompt.rows, start=1)]
-        return check_rows(items, prompt, "prompt.rows")
+        return check_rows(items, prompt, "prompt.rows", adapters)
     return [JobRow(id=1, messages=prompt.to_messages())]
 
 
@@ -87,7 +88,9 @@ def read_jsonl_rows(path: Path) -> list[tuple[int, object]]:
     return items
 
 
-def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: str) -> list[JobRow]:
+def check_rows(
+    items: list[tuple[int, object]], prompt: PromptConfig, source: str, adapters: list[str] | None = None
+) -> list[JobRow]:
     label = "line" if source.startswith("prompt.file") else "item"
     rows, issues, seen = [], [], {}
     for number, data in items:
@@ -106,6 +109,10 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
             issues.append(ConfigIssue(where, f"duplicate id (first used at {label} {seen[str(row_id)]})", row_id))
             continue
         seen[str(row_id)] = number
+        if row.adapter is not None and row.adapter not in (adapters or []):
+            known = f"model.adapters has {', '.join(adapters)}" if adapters else "model.adapters is not set"
+            issues.append(ConfigIssue(f"{where}: adapter", f"names no adapter ({known})", row.adapter))
+            continue
         messages = row.to_messages()
         constraint, constraint_error = read_row_constraint(row)
         rows.append(
@@ -118,6 +125,7 @@ def check_rows(items: list[tuple[int, object]], prompt: PromptConfig, source: st
                 row.tools,
                 constraint=constraint,
                 constraint_error=constraint_error,
+                adapter=row.adapter,
             )
         )
     if issues:

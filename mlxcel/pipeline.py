@@ -94,12 +94,17 @@ def describe_weights(path: Path, settings: tuple) -> tuple:
 def describe_load_settings(cfg: RunConfig) -> dict:
     """The config's settings that change the loaded weights (the weights cache and the prompt cache's key)."""
     model = cfg.model
-    return {
+    settings = {
         "dtype": model.dtype,
         "gguf_weights": model.gguf_weights,
         "quantize": model.quantize.model_dump() if model.quantize else None,
         "fuse": model.resolved_fuse(),
     }
+    if model.adapter is not None or model.adapters is not None:  # (their files too: retrained, they differ)
+        folders = {"": model.adapter} if model.adapter is not None else dict(model.adapters)
+        settings["adapters"] = {name: describe_weights(Path(folder), ()) for name, folder in folders.items()}
+        settings["merge_adapter"] = model.merge_adapter
+    return settings
 
 
 def load_weights_for(cfg: RunConfig, path: Path, log: TextIO | None, keep: bool) -> LoadedModel:
@@ -113,7 +118,16 @@ def load_weights_for(cfg: RunConfig, path: Path, log: TextIO | None, keep: bool)
         return replace(kept, info={**kept.info, "load_ms": 0.0, "kept_from_previous_job": True})
     _KEPT_WEIGHTS.clear()  # the previous model goes before this one loads
     say(log, f"loading model {model.path} ...")
-    loaded = load_model(model.path, model.dtype, model.gguf_weights, quantize, fuse=fuse)
+    loaded = load_model(
+        model.path,
+        model.dtype,
+        model.gguf_weights,
+        quantize,
+        fuse=fuse,
+        adapter=model.adapter,
+        adapters=model.adapters,
+        merge_adapter=model.merge_adapter,
+    )
     info = loaded.info
     params, seconds = info["params"] / 1e6, info["load_ms"] / 1000
     say(log, f"loaded {info['arch']} ({params:.0f}M params, {info['dtype']}) in {seconds:.1f} s")
@@ -499,6 +513,21 @@ class Pipeline:
             kv_group_size=request.kv_group_size,
         )
 
+    def adapter_index(self, name: str | None) -> int:
+        """A row's adapter (one of model.adapters' names, checked when the rows were read) as the
+        model's index of it; -1: none."""
+        if name is None:
+            return -1
+        control = getattr(self.loaded.model, "adapter_control", None) if self.loaded is not None else None
+        if control is None or name not in control.names:
+            raise MlxcelError(f"adapter {name!r}: not one of model.adapters ({', '.join(self.adapter_names())})")
+        return control.names.index(name)
+
+    def adapter_names(self) -> list[str]:
+        """model.adapters' names, as the loaded model keeps them (empty: none)."""
+        control = getattr(self.loaded.model, "adapter_control", None) if self.loaded is not None else None
+        return list(control.names) if control is not None and control.default < 0 else []
+
     def describe_max_rows(self) -> dict:
         """What stats.json records: the rows at once the engine got, and whether auto chose them."""
         setting = self.cfg.runner.max_rows
@@ -518,6 +547,7 @@ class Pipeline:
                 sampler=self.chain_for(p.sample.row.sampler),
                 logprobs=p.sample.row.logprobs,
                 constraint=p.constraint,
+                adapter=self.adapter_index(p.sample.row.adapter),
             )
             for p in batch
         ]

@@ -66,7 +66,7 @@ def run(
     the job claims a GPU of its own (mlxcel.devices)."""
     # A refused start (another run's folder, a resume with another config, an input the run would
     # write over) leaves the folder as it was: no failure stats over another run's.
-    samples = expand_samples(load_job_rows(cfg.prompt, cfg.sampler))  # 1
+    samples = expand_samples(load_job_rows(cfg.prompt, cfg.sampler, list(cfg.model.adapters or {})))  # 1
     done = claim_run_folder(
         out_dir, cfg.resolved_dict(), cfg.runner.resume, input_files(cfg.prompt), hash_samples(samples)
     )  # 2

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from mlxcel.config import resolve_decode_step
 from mlxcel.engine.compiled import CompiledDecoder
@@ -69,7 +70,29 @@ def choose_decode_step(model, requested: str = "auto") -> str:
     once (longrope) says so and runs eager; a compiled step that cannot drive a request's caches
     (`can_drive`) leaves that request eager."""
     step = resolve_decode_step(requested)
+    if picks_adapters_per_row(model):
+        return "eager"  # (a traced step would keep the adapters' masks of its first call)
     return step if getattr(model, "supports_compiled_decode", True) else "eager"
+
+
+def picks_adapters_per_row(model) -> bool:
+    """model.adapters: each row (token) of a call takes its own adapter (models/adapters.py)."""
+    control = getattr(model, "adapter_control", None)
+    return control is not None and control.default < 0
+
+
+def select_adapters(model, adapters, logits_at=None) -> None:
+    """The adapter each row ([B]) or token ([B, L]) of the model's next forward call takes (-1:
+    none). Where none takes one, every token takes the model's default (its one unmerged adapter,
+    or the base model). `logits_at`: the call's, for a [B, L] index."""
+    control = getattr(model, "adapter_control", None)
+    if control is None:
+        return
+    index = np.asarray(adapters, dtype=np.int32)
+    if index.size == 0 or (index < 0).all():
+        control.clear()
+    else:
+        control.set_tokens(index, logits_at)
 
 
 def get_decoder(model, step: str):
@@ -146,6 +169,7 @@ class Engine:
             max_tokens=max_tokens,
         )
         state.sampling = request.sampler.start(state.row_keys, [r.prompt_ids for r in rows], request.logprobs)
+        select_adapters(self.model, [r.adapter for r in rows])  # (the batch's rows stay together to the end)
         if with_images:
             embeddings = self._embed_images(rows, tokens, left_pad, timings)
             extras, shifts = self._prefill_extras(rows, left_pad)
@@ -248,6 +272,7 @@ class Engine:
         if state.decoder is not None:
             logits = state.decoder(state.next_input, state.cache)
         else:
+            select_adapters(self.model, [r.adapter for r in state.request.rows])
             logits = self.model(state.next_input[:, None], state.cache)[:, -1, :]
         self._queue_tokens(state, logits)
 

@@ -53,7 +53,10 @@ class PrefixReuse:
 
     # ---- which positions a row may share ----
     def limit(self, row) -> int:
-        """Positions of the row's prompt whose KV depends on its tokens alone."""
+        """Positions of the row's prompt whose KV depends on its tokens alone (not a row with an
+        adapter of model.adapters: its KV is its adapter's)."""
+        if row.request.adapter >= 0:
+            return 0
         images = row.request.images
         if images is not None and hasattr(self.model, "lora_control"):
             return 0

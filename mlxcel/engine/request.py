@@ -22,6 +22,7 @@ class RowRequest:
     sampler: SamplerChain | None = None  # this row's own chain (a server request's); None: the request's
     logprobs: int = 0  # > 0: this row's tokens' logprobs and top-N alternatives, beside the request's setting
     constraint: Any = None  # mlxcel.structured.Constraint: what the answer must match (structured output)
+    adapter: int = -1  # the model's adapter this row runs with (models/adapters.py AdapterControl.names); -1: none
 
 
 @dataclass

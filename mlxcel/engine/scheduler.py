@@ -32,7 +32,15 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.engine.engine import OnRowDone, OnToken, apply_token, check_prompt, choose_decode_step, get_decoder
+from mlxcel.engine.engine import (
+    OnRowDone,
+    OnToken,
+    apply_token,
+    check_prompt,
+    choose_decode_step,
+    get_decoder,
+    select_adapters,
+)
 from mlxcel.engine.prefix_reuse import PrefixReuse
 from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.request import GenerationRequest, GenerationTimings, RowRequest, RowResult
@@ -756,6 +764,7 @@ class BatchScheduler:
     def decode_step(self, table: PageTable, caches: list, batch: DecodeBatch) -> mx.array:
         """Logits [B, V] of every decoding row's next position, in batch order."""
         crossing = self.find_longrope_crossings(batch)
+        select_adapters(self.model, batch.adapters)
         if not crossing.any():
             return self.step_rows(table, caches, batch.slots, batch.next_input)
         # A row whose sequence passes longrope's switch now gets the long factors for every
@@ -763,12 +772,14 @@ class BatchScheduler:
         parts, order = [], []
         rest = np.nonzero(~crossing)[0]
         if len(rest):
+            select_adapters(self.model, batch.adapters[rest])
             parts.append(
                 self.step_rows(table, caches, batch.slots[rest], batch.next_input[mx.array(rest.astype(np.int32))])
             )
             order += rest.tolist()
         for i in np.nonzero(crossing)[0].tolist():
             row = batch.rows[i]
+            select_adapters(self.model, batch.adapters[i : i + 1])
             generated = mx.array(row.result.token_ids[: batch.drawn[i] - 1], dtype=batch.next_input.dtype)
             generated = mx.concatenate([generated, batch.next_input[i : i + 1]])
             table.lengths[row.slot] = 0
@@ -969,6 +980,9 @@ class BatchScheduler:
         done = [i for i, (r, (_, end)) in enumerate(zip(rows, spans)) if end == len(r.prompt)]
         wanted = len(batch) + len(done)
         logits_at = step.last_positions(done) if wanted else step.length - 1
+        adapters = [batch.adapters] + [[r.request.adapter] * (end - start) for r, (start, end) in zip(rows, spans)]
+        adapters.append([-1] * (step.length - step.tokens))
+        select_adapters(self.model, np.concatenate(adapters)[None], logits_at)
         logits = self.model(tokens[None], caches, logits_at=logits_at)[0]
         table.end()
         self.count_call(state, ("packed", step.length, len(rows), width))
@@ -1001,6 +1015,7 @@ class BatchScheduler:
         )
         slots = np.array([r.slot for r in rows])
         self.set_adapter_rows(table, slots, prefill=True)
+        select_adapters(self.model, [r.request.adapter for r in rows])
         table.begin(slots, width, leads)
         logits = self.model(chunk, caches, logits_at=width - 1)[:, -1, :]
         table.end()
@@ -1037,6 +1052,7 @@ class BatchScheduler:
         began = time.perf_counter()
         slots = np.array([r.slot for r in rows])
         self.set_adapter_rows(table, slots, prefill=True)
+        select_adapters(self.model, [r.request.adapter for r in rows])
         table.begin(slots, size + pad)
         if row.request.images is not None and getattr(self.model, "prefill_in_one_piece", False):
             table.step.image_blocks = np.array(self.model.image_blocks(row.prompt)[start:end])
@@ -1234,6 +1250,7 @@ class DecodeBatch:
         self.drawn = np.zeros(0, dtype=np.int64)
         self.limits = np.zeros(0, dtype=np.int64)
         self.prompt_lengths = np.zeros(0, dtype=np.int64)
+        self.adapters = np.zeros(0, dtype=np.int32)  # each row's adapter (RowRequest.adapter; -1: none)
         self.next_input: mx.array | None = None  # the last draw's tokens, aligned with rows
 
     def __len__(self) -> int:
@@ -1247,6 +1264,7 @@ class DecodeBatch:
             self.drawn = np.append(self.drawn, [0] * len(rows))
             self.limits = np.append(self.limits, [r.limit for r in rows])
             self.prompt_lengths = np.append(self.prompt_lengths, [len(r.prompt) for r in rows])
+            self.adapters = np.append(self.adapters, [r.request.adapter for r in rows]).astype(np.int32)
 
     def keep(self, keep: np.ndarray) -> list[Row]:
         """Keep the rows at these positions; returns the rows dropped."""
@@ -1255,5 +1273,6 @@ class DecodeBatch:
         self.rows = [self.rows[i] for i in keep]
         self.slots, self.indices = self.slots[keep], self.indices[keep]
         self.drawn, self.limits, self.prompt_lengths = self.drawn[keep], self.limits[keep], self.prompt_lengths[keep]
+        self.adapters = self.adapters[keep]
         self.next_input = self.next_input[mx.array(keep.astype(np.int32))] if len(keep) else None
         return dropped

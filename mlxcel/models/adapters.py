@@ -3,12 +3,13 @@ model, each token of a forward call taking one of them or none (`model.adapters`
 on a quantized base). mlxcel/checkpoints/adapters.py reads the adapter folders and merges a lone
 adapter into dense weights instead.
 
-Each adapted layer keeps every adapter's A stacked along the rank ([R, in]) and its scale * B side
-by side ([out, R]); one `AdapterControl` shared by the model says which adapter each token takes.
-A token's rank columns are masked to its adapter's (0/1 over the R columns), so a batch's LoRA
-product is two matmuls a layer whatever its mix of adapters. Fusing Q/K/V or gate/up (base.fuse_linears)
-stacks the parts' A and puts their B on the block diagonal (`fuse_adapters`), so fused layers keep
-their adapters."""
+Each adapted layer keeps its adapters stacked, A as [n + 1, in, r] and scale * B as [n + 1, r, out]
+(slot n: zeros, "no adapter"; ranks zero-padded to the widest); one `AdapterControl` shared by the
+model says which adapter each token takes, and the layer gathers each token's product by it
+(mx.gather_mm, as vLLM's multi-LoRA kernels do), so a batch's LoRA product is two gathered matmuls a
+layer whatever its mix of adapters. Fusing Q/K/V or gate/up (base.fuse_linears) stacks the parts' A
+along the rank and puts their B on the block diagonal (`fuse_adapters`), so fused layers keep their
+adapters."""
 
 from __future__ import annotations
 
@@ -25,13 +26,12 @@ from mlxcel.errors import MlxcelError
 NO_ADAPTER = -1
 
 
-@dataclass
+@dataclass(eq=False)
 class LayerAdapters:
-    """What an adapted layer adds: ((x @ a.T) * mask) @ b.T, mask picking each token's columns."""
+    """What an adapted layer adds: each token's x @ a[i] @ b[i], i its adapter (slot n: none, zeros)."""
 
-    a: mx.array  # [R, in]: every adapter's A, stacked along the rank
-    b: mx.array  # [out, R]: scale * B, side by side
-    owner: tuple[int, ...]  # the adapter each of the R columns belongs to
+    a: mx.array  # [n + 1, in, R]: adapter i's A (transposed, zero-padded to the layer's widest rank)
+    b: mx.array  # [n + 1, R, out]: adapter i's scale * B (transposed)
     control: AdapterControl
 
 
@@ -49,7 +49,7 @@ class AdapterControl:
         self.default = default
         self.index: mx.array | None = None
         self.index_at: mx.array | None = None
-        self._masks: dict[tuple, mx.array | None] = {}
+        self._picks: dict[tuple, mx.array] | None = {}
 
     def set_tokens(self, index: Any, logits_at: int | mx.array | None = None) -> None:
         host = None if isinstance(index, mx.array) else np.asarray(index, dtype=np.int32)
@@ -60,17 +60,19 @@ class AdapterControl:
                 raise MlxcelError(
                     f"adapter index: values must be in [-1, {len(self.names) - 1}] (got {host.min()}..{host.max()})"
                 )
-        self.index = mx.array(host) if host is not None else index.astype(mx.int32)
+        index = mx.array(host) if host is not None else index.astype(mx.int32)
+        # -1 -> slot n, the zero adapter: a gather needs an index for every token
+        self.index = mx.where(index < 0, len(self.names), index)
         self.index_at = None
         if logits_at is not None and self.index.ndim == 2:
             at = slice(logits_at, logits_at + 1) if isinstance(logits_at, int) else logits_at
             self.index_at = self.index[:, at]
-        self._masks = {}
+        self._picks = {}
         if host is not None and host.size and (host == NO_ADAPTER).all():
-            self._masks = None  # no token takes an adapter: every layer skips its product
+            self._picks = None  # no token takes an adapter: every layer skips its product
 
     def clear(self) -> None:
-        self.index, self.index_at, self._masks = None, None, {}
+        self.index, self.index_at, self._picks = None, None, {}
 
     def tokens_for(self, lead: tuple[int, ...]) -> mx.array:
         """The index shaped to broadcast against a layer input's leading dims."""
@@ -89,41 +91,39 @@ class AdapterControl:
             "(set_tokens wants [B] or the call's [B, L]; with logits_at, the positions the call asks logits for)"
         )
 
-    def mask_for(self, owner: tuple[int, ...], lead: tuple[int, ...], dtype: mx.Dtype) -> mx.array | None | bool:
-        """None: no token takes any of these columns; True: every token takes every column (one
-        adapter, all tokens); else a [..., R] 0/1 mask."""
-        if self._masks is None:
+    def pick(self, lead: tuple[int, ...]) -> int | mx.array | None:
+        """None: no token takes an adapter; an int: every token takes that one; else each token's
+        adapter slot, flattened ([prod(lead)] int32, n for none)."""
+        if self._picks is None:
             return None
         if self.index is None:
-            if self.default == NO_ADAPTER:
-                return None
-            return True if all(o == self.default for o in owner) else self._constant_mask(owner, dtype)
-        key = (owner, lead, dtype)
-        if key not in self._masks:
-            tokens = self.tokens_for(lead)
-            self._masks[key] = (tokens[..., None] == mx.array(owner, dtype=mx.int32)).astype(dtype)
-        return self._masks[key]
-
-    def _constant_mask(self, owner: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-        return mx.array([1.0 if o == self.default else 0.0 for o in owner], dtype=dtype)
+            return None if self.default == NO_ADAPTER else self.default
+        if lead not in self._picks:
+            self._picks[lead] = mx.broadcast_to(self.tokens_for(lead), lead).flatten()
+        return self._picks[lead]
 
 
 class AdaptedMixin:
     """A Linear (dense or quantized) plus its adapters (`adapters`, not a parameter: the model's
-    parameters stay the checkpoint's, and quantizing leaves the adapters in their dtype)."""
+    parameters stay the checkpoint's, and quantizing leaves the adapters in their dtype). Each token's
+    product is gathered by its adapter (mx.gather_mm): on the CPU 2-4x faster than computing every
+    adapter's and masking (2-4 adapters, rank 16, 2048 wide)."""
 
     adapters: LayerAdapters
 
     def __call__(self, x: mx.array) -> mx.array:
         y = super().__call__(x)
         adapters = self.adapters
-        mask = adapters.control.mask_for(adapters.owner, tuple(x.shape[:-1]), x.dtype)
-        if mask is None:
+        lead = tuple(x.shape[:-1])
+        pick = adapters.control.pick(lead)
+        if pick is None:
             return y
-        z = x @ adapters.a.T
-        if mask is not True:
-            z = z * mask
-        return y + (z @ adapters.b.T).astype(y.dtype)
+        if isinstance(pick, int):
+            z = (x @ adapters.a[pick]) @ adapters.b[pick]
+        else:
+            z = mx.gather_mm(x.reshape(-1, 1, x.shape[-1]), adapters.a, rhs_indices=pick)
+            z = mx.gather_mm(z, adapters.b, rhs_indices=pick).reshape(*lead, -1)
+        return y + z.astype(y.dtype)
 
 
 _ADAPTED: dict[type, type] = {}
@@ -146,25 +146,23 @@ def attach_layer_adapters(layer: nn.Module, adapters: LayerAdapters) -> None:
 
 def fuse_adapters(fused: nn.Module, layers: list[nn.Module]) -> nn.Module:
     """The fused layer (Q/K/V or gate/up concatenated along the output) keeps its parts' adapters:
-    their A stacked along the rank, their B on the block diagonal (a part without one: zeros)."""
+    each adapter's A stacked along the rank, its B on the block diagonal (a part without one: none)."""
     carried = [getattr(layer, "adapters", None) for layer in layers]
     present = [c for c in carried if c is not None]
     if not present:
         return fused
     outs = [linear_dims(layer)[1] for layer in layers]
-    ranks = [c.a.shape[0] if c is not None else 0 for c in carried]
-    dtype = present[0].b.dtype
+    slots, dtype = present[0].a.shape[0], present[0].b.dtype
     rows = []
-    for i, out_dims in enumerate(outs):
-        blocks = [
-            carried[j].b if j == i else mx.zeros((out_dims, rank), dtype=dtype) for j, rank in enumerate(ranks) if rank
-        ]
-        rows.append(mx.concatenate(blocks, axis=1))
-    a = mx.concatenate([c.a for c in present], axis=0)
-    b = mx.concatenate(rows, axis=0)
+    for i, c in enumerate(carried):
+        if c is None:
+            continue
+        blocks = [c.b if j == i else mx.zeros((slots, c.b.shape[1], out), dtype=dtype) for j, out in enumerate(outs)]
+        rows.append(mx.concatenate(blocks, axis=2))
+    a = mx.concatenate([c.a for c in present], axis=2)
+    b = mx.concatenate(rows, axis=1)
     mx.eval(a, b)
-    owner = tuple(o for c in present for o in c.owner)
-    attach_layer_adapters(fused, LayerAdapters(a, b, owner, present[0].control))
+    attach_layer_adapters(fused, LayerAdapters(a, b, present[0].control))
     return fused
 
 
@@ -184,18 +182,21 @@ def attach_adapters(
     scale * B [out, r])}. Sets and returns the model's `adapter_control`."""
     control = AdapterControl(names, default)
     found = dict(model.named_modules())
-    per_layer: dict[str, list[tuple[int, mx.array, mx.array]]] = {}
-    for i, modules in enumerate(tensors):
-        for path, (a, b) in modules.items():
-            per_layer.setdefault(path, []).append((i, a, b))
-    for path, parts in per_layer.items():
+    for path in sorted({path for modules in tensors for path in modules}):
         layer = found[path]
+        in_dims, out_dims = linear_dims(layer)
+        rank = max(modules[path][0].shape[0] for modules in tensors if path in modules)
+        a = mx.zeros((len(names) + 1, in_dims, rank))
+        b = mx.zeros((len(names) + 1, rank, out_dims))
+        for i, modules in enumerate(tensors):
+            if path in modules:
+                a_i, b_i = modules[path]
+                a[i, :, : a_i.shape[0]] = a_i.T
+                b[i, : a_i.shape[0]] = b_i.T
         dtype = compute_dtype(layer)
-        a = mx.concatenate([a for _, a, _ in parts], axis=0).astype(dtype)
-        b = mx.concatenate([b for _, _, b in parts], axis=1).astype(dtype)
+        a, b = a.astype(dtype), b.astype(dtype)
         mx.eval(a, b)
-        owner = tuple(i for i, a_i, _ in parts for _ in range(a_i.shape[0]))
-        attach_layer_adapters(layer, LayerAdapters(a, b, owner, control))
+        attach_layer_adapters(layer, LayerAdapters(a, b, control))
     model.adapter_control = control
     return control
 

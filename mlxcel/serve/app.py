@@ -54,8 +54,10 @@ class ServeApp:
         records: ServeRecords,
         keys: set[str],
         log: TextIO | None = None,
+        adapters: list[str] | None = None,
     ):
         self.engine, self.settings, self.records = engine, settings, records
+        self.adapters = adapters or []  # model.adapters' names: a request's model "base:name" or "name" picks one
         self.log = log  # one line a client that went away (None: stderr)
         self.model_id, self.model_aliases = model_id, model_aliases | {model_id}
         self.keys = keys
@@ -95,14 +97,21 @@ class ServeApp:
         except ValueError as exc:  # (bad JSON, bad UTF-8, an integer past Python's 4300 digits)
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
-    def check_model(self, name: str) -> None:
-        if name not in self.model_aliases:
-            raise ApiError(
-                404,
-                f"model {name[:200]!r} is not served here; this server serves {self.model_id!r}",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, name: str) -> int:
+        """The adapter a request's `model` names: -1 for the base model (any of its names), else
+        the index of one of model.adapters, named `base:adapter` or `adapter` (/v1/models lists them)."""
+        if name in self.model_aliases:
+            return -1
+        base, _, adapter = name.rpartition(":")
+        if adapter in self.adapters and (not base or base in self.model_aliases):
+            return self.adapters.index(adapter)
+        served = ", ".join(repr(n) for n in self.model_names())
+        raise ApiError(
+            404, f"model {name[:200]!r} is not served here; this server serves {served}", "model", "model_not_found"
+        )
+
+    def model_names(self) -> list[str]:
+        return [self.model_id] + [f"{self.model_id}:{name}" for name in self.adapters]
 
     # ---- routes ----
     async def health(self, request: Request) -> Response:
@@ -113,19 +122,19 @@ class ServeApp:
             self.check_key(request)
         except ApiError as error:
             return self.error_response(error, request, "models")
-        return JSONResponse({"object": "list", "data": [self.describe_model()]})
+        return JSONResponse({"object": "list", "data": [self.describe_model(name) for name in self.model_names()]})
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{id}: the model (any of its names), or OpenAI's 404 model_not_found."""
         try:
             self.check_key(request)
-            self.check_model(request.path_params["model"])
+            adapter = self.check_model(request.path_params["model"])
         except ApiError as error:
             return self.error_response(error, request, "models")
-        return JSONResponse(self.describe_model())
+        return JSONResponse(self.describe_model(self.model_names()[adapter + 1]))
 
-    def describe_model(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlxcel"}
+    def describe_model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mlxcel"}
 
     async def chat(self, request: Request) -> Response:
         return await self.complete(request, "chat")
@@ -140,7 +149,7 @@ class ServeApp:
             self.check_key(request)
             body = await self.read_json(request)
             parsed = parse_request(ChatRequest if endpoint == "chat" else CompletionRequest, body)
-            self.check_model(parsed.model)
+            adapter = self.check_model(parsed.model)
             if endpoint == "chat":
                 images = tempfile.mkdtemp(prefix="mlxcel-serve-") if has_data_urls(parsed.messages) else None
                 prompts = [convert_messages(parsed.messages, Path(images) if images else None, self.image_dirs)]
@@ -160,6 +169,7 @@ class ServeApp:
                 streaming=parsed.stream,
                 loop=asyncio.get_running_loop(),
                 constraint=await self.compile_constraint(read_constraint(parsed), endpoint),
+                adapter=adapter,
             )
             self.engine.submit(job)
         except ApiError as error:

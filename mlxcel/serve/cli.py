@@ -161,7 +161,16 @@ class Server:
         self.records = ServeRecords(self.outputs, report, settings.log_text, pipeline.header.fingerprint[:16])
         self.records.engine = self.engine
         self.app = make_app(
-            ServeApp(self.engine, settings, self.model_id, {str(cfg.model.path)}, self.records, self.keys, self.log)
+            ServeApp(
+                self.engine,
+                settings,
+                self.model_id,
+                {str(cfg.model.path)},
+                self.records,
+                self.keys,
+                self.log,
+                pipeline.adapter_names(),
+            )
         )
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host}:{port}/v1"

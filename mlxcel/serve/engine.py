@@ -61,6 +61,7 @@ class Job:
     # structured output: the request's spec compiled (on a request thread: app.compile_constraint);
     # None: the server's decode.constraint
     constraint: Any = None
+    adapter: int = -1  # the model's adapter the request's `model` names (model.adapters); -1: the base
 
     @property
     def row_count(self) -> int:
@@ -281,6 +282,7 @@ class ServeEngine:
                     sampler=chain,
                     logprobs=job.logprobs,
                     constraint=constraint,
+                    adapter=job.adapter,
                 )
                 stream = self.pipeline.make_text_stream(job.streaming, job.stop)
                 choice = Choice(p * job.n + i, stream, job.logprobs, len(prompt.token_ids))

@@ -1,0 +1,137 @@
+"""Several LoRA adapters in one job (issue 44 item 2, the engine side): rows that name different
+adapters of `model.adapters`, and rows that name none, run in the same forward calls (the scheduler's
+decode steps, pieces and packed calls) and each draws the tokens it draws on the model with its
+adapter merged, alone; a JSONL row names its adapter, a bad name is one error before the weights load;
+rows with an adapter neither share nor adopt cached prefixes (their KV is their adapter's)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from mlxcel.checkpoints.loader import load_model
+from mlxcel.engine import DirectEngine, GenerationRequest, RowRequest
+from mlxcel.engine.prompt_cache import PromptCache
+from mlxcel.engine.scheduler import BatchScheduler
+from mlxcel.errors import ConfigError
+from mlxcel.sampling import Sampler
+from tests.helpers import make_tiny_checkpoint, read_rows, write_rows
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.usefixtures("on_the_cpu")
+
+GREEDY = Sampler("greedy")
+TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, on_the_cpu) -> dict:
+    from tests.test_adapters import train_peft_adapter
+
+    root = tmp_path_factory.mktemp("adapter_rows")
+    base = make_tiny_checkpoint(root / "base", "llama", seed=3)
+    common = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    return {
+        "base": base,
+        "a": train_peft_adapter(base, root / "a", seed=1, **common),
+        "b": train_peft_adapter(
+            base, root / "b", seed=2, **{**common, "r": 8, "target_modules": ["k_proj", "up_proj"]}
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(3, 90) for _ in range(rng.randint(3, 40))] for _ in range(9)]
+
+
+@pytest.fixture(scope="module")
+def alone(folders, prompts) -> dict:
+    """Each prompt's greedy tokens on the base and on each adapter merged, one row at a time."""
+    models = {
+        -1: load_model(str(folders["base"]), dtype="float32").model,
+        0: load_model(str(folders["base"]), dtype="float32", adapter=str(folders["a"])).model,
+        1: load_model(str(folders["base"]), dtype="float32", adapter=str(folders["b"])).model,
+    }
+    return {
+        (adapter, i): generate(model, [p], [-1])[0] for adapter, model in models.items() for i, p in enumerate(prompts)
+    }
+
+
+@pytest.fixture(scope="module")
+def several(folders):
+    adapters = {"a": str(folders["a"]), "b": str(folders["b"])}
+    return load_model(str(folders["base"]), dtype="float32", adapters=adapters).model
+
+
+def generate(model, prompts, adapters, engine=None, **options) -> list[list[int]]:
+    rows = [RowRequest(p, row_id=i, adapter=a) for i, (p, a) in enumerate(zip(prompts, adapters))]
+    engine = engine or BatchScheduler(model, 256, options.pop("max_rows", 4), chunk_size=options.pop("chunk", None))
+    for name, value in options.items():
+        setattr(engine, name, value)
+    state = engine.generate(GenerationRequest(rows, GREEDY, max_tokens=TOKENS))
+    return [r.token_ids for r in state.results]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "a-call-a-part"])
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prompts", "pieces-of-8"])
+def test_rows_with_different_adapters_share_calls_and_draw_their_own_tokens(several, prompts, alone, packed, chunk):
+    adapters = [0, 1, -1, 1, 0, -1, 0, 1, 1]
+    got = generate(several, prompts, adapters, max_rows=3, chunk=chunk, packed=packed)
+    assert got == [alone[(a, i)] for i, a in enumerate(adapters)]
+
+
+def test_the_batch_engine_runs_a_batch_of_mixed_adapters(several, prompts, alone):
+    adapters = [1, -1, 0]
+    got = generate(several, prompts[:3], adapters, engine=DirectEngine(several, 256))
+    assert got == [alone[(a, i)] for i, a in enumerate(adapters)]
+
+
+def test_rows_with_an_adapter_do_not_adopt_the_bases_prefix(several, prompts):
+    shared = prompts[0] + prompts[1]  # (the same tokens: a base row and an adapter row must not share KV)
+    rows = [shared + prompts[2][:3], shared + prompts[3][:5], shared + prompts[4][:4]]
+    scheduler = BatchScheduler(several, 256, 4, prompt_cache=PromptCache(1 << 28))
+    requests = [RowRequest(p, row_id=i, adapter=a) for i, (p, a) in enumerate(zip(rows, [-1, 0, -1]))]
+    state = scheduler.generate(GenerationRequest(requests, GREEDY, max_tokens=TOKENS))
+    assert state.results[1].cached_tokens == 0
+    assert state.results[2].cached_tokens >= 32  # the base rows still share theirs
+
+
+def test_a_jsonl_job_names_each_rows_adapter(folders, prompts, alone, tmp_path):
+    from mlxcel.runner import run
+    from tests.test_hybrid_paths import job_config
+
+    rows = [{"id": "base", "prompt": "a b c"}, {"id": "a", "prompt": "a b c", "adapter": "a"}]
+    rows.append({"id": "b", "prompt": "a b c", "adapter": "b"})
+    adapters = f"model.adapters={{a: {folders['a']}, b: {folders['b']}}}"
+    cfg = job_config(str(folders["base"]), write_rows(tmp_path / "rows.jsonl", rows), adapters, "decode.max_tokens=6")
+    run(cfg, tmp_path / "run", None, None)
+    written = {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "run")}
+    singles = {}
+    for name in ("a", "b"):
+        merged = f"model.adapter={folders[name]}"
+        one = job_config(
+            str(folders["base"]), write_rows(tmp_path / f"{name}.jsonl", rows[:1]), merged, "decode.max_tokens=6"
+        )
+        run(one, tmp_path / f"run-{name}", None, None)
+        singles[name] = read_rows(tmp_path / f"run-{name}")[0]["token_ids"]
+    assert written["a"] == singles["a"] and written["b"] == singles["b"]
+    assert len({json.dumps(v) for v in written.values()}) == 3  # the three rows differ
+
+
+def test_a_row_naming_an_unknown_adapter_fails_before_the_weights_load(folders, tmp_path):
+    from mlxcel.jobs import load_job_rows
+    from tests.test_hybrid_paths import job_config
+
+    rows = [{"id": 1, "prompt": "x"}, {"id": 2, "prompt": "y", "adapter": "c"}]
+    cfg = job_config(
+        str(folders["base"]), write_rows(tmp_path / "rows.jsonl", rows), f"model.adapters={{a: {folders['a']}}}"
+    )
+    with pytest.raises(ConfigError) as raised:
+        load_job_rows(cfg.prompt, cfg.sampler, list(cfg.model.adapters))
+    assert "line 2: adapter" in str(raised.value) and "'c'" in str(raised.value) and "a" in str(raised.value)
+    with pytest.raises(ConfigError, match="model.adapters is not set"):
+        load_job_rows(cfg.prompt, cfg.sampler, [])

@@ -244,6 +244,7 @@ def main() -> None:
 def convert(cfg, settings: ConvertConfig, log=sys.stderr) -> dict:
     """Load `cfg.model.path`, quantize or cast it as `settings` say, write the folder; returns the
     record written beside it (mlxcel_convert.json)."""
+    from mlxcel.checkpoints.adapters import check_adapter, merge_adapter, read_adapter
     from mlxcel.checkpoints.fingerprint import read_model_header
     from mlxcel.checkpoints.loader import count_parameters, load_model, resolve_model_path
     from mlxcel.devices import select_device
@@ -251,8 +252,7 @@ def convert(cfg, settings: ConvertConfig, log=sys.stderr) -> dict:
     started = time.perf_counter()
     source = resolve_model_path(cfg.model.path)
     output = prepare_output(settings.output, settings.overwrite, source)
-    if settings.adapter is not None:
-        check_adapter(settings.adapter)
+    adapter = read_adapter(settings.adapter, "convert.adapter") if settings.adapter is not None else None
     select_device(cfg.runner.device)
     header = read_model_header(source)
     is_gguf = source.is_file() and source.suffix == ".gguf"
@@ -266,13 +266,17 @@ def convert(cfg, settings: ConvertConfig, log=sys.stderr) -> dict:
     model, config = loaded.model, dict(loaded.config)
     if is_gguf:
         config = make_gguf_config(loaded, dtype)
-    if settings.adapter is not None:
-        merge_adapter(model, settings.adapter)
     source_quantization = config.get("quantization") if not is_gguf else None
+    if adapter is not None:
+        check_adapter(adapter, model)
+        if source_quantization is not None and settings.quantize is None and not settings.dequantize:
+            settings = requantize_like(settings, source_quantization)  # merged weights, the source's quantization
     if source_quantization is not None and (settings.quantize is not None or settings.dequantize):
         dequantize_to(model, dtype)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
+    if adapter is not None:
+        merge_adapter(model, adapter)  # into the dense, un-fused weights, before quantizing
     if settings.quantize is not None:
         quantization = quantize_model(model, settings)
         config["quantization"] = config["quantization_config"] = quantization
@@ -353,24 +357,16 @@ def choose_dtype(dtype: str, source: Path, is_gguf: bool) -> str:
     return named if named in ("float32", "float16", "bfloat16") else "float16"
 
 
-def check_adapter(path: str) -> None:
-    """TODO(issue 44 item 1): merge `convert.adapter` with mlxcel/models/adapters.py's loader once
-    it lands (merge_adapter below is the hook: it runs on the dense, un-fused model, before
-    quantization). Until then the key is refused before any weight loads."""
-    raise ConfigError(
-        ConfigIssue(
-            "convert.adapter",
-            "merging an adapter is not available in mlxcel-convert yet; merge it first (mlx_lm.fuse, or PEFT's "
-            "merge_and_unload) and convert the merged folder, or drop convert.adapter",
-            path,
-        )
-    )
-
-
-def merge_adapter(model, path: str) -> None:
-    """The hook for convert.adapter (see check_adapter): merge the LoRA deltas into the dense,
-    un-fused weights, so the folder holds the merged model."""
-    raise NotImplementedError(path)
+def requantize_like(settings: ConvertConfig, quantization: dict) -> ConvertConfig:
+    """Settings that quantize the merged model as the source was (its bits, group size and mode,
+    and its per-layer entries), as mlx_lm.fuse does for a quantized base."""
+    base = QuantizeSettings(**{k: quantization[k] for k in ("bits", "group_size", "mode") if k in quantization})
+    layers = {
+        path: value if value is False else LayerQuantization(**value)
+        for path, value in quantization.items()
+        if isinstance(value, dict) or value is False
+    }
+    return settings.model_copy(update={"quantize": base, "layers": {**layers, **(settings.layers or {})}})
 
 
 def make_gguf_config(loaded, dtype: str) -> dict:

@@ -16,6 +16,7 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         "id": sample.row.id,
         "sample": sample.index,
         "messages": sample.row.messages,
+        **({"adapter": sample.row.adapter} if sample.row.adapter is not None else {}),  # model.adapters' name
         "input_sha256": hash_row(sample.row),  # what the row asked; a resume checks the input still asks it
         "prompt": prompt.text,
         "text": text,
@@ -40,6 +41,7 @@ def make_error_row(prepared: PreparedSample) -> dict:
         "id": sample.row.id,
         "sample": sample.index,
         "messages": sample.row.messages,
+        **({"adapter": sample.row.adapter} if sample.row.adapter is not None else {}),
         "input_sha256": hash_row(sample.row),
         "text": "",
         "token_ids": [],

@@ -500,7 +500,7 @@ def drive_job_worker(cfg) -> tuple[list[dict], dict, object]:
     from mlxcel.jobs import expand_samples, load_job_rows
     from mlxcel.ray_jobs import JobWorker
 
-    samples = expand_samples(load_job_rows(cfg.prompt))
+    samples = expand_samples(load_job_rows(cfg.prompt, cfg.sampler, list(cfg.model.adapters or {})))
     worker = JobWorker(cfg, "worker-0")
     got = []
     for part in (samples[:2], samples[2:]):

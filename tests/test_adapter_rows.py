@@ -135,3 +135,39 @@ def test_a_row_naming_an_unknown_adapter_fails_before_the_weights_load(folders, 
     assert "line 2: adapter" in str(raised.value) and "'c'" in str(raised.value) and "a" in str(raised.value)
     with pytest.raises(ConfigError, match="model.adapters is not set"):
         load_job_rows(cfg.prompt, cfg.sampler, [])
+
+
+def test_the_server_takes_the_adapter_from_the_requests_model(folders, prompts, alone, tmp_path):
+    from tests.serve_fixtures import request_json, running_server
+
+    adapters = f"model.adapters={{a: {folders['a']}, b: {folders['b']}}}"
+    overrides = (f"model.path={folders['base']}", adapters, "sampler=greedy", "decode.ignore_eos=true")
+    with running_server(tmp_path / "run", *overrides, "serve.model_name=m") as server:
+        status, listed, _ = request_json(f"{server.url}/models")
+        assert status == 200 and [m["id"] for m in listed["data"]] == ["m", "m:a", "m:b"]
+        decode = server.engine.pipeline.tokenizer.decode
+        assert len({decode(alone[(adapter, 0)]) for adapter in (-1, 0, 1)}) == 3  # (three answers that differ)
+        for model, adapter in [("m", -1), ("m:a", 0), ("b", 1)]:
+            body = {"model": model, "prompt": prompts[0], "max_tokens": TOKENS, "temperature": 0}
+            status, answer, _ = request_json(f"{server.url}/completions", body)
+            assert status == 200, answer
+            assert answer["choices"][0]["text"] == decode(alone[(adapter, 0)]), model
+        status, answer, _ = request_json(f"{server.url}/completions", {"model": "m:c", "prompt": [5, 6]})
+        assert status == 404 and "'m', 'm:a', 'm:b'" in answer["error"]["message"]
+
+
+def test_a_ray_worker_runs_each_rows_adapter(folders, tmp_path):
+    """The Ray job's worker body (ray_jobs.JobWorker, without Ray): rows keep their adapters."""
+    from mlxcel.runner import run
+    from tests.helpers import drive_job_worker
+    from tests.test_hybrid_paths import job_config
+
+    rows = [{"id": str(i), "prompt": "a b c d", "adapter": name} for i, name in enumerate(["a", None, "b", "a"])]
+    rows = [{k: v for k, v in row.items() if v is not None} for row in rows]
+    setting = (f"model.adapters={{a: {folders['a']}, b: {folders['b']}}}", "decode.max_tokens=6", "runner.progress=off")
+    cfg = job_config(str(folders["base"]), write_rows(tmp_path / "rows.jsonl", rows), *setting)
+    got, _, _ = drive_job_worker(cfg)
+    run(cfg, tmp_path / "run", None, None)  # the same rows in the local job
+    local = {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "run")}
+    assert {r["id"]: r["token_ids"] for r in got} == local
+    assert local["0"] == local["3"] and len({json.dumps(local[i]) for i in "012"}) == 3

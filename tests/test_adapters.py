@@ -341,3 +341,57 @@ def test_the_config_checks_adapter_names_and_folders(tmp_path):
     assert "model.adapter: must be an adapter folder" in first_error(adapter=str(tmp_path / "none"))
     assert "not both" in first_error(adapter=str(tmp_path), adapters={"x": str(tmp_path)})
     assert validate_config({**base, "model": {**base["model"], "adapters": {"sql-v2": str(tmp_path)}}}).model.adapters
+
+
+# ---- item 4's convert.adapter: the folder holds the merged model ----
+
+
+def convert_with(source: Path, output: Path, **settings) -> dict:
+    from mlxcel.cli import compose_config
+    from mlxcel.config import validate_config
+    from mlxcel.convert import convert, validate_convert_config
+
+    cfg = validate_config(compose_config([f"model.path={source}", "runner.device=cpu"]))
+    return convert(cfg, validate_convert_config({"output": str(output), "progress": "off", **settings}))
+
+
+def folder_logits(path: Path, **load) -> np.ndarray:
+    return mlxcel_logits(load_model(str(path), "float32", **load).model, [PROMPT])
+
+
+def test_convert_merges_an_adapter_into_the_folder(base, peft_adapter, tmp_path):
+    record = convert_with(base, tmp_path / "merged", dtype="float32", adapter=str(peft_adapter))
+    assert record["options"]["adapter"] == str(peft_adapter)
+    merged_at_load = folder_logits(base, adapter=str(peft_adapter))
+    assert np.abs(merged_at_load - folder_logits(base)).max() > 1e-2  # (the adapter changes the logits)
+    np.testing.assert_allclose(folder_logits(tmp_path / "merged"), merged_at_load, atol=1e-5, rtol=0)
+
+
+def test_convert_merges_into_a_quantized_source_and_requantizes_it_alike(base, peft_adapter, tmp_path):
+    """A quantized source: dequantized, merged, quantized again as it was (as mlx_lm.fuse does)."""
+    quantization = {"bits": 4, "group_size": 32}
+    convert_with(base, tmp_path / "q4", dtype="float32", quantize=quantization, layers={"lm_head": {"bits": 8}})
+    convert_with(tmp_path / "q4", tmp_path / "q4-merged", adapter=str(peft_adapter))
+    written = json.loads((tmp_path / "q4-merged" / "config.json").read_text())["quantization"]
+    assert written == json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"]
+    # the reference: the same packed weights made dense, then merged and quantized by hand
+    convert_with(tmp_path / "q4", tmp_path / "dense", dequantize=True)
+    convert_with(
+        tmp_path / "dense",
+        tmp_path / "by-hand",
+        adapter=str(peft_adapter),
+        quantize=quantization,
+        layers={"lm_head": {"bits": 8}},
+    )
+    merged = folder_logits(tmp_path / "q4-merged")
+    assert np.abs(merged - folder_logits(tmp_path / "q4")).max() > 1e-2  # (the adapter counts)
+    np.testing.assert_allclose(merged, folder_logits(tmp_path / "by-hand"), atol=1e-5, rtol=0)
+
+
+def test_convert_refuses_a_bad_adapter_before_writing(base, tmp_path):
+    with pytest.raises(MlxcelError, match=r"convert.adapter=.*: not a folder"):
+        convert_with(base, tmp_path / "out", adapter=str(tmp_path / "missing"))
+    bad = write_peft(tmp_path / "bad", {f"{Q}.lora_A.weight": (4, 32), f"{Q}.lora_B.weight": (32, 4)})
+    with pytest.raises(MlxcelError, match=f"{Q}: the adapter maps 32 -> 32"):
+        convert_with(base, tmp_path / "out", adapter=str(bad))
+    assert not any((tmp_path / "out").glob("*.safetensors"))

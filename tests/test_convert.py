@@ -200,7 +200,6 @@ def test_non_empty_output_refused_unless_overwrite(tiny_llama, tmp_path):
         ({"quantize": {}, "layers": {"lm_head": {"bits": 9}}}, "convert.layers.lm_head.bits: must be one of"),
         ({"quantize": {}, "dequantize": True}, "convert.dequantize: give either"),
         ({"shard_gb": 0}, "convert.shard_gb"),
-        ({"adapter": "/x"}, "convert.adapter: merging an adapter is not available"),
     ],
 )
 def test_bad_settings_are_config_errors(settings, message, tiny_llama, tmp_path):

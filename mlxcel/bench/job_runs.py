@@ -49,10 +49,11 @@ def compose_config(
     max_rows: int,
     prompt_cache: bool = True,
     max_context: int | None = None,
+    model_settings: dict | None = None,
     **runner,
 ) -> RunConfig:
     """Composed as mlxcel-run composes a config (conf/ defaults: greedy sampler), plus the job's settings."""
-    model = {"path": str(folder), "dtype": dtype_name(dtype)}
+    model = {"path": str(folder), "dtype": dtype_name(dtype), **(model_settings or {})}
     return load_config(
         {
             "model": model if max_context is None else {**model, "max_context": max_context},

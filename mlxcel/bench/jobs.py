@@ -397,8 +397,13 @@ def load_mlxcel(
     return TokenIdPipeline.load(compose_config(folder, tokenizer_dir, dtype, max_rows, prompt_cache, **runner))
 
 
-def run_mlxcel(pipeline: TokenIdPipeline, job: Job) -> JobRun:
-    samples = [Sample(JobRow(id=i, messages=[], max_tokens=n)) for i, n in enumerate(job.output_lengths)]
+def run_mlxcel(pipeline: TokenIdPipeline, job: Job, adapters: list[str | None] | None = None) -> JobRun:
+    """`adapters`: each row's adapter name (model.adapters'), None for the base model."""
+    adapters = adapters or [None] * len(job.prompts)
+    samples = [
+        Sample(JobRow(id=i, messages=[], max_tokens=n, adapter=a))
+        for i, (n, a) in enumerate(zip(job.output_lengths, adapters))
+    ]
     pipeline.start_job(job.prompts)
     start = time.perf_counter()
     result = run_job(pipeline, samples, set(), DiscardedOutputs(), {}, stream=None, log=None)

@@ -313,6 +313,27 @@ def read_constraint_file(kind: str, value: str) -> str:
         ) from None
 
 
+MAX_DRAFT_TOKENS = 16
+MAX_NGRAM = 16
+
+
+class DraftConfig(Group):
+    """Speculative decoding (docs/speculative.md): a row drafts its next tokens, one forward call
+    verifies them; the tokens are exactly those of plain decoding."""
+
+    method: Literal["none", "ngram"] = "none"  # ngram: prompt lookup (the row's own prompt and output)
+    tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_DRAFT_TOKENS)] = 4  # the most drafted a step
+    adaptive: Bool = True  # fewer (then none, for a while) where drafts miss; up to `tokens` where they hit
+    ngram_min: Annotated[int, Strict(), Field(ge=1, le=MAX_NGRAM)] = 2  # the shortest suffix looked up
+    ngram_max: Annotated[int, Strict(), Field(ge=1, le=MAX_NGRAM)] = 4  # the longest, tried first
+
+    @model_validator(mode="after")
+    def _check_ngrams(self) -> DraftConfig:
+        if self.ngram_min > self.ngram_max:
+            raise reject(f"must be <= decode.draft.ngram_max ({self.ngram_max})", "ngram_min", self.ngram_min)
+        return self
+
+
 class DecodeConfig(Group):
     max_tokens: PositiveInt = 256
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
@@ -326,6 +347,7 @@ class DecodeConfig(Group):
     step: Literal["auto", "eager", "segmented", "compiled"] = "auto"  # how a decode step runs; env: MLXCEL_DECODE_STEP
     # structured output: what every answer must match (rows may set their own)
     constraint: ConstraintConfig | None = None
+    draft: DraftConfig = Field(default_factory=DraftConfig)  # speculative decoding
 
     @field_validator("stop_strings")
     @classmethod

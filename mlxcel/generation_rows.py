@@ -31,6 +31,8 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         **({"error": result.error} if result.error else {}),  # a row the engine could not run
         # structured output: False when the row ended (max_tokens, a stop string) before its answer was whole
         **({"constraint_satisfied": result.constraint_satisfied} if result.constraint_satisfied is not None else {}),
+        # speculative decoding: the row's drafted and accepted tokens, and its verify steps
+        **({"draft": result.draft} if result.draft is not None else {}),
         **(result.timing or {}),  # the scheduler's queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
     }
 

@@ -563,6 +563,7 @@ class Pipeline:
             kv_bits=cfg.decode.kv_bits,
             kv_group_size=cfg.decode.kv_group_size,
             constraints=self.constraints,
+            draft=cfg.decode.draft if cfg.decode.draft.method != "none" else None,
         )
 
 

@@ -54,6 +54,7 @@ class BatchStats:
     constraint_kinds: dict[str, int] = field(default_factory=dict)  # structured output: rows by kind
     constraints_satisfied: int = 0  # of those, rows whose answer is a whole match
     mask_ms: float = 0.0  # computing their token masks (overlaps the forward pass)
+    draft: dict | None = None  # speculative decoding (measure_drafts); None: decode.draft is off
 
 
 @dataclass
@@ -91,6 +92,9 @@ class GenerationStats:
     # structured output: constrained rows, how many ended with a whole match, their kinds and the
     # host time spent on masks; empty when no row has a constraint
     constraints: dict = field(default_factory=dict)
+    # speculative decoding (decode.draft): drafted and accepted tokens, the acceptance rate and the
+    # tokens a drafting row gained a verify step; {"off": why} where it could not run; empty when off
+    draft: dict = field(default_factory=dict)
     batches: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -130,7 +134,38 @@ def measure_batch(state: BatchState | ScheduleState) -> BatchStats:
         constraint_kinds=dict(Counter(r.constraint.kind for r in state.request.rows if r.constraint is not None)),
         constraints_satisfied=sum(1 for r in results if r.constraint_satisfied),
         mask_ms=1000 * getattr(state, "mask_seconds", 0.0),
+        draft=measure_drafts(state),
     )
+
+
+def measure_drafts(state: BatchState | ScheduleState) -> dict | None:
+    """A batch's speculative decoding: its drafting rows' sums, or why it was off."""
+    if getattr(state.request, "draft", None) is None:
+        return None
+    if not isinstance(state, ScheduleState):
+        return {"off": "the batch engine runs this request (drafts are verified in the scheduler only)"}
+    if state.draft_off is not None:
+        return {"off": state.draft_off}
+    rows = [r.draft for r in state.results if r.draft is not None]
+    sums = {key: sum(row[key] for row in rows) for key in ("drafted", "accepted", "steps")}
+    return {"rows": len(rows), **sums, "verify_steps": state.verify_steps}
+
+
+def summarize_drafts(batches: list[BatchStats]) -> dict:
+    drafts = [b.draft for b in batches if b.draft is not None]
+    if not drafts:
+        return {}
+    off = next((d["off"] for d in drafts if "off" in d), None)
+    if off is not None:
+        return {"off": off}
+    sums = {key: sum(d[key] for d in drafts) for key in ("rows", "drafted", "accepted", "steps", "verify_steps")}
+    drafted, accepted, steps = sums["drafted"], sums["accepted"], sums["steps"]
+    return {
+        **sums,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        # a drafting row's tokens a verify step: the accepted drafts and the target's own token
+        "tokens_per_step": round((accepted + steps) / steps, 3) if steps else 0.0,
+    }
 
 
 def summarize_constraints(batches: list[BatchStats]) -> dict:
@@ -190,6 +225,7 @@ def make_generation_stats(
         call_shapes=sum(b.call_shapes for b in batches),
         prompt_cache=summarize_prompt_cache(batches),
         constraints=summarize_constraints(batches),
+        draft=summarize_drafts(batches),
         batches=[
             {
                 "rows": b.rows,
@@ -287,6 +323,14 @@ def format_stats_table(stats: GenerationStats) -> str:
             f"prompt cache: {cache['rows_adopted']} row{'s' if cache['rows_adopted'] != 1 else ''} adopted "
             f"{cache['adopted_tokens']} of the prompt tokens"
             f" ({cache['adopted_share']:.0%}), not prefilled again"
+        )
+    draft = stats.draft
+    if draft.get("off"):
+        lines.append(f"draft: off ({draft['off']})")
+    elif draft.get("steps"):
+        lines.append(
+            f"draft: {draft['accepted']} of {draft['drafted']} drafted tokens accepted"
+            f" ({draft['acceptance_rate']:.0%}), {draft['tokens_per_step']:.2f} tokens a verify step"
         )
     occupancy = f" | occupancy {stats.occupancy:.1f}" if stats.occupancy else ""
     lines.append(

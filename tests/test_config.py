@@ -372,12 +372,14 @@ def group_options() -> list[tuple[str, str]]:
 
 def test_every_group_has_options():
     groups = {group for group, _ in group_options()}
-    assert groups == {"model", "tokenizer", "template", "sampler", "prefill", "decode", "prompt", "runner", "serve"}
+    stages = {"model", "tokenizer", "template", "sampler", "prefill", "decode", "prompt", "runner"}
+    assert groups == stages | {"serve", "convert"}  # (the last two: mlxcel-serve's and mlxcel-convert's own)
 
 
 @pytest.mark.parametrize("group, option", group_options())
 def test_every_option_composes_and_validates(group, option, tmp_path):
-    overrides = [f"{'+' if group == 'serve' else ''}{group}={option}"]  # (serve: mlxcel-serve composes it in)
+    # (serve, convert: mlxcel-serve and mlxcel-convert compose them in)
+    overrides = [f"{'+' if group in ('serve', 'convert') else ''}{group}={option}"]
     if group == "model" and option != "smollm2":  # hf and the family presets require model.path
         overrides.append(f"model.path={tmp_path}")
     if (group, option) == ("prompt", "jsonl"):
@@ -385,6 +387,10 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         overrides.append(f"prompt.file={tmp_path / 'rows.jsonl'}")
     data = compose_run(overrides)
     assert "hydra" not in data
+    if group == "convert":  # (mlxcel-convert validates its group on its own, with the output it requires)
+        from mlxcel.convert import validate_convert_config
+
+        assert validate_convert_config({**data.pop("convert"), "output": str(tmp_path / "out")}).quantize is None
     cfg = validate_config(data)
     if group == "prompt" and option == "jsonl":
         assert cfg.prompt.is_batch and cfg.prompt.text is None

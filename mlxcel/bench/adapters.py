@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     special = read_special_ids(config)
     job = draw_job(args.rows, args.prompt_tokens, args.output_tokens, config["vocab_size"], special, args.seed)
-    warm_up = draw_job(args.max_rows, (args.prompt_tokens[0],) * 2, (4, 4), config["vocab_size"], special, args.seed + 1)
+    vocab_size = config["vocab_size"]
+    warm_up = draw_job(args.max_rows, (args.prompt_tokens[0],) * 2, (4, 4), vocab_size, special, args.seed + 1)
     runs = {
         "base": ({}, None),
         "merged": ({"adapter": adapters[names[0]]}, None),
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{label}: loaded in {time.perf_counter() - start:.1f} s")
         warm_adapters = row_adapters and [names[i % len(names)] for i in range(len(warm_up.prompts))]
         run_mlxcel(pipeline, warm_up, warm_adapters)
-        result = measure(lambda job: run_mlxcel(pipeline, job, row_adapters), job, 0)
+        result = measure(partial(run_mlxcel, pipeline, adapters=row_adapters), job, 0)
         log(f"{label}: {format_run(result)}")
         figures[label] = result.metrics()
         del pipeline

@@ -38,6 +38,7 @@ class GenerationRequest:
     kv_bits: int | None = None  # quantize the KV cache (QuantizedKVCache); None: model dtype
     kv_group_size: int = 64
     constraints: Any = None  # mlxcel.structured.Constraints: computes the masks of rows with a constraint
+    draft: Any = None  # mlxcel.config.DraftConfig: speculative decoding (engine/drafts.py); None: off
 
 
 @dataclass
@@ -50,6 +51,7 @@ class RowResult:
     cached_tokens: int = 0  # prompt tokens adopted from the prompt cache (not prefilled again)
     timing: dict | None = None  # the scheduler's per-row figures: queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
     constraint_satisfied: bool | None = None  # a constrained row: whether its answer is a whole match
+    draft: dict | None = None  # speculative decoding: {drafted, accepted, steps} (a row that can draft)
 
 
 @dataclass

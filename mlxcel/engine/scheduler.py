@@ -32,6 +32,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.engine.drafts import RowDrafts, count_accepted, make_row_drafts
 from mlxcel.engine.engine import (
     OnRowDone,
     OnToken,
@@ -55,6 +56,7 @@ from mlxcel.models.recurrent import RecurrentCache
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
+from mlxcel.sampling.rng import KEY_WORDS
 from mlxcel.sampling.rows import GroupedRowsSampler
 from mlxcel.structured.matcher import MaskBuffer, consume_token, is_satisfied
 from mlxcel.vision.stage import merge_embeddings
@@ -99,6 +101,7 @@ class Row:
     embeddings: mx.array | None = None  # [1, L, hidden] with its images' features, while it prefills
     extras: dict | None = None  # the family's per-token prefill inputs (M-RoPE ids), sliced per piece
     matcher: object = None  # structured output: the row's llguidance matcher (RowRequest.constraint)
+    drafts: RowDrafts | None = None  # speculative decoding: the row's draft source (decode.draft)
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -154,6 +157,8 @@ class ScheduleState:
     draw_gap_seconds: float = 0.0  # structured output: from the forward pass queued to its draw queued
     forward_calls: int = 0  # the model's forward calls (packed: one an iteration; else a decode step, pieces)
     call_shapes: set = field(default_factory=set)  # their distinct shapes (count_call)
+    verify_steps: int = 0  # speculative decoding: decode steps that verified drafts
+    draft_off: str | None = None  # why decode.draft does not run here (one line), where it is set
 
     @property
     def host_seconds(self) -> float:
@@ -369,6 +374,7 @@ class BatchScheduler:
         # $MLXCEL_PACKED=0 turns it off (a call for the decode rows and one a group of pieces), to compare
         packed_off = os.environ.get("MLXCEL_PACKED", "1") == "0" or batch_invariant
         self.packed = not packed_off and supports_packed_calls(model)
+        self.drafting = False  # decode.draft runs in this request (set per request: steps)
 
     def generate(
         self,
@@ -396,10 +402,15 @@ class BatchScheduler:
         With a `feed` it runs until the feed closes, taking rows as they come; their results are
         reported through the callbacks only (the state keeps none, so a server's memory stays flat)."""
         timings = GenerationTimings(start=time.perf_counter())
+        # speculative decoding: rows that can draft do, the others decode as before (find_draft_problem)
+        draft_off = self.find_draft_problem(request) if request.draft is not None else None
+        self.drafting = request.draft is not None and draft_off is None
         rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
+        state.draft_off = draft_off
         kernels = (False, False) if request.kv_bits else uses_kernels(self.model)  # the kernels read unquantized pools
-        rings = self.use_window_rings(request, kernels[0])
+        # (drafting: a ring would lose the positions a rejected draft overwrote)
+        rings = self.use_window_rings(request, kernels[0]) and not self.drafting
         per_position = kv_bytes_per_position(self.model, request.kv_bits, request.kv_group_size, rings)
         self.per_block = max(1, per_position * BLOCK_SIZE)  # (every layer a ring: blocks count positions only)
         # A row's fixed-size state (a hybrid's recurrent layers', sliding layers' rings) per row slot:
@@ -455,7 +466,7 @@ class BatchScheduler:
         result = RowResult(prompt_tokens=len(request.prompt_ids), logprobs=[] if wants_logprobs else None)
         limit = min(request.max_tokens or job.max_tokens, self.max_context - len(request.prompt_ids) + 1)
         matcher = request.constraint.new_matcher() if request.constraint is not None else None
-        return Row(
+        row = Row(
             index,
             request,
             result,
@@ -463,6 +474,31 @@ class BatchScheduler:
             error=check_prompt(index, request.prompt_ids, self.max_context),
             matcher=matcher,
         )
+        if self.drafting and self.can_draft(row, job):
+            row.drafts = make_row_drafts(job.draft)
+            result.draft = row.drafts.describe()
+        return row
+
+    # ---- speculative decoding (engine/drafts.py) ----
+    def find_draft_problem(self, request: GenerationRequest) -> str | None:
+        """Why this model or request cannot verify drafts (the rows then decode as they would), or None."""
+        if self.hybrid:
+            return "its recurrent layers' state cannot be taken back to a rejected draft's position yet"
+        if request.kv_bits:
+            return "decode.kv_bits is set (a quantized pool takes no ragged calls)"
+        if self.batch_invariant:
+            return "runner.batch_invariant=true (a verify call's shape would change a row's numerics)"
+        if getattr(self.model, "longrope_limit", None) is not None:
+            return "its longrope scaling switches factors at a position a draft could cross"
+        return None
+
+    def can_draft(self, row: Row, request: GenerationRequest) -> bool:
+        """Rows whose next tokens a verify call gives exactly: a chain that is a function of the
+        logits alone (greedy, no history, no random stream), no constraint, no logprobs, no images."""
+        chain = row.request.sampler or request.sampler
+        stateless = chain.is_greedy and not chain.is_stateful and not chain.has("xtc")
+        plain = row.matcher is None and not (request.logprobs or row.request.logprobs)
+        return stateless and plain and row.request.images is None
 
     def check_rows(self, rows: list[Row], request: GenerationRequest, on_row_done) -> list[Row]:
         """The rows that can run; the others end now with finish_reason "error" (reported)."""
@@ -508,6 +544,7 @@ class BatchScheduler:
         inflight: deque[PendingDraw] = deque()
         leaving: list[Row] = []  # done drawing; their slot goes back once their tokens are read
         draws_queued = draws_read = 0
+        verified_last = False  # the last iteration verified drafts (speculative decoding)
         self.live: dict[int, Row] = {}  # a feed's rows by index, until they end
         self.cancelling: set[int] = set()  # decoding rows that end at their next token
         self._mask_buffer: MaskBuffer | None = None  # structured output's masks, written in place
@@ -557,6 +594,35 @@ class BatchScheduler:
                     row.prefilled = row.result.cached_tokens = reuse.adopt(row)
                 prefilling.append(row)
             state.kv_peak_blocks = max(state.kv_peak_blocks, table.num_blocks - table.free_blocks)
+            # 1b. speculative decoding: every queued draw read, the rows' drafts verified in one call
+            # (a row without one takes its plain step in it); while rows prefill, every other
+            # iteration is a plain one, so their pieces go on
+            if self.drafting and len(batch) and not (prefilling and verified_last) and self.wants_drafts(batch):
+                ended = []
+                while inflight:
+                    ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
+                    draws_read += 1
+                if ended and len(batch):
+                    leaving += self.keep(
+                        batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
+                    )
+                drafts = self.propose_drafts(batch)
+                if drafts is not None:
+                    verify = (table, caches, batch, drafts, sampler, request, state)
+                    ended = self.verify_drafts(*verify, on_token, on_row_done)
+                    draws_queued += 1
+                    draws_read += 1
+                    leaving += self.keep(batch, batch.drawn < batch.limits, sampler, draws_queued)
+                    if ended and len(batch):
+                        leaving += self.keep(
+                            batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
+                        )
+                    verified_last = True
+                    self.free_rows(leaving, draws_read, table, caches, free_slots, state)
+                    state.iterations += 1
+                    yield state
+                    continue
+            verified_last = False
             # 2. the decode step, then prefill pieces within the iteration's token budget: in one
             # packed call where the family and request allow it (models/paged_packed.py)
             logits_parts, joined = [], []
@@ -680,23 +746,29 @@ class BatchScheduler:
                         batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
                     )
             # slots and blocks of rows whose every queued step has been read go back
-            for row in [row for row in leaving if row.last_draw <= draws_read]:
-                leaving.remove(row)
-                if self.keep_answers and self.reuse is not None:
-                    # every fed position: the prompt and each token drawn but the last
-                    fed = len(row.prompt) + len(row.result.token_ids) - 1
-                    submit(self.reuse.record(row, min(int(table.lengths[row.slot]), fed)), state)
-                release_slot(table, caches, row.slot)
-                free_slots.append(row.slot)
-                row.slot = -1
-                if self.reuse is not None:
-                    self.reuse.forget(row)
-            free_slots.sort()
+            self.free_rows(leaving, draws_read, table, caches, free_slots, state)
             state.iterations += 1
             # (held across the yield, they would keep the last step's logits and tokens alive
             # while an open loop waits for rows)
             logits_parts = logits = draw = None
             yield state
+
+    def free_rows(
+        self, leaving: list[Row], draws_read: int, table: PageTable, caches: list, free_slots: list, state
+    ) -> None:
+        """The slots and blocks of the rows in `leaving` whose every queued step has been read go back."""
+        for row in [row for row in leaving if row.last_draw <= draws_read]:
+            leaving.remove(row)
+            if self.keep_answers and self.reuse is not None:
+                # every fed position: the prompt and each token drawn but the last
+                fed = len(row.prompt) + len(row.result.token_ids) - 1
+                submit(self.reuse.record(row, min(int(table.lengths[row.slot]), fed)), state)
+            release_slot(table, caches, row.slot)
+            free_slots.append(row.slot)
+            row.slot = -1
+            if self.reuse is not None:
+                self.reuse.forget(row)
+        free_slots.sort()
 
     def cancel_rows(
         self,
@@ -731,6 +803,100 @@ class BatchScheduler:
             row.result.finish_reason = "cancelled"
             if on_row_done is not None:
                 on_row_done(row.index, row.result)
+
+    def wants_drafts(self, batch: DecodeBatch) -> bool:
+        """Whether a row of the batch drafts this step (counting down paused rows' pauses); none
+        with a constraint in the batch (its masks need the plain step's order)."""
+        wants = False
+        for row in batch.rows:
+            if row.matcher is not None:
+                return False
+            drafts = row.drafts
+            if drafts is not None:
+                if drafts.paused:
+                    drafts.paused -= 1
+                else:
+                    wants = True
+        return wants
+
+    def propose_drafts(self, batch: DecodeBatch) -> list[list[int]] | None:
+        """Each decoding row's draft (empty for rows without one; at most what its limit leaves
+        after the step's own token), or None when no row has one."""
+        drafts = []
+        for i, row in enumerate(batch.rows):
+            room = int(batch.limits[i] - batch.drawn[i]) - 1
+            ready = row.drafts is not None and not row.drafts.paused and room > 0
+            drafts.append(row.drafts.propose(row.prompt, row.result.token_ids, room) if ready else [])
+        return drafts if any(drafts) else None
+
+    def verify_drafts(
+        self,
+        table: PageTable,
+        caches: list,
+        batch: DecodeBatch,
+        drafts: list[list[int]],
+        sampler: GroupedRowsSampler,
+        request: GenerationRequest,
+        state: ScheduleState,
+        on_token: OnToken,
+        on_row_done,
+    ) -> list[Row]:
+        """One call over every decoding row's line (its next input, then its draft; rows end together
+        as in a ragged piece): the sampler draws each row's next token from its first position, as a
+        plain step would; a drafting row's chain (a function of the logits: can_draft) gives the
+        target's token after each drafted one. A row keeps its draft up to the first token the
+        target disagrees with, and takes the target's token there: exactly plain decoding's tokens.
+        The pool's rejected positions go back (the row's length); returns the rows that ended."""
+        sizes = np.array([len(d) for d in drafts], dtype=np.int32)
+        width = int(sizes.max()) + 1
+        leads = (width - 1 - sizes).astype(np.int32)
+        inputs = batch.next_input.tolist()
+        lines = [[request.pad_token_id] * int(lead) + [inp] + d for lead, inp, d in zip(leads, inputs, drafts)]
+        starts = table.lengths[batch.slots].copy()
+        self.set_adapter_rows(table, batch.slots, prefill=False)
+        select_adapters(self.model, batch.adapters)
+        table.begin(batch.slots, width, leads)
+        logits = self.model(mx.array(lines, dtype=mx.int32), caches)  # [B, width, V]
+        table.end()
+        self.count_call(state, ("verify", len(batch), width))
+        rows_index = mx.arange(len(batch))
+        draw = sampler.sample(logits[rows_index, mx.array(leads)])  # each row's first position
+        # the targets after the drafted tokens: each drafting row's chain on its later positions
+        picks = [(i, int(leads[i]) + j) for i in np.nonzero(sizes)[0].tolist() for j in range(1, sizes[i] + 1)]
+        later = logits[mx.array([i for i, _ in picks]), mx.array([j for _, j in picks])]
+        chains = [batch.rows[i].request.sampler or request.sampler for i, _ in picks]
+        targets = mx.zeros((len(picks),), mx.uint32)
+        for chain in {id(c): c for c in chains}.values():
+            where = np.array([k for k, c in enumerate(chains) if c is chain], dtype=np.int32)
+            keys = mx.zeros((len(where), KEY_WORDS), mx.uint32)
+            drawn, _ = chain.run_draw(later[mx.array(where)], keys, {})
+            targets[mx.array(where)] = drawn.astype(mx.uint32)
+        waited = time.perf_counter()
+        first, logprobs = draw.to_host()
+        after = targets.tolist()
+        state.wait_seconds += time.perf_counter() - waited
+        emitted, at = [], 0
+        for i, row in enumerate(batch.rows):
+            tokens = [first[i]] + after[at : at + sizes[i]]
+            at += sizes[i]
+            accepted = count_accepted(drafts[i], tokens) if sizes[i] else 0
+            emitted.append(tokens[: accepted + 1])
+            if sizes[i]:
+                row.drafts.record(int(sizes[i]), accepted)
+                row.result.draft = row.drafts.describe()
+            table.lengths[row.slot] = starts[i] + 1 + accepted  # the input and the accepted drafts stay
+        state.decode_steps += 1
+        state.rows_decoding_sum += len(batch)
+        state.verify_steps += 1
+        ended = []
+        for j in range(max(map(len, emitted))):
+            rows = [i for i, tokens in enumerate(emitted) if len(tokens) > j]
+            host = ([emitted[i][j] for i in rows], [logprobs[i] for i in rows] if j == 0 and logprobs else None)
+            pending = PendingDraw(None, [batch.rows[i] for i in rows])
+            ended += self.read_draw(pending, request, state, on_token, on_row_done, host)
+        batch.drawn = batch.drawn + np.array([len(tokens) for tokens in emitted])
+        batch.next_input = mx.array([tokens[-1] for tokens in emitted], dtype=batch.next_input.dtype)
+        return ended
 
     def compute_masks(self, rows: list[Row], request: GenerationRequest, state: ScheduleState) -> mx.array:
         """[B, ceil(V / 32)] structured output's bitmasks for a draw over `rows` (batch order);

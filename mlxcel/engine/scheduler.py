@@ -606,7 +606,7 @@ class BatchScheduler:
                     leaving += self.keep(
                         batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
                     )
-                drafts = self.propose_drafts(batch)
+                drafts = self.propose_drafts(batch, table)
                 if drafts is not None:
                     verify = (table, caches, batch, drafts, sampler, request, state)
                     ended = self.verify_drafts(*verify, on_token, on_row_done)
@@ -819,12 +819,17 @@ class BatchScheduler:
                     wants = True
         return wants
 
-    def propose_drafts(self, batch: DecodeBatch) -> list[list[int]] | None:
+    def propose_drafts(self, batch: DecodeBatch, table: PageTable) -> list[list[int]] | None:
         """Each decoding row's draft (empty for rows without one; at most what its limit leaves
-        after the step's own token), or None when no row has one."""
+        after the step's own token), or None when no row has one. Where layers keep a ring of one
+        attention chunk (Llama 4), a line stays within its input's chunk: a rejected token past it
+        would have overwritten positions the row still attends to."""
+        chunk = min((c for c in layer_chunks(self.model) if c), default=None)
         drafts = []
         for i, row in enumerate(batch.rows):
             room = int(batch.limits[i] - batch.drawn[i]) - 1
+            if chunk:
+                room = min(room, chunk - 1 - int(table.lengths[row.slot]) % chunk)
             ready = row.drafts is not None and not row.drafts.paused and room > 0
             drafts.append(row.drafts.propose(row.prompt, row.result.token_ids, room) if ready else [])
         return drafts if any(drafts) else None

@@ -1,0 +1,272 @@
+"""Speculative decoding (issue 45): prompt lookup's drafts against a brute-force lookup, and the
+scheduler's verify calls exact: whatever a row drafts (the true continuation, a corrupted one,
+nothing), every family's greedy rows draw plain decoding's tokens, with rows that cannot draft in
+the same calls, rows joining and leaving, prefill pieces and the prompt cache; where drafts cannot
+run (a hybrid), the run says why and decodes as before. fp32 on the CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from mlxcel.checkpoints.loader import load_model
+from mlxcel.config import DraftConfig
+from mlxcel.engine import GenerationRequest, RowRequest
+from mlxcel.engine.drafts import PAUSE_AFTER_MISSES, NgramIndex, RowDrafts, count_accepted
+from mlxcel.engine.prompt_cache import PromptCache
+from mlxcel.engine.scheduler import BatchScheduler, layer_chunks
+from mlxcel.sampling import Sampler
+from tests.helpers import make_tiny_checkpoint, read_rows, write_rows
+
+pytestmark = pytest.mark.usefixtures("on_the_cpu")
+
+NGRAM = DraftConfig(method="ngram")
+TOKENS = 24
+
+
+# ---- prompt lookup ----
+
+
+def lookup(tokens: list[int], low: int, high: int, count: int) -> list[int]:
+    """The reference: the longest suffix (high..low tokens) found ending earlier, its latest occurrence."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + count]
+    return []
+
+
+@pytest.mark.parametrize("low, high", [(1, 1), (2, 4), (1, 3)])
+def test_the_ngram_index_proposes_what_a_brute_force_lookup_finds(low, high):
+    rng = random.Random(low * 10 + high)
+    for _ in range(20):
+        prompt = [rng.randrange(6) for _ in range(rng.randint(1, 30))]
+        generated: list[int] = []
+        index = NgramIndex(low, high)
+        for _ in range(30):
+            index.sync(prompt, generated)
+            assert index.propose(4) == lookup(prompt + generated, low, high, 4)
+            generated += [rng.randrange(6) for _ in range(rng.randint(1, 3))]  # (a step may accept several)
+
+
+def test_count_accepted_stops_at_the_first_disagreement():
+    assert count_accepted([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert count_accepted([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert count_accepted([5], [4, 5]) == 0
+
+
+def test_adaptive_drafts_shrink_pause_and_grow():
+    drafts = RowDrafts(NgramIndex(1, 2), tokens=6, adaptive=True)
+    drafts.record(6, 2)  # a miss after 2: next time 3
+    assert drafts.size == 3
+    for _ in range(PAUSE_AFTER_MISSES):
+        drafts.record(drafts.size, 0)
+    assert drafts.size == 1 and drafts.paused > 0  # nothing accepted, three times: a pause
+    drafts.paused = 0
+    for _ in range(8):
+        drafts.record(drafts.size, drafts.size)
+    assert drafts.size == 6  # hits grow it back, to `tokens` at most
+    fixed = RowDrafts(NgramIndex(1, 2), tokens=6, adaptive=False)
+    for _ in range(5):
+        fixed.record(6, 0)
+    assert fixed.size == 0 and fixed.paused == 0 and fixed.describe() == {"drafted": 30, "accepted": 0, "steps": 5}
+
+
+# ---- verify calls: exact whatever is drafted ----
+
+
+def prompts_for(seed: int, count: int = 6) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(5, 90) for _ in range(rng.randint(3, 9))]
+        prompts.append(phrase * rng.randint(1, 4) + [rng.randrange(5, 90) for _ in range(rng.randint(1, 12))])
+    return prompts
+
+
+def run(model, prompts, draft=None, samplers=None, **options) -> tuple[list[list[int]], object]:
+    packed = options.pop("packed", None)
+    scheduler = BatchScheduler(model, 512, options.pop("max_rows", 3), chunk_size=options.pop("chunk", None), **options)
+    if packed is not None:
+        scheduler.packed = packed and scheduler.packed
+    rows = [RowRequest(p, row_id=i, sampler=(samplers or {}).get(i)) for i, p in enumerate(prompts)]
+    state = scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=TOKENS, draft=draft))
+    return [r.token_ids for r in state.results], state
+
+
+def draft_from(expected: list[list[int]] | dict, seed: int):
+    """BatchScheduler.propose_drafts drafting each row's true continuation (`expected`, by row id),
+    cut short and corrupted at random: exactness must not depend on what is drafted."""
+    rng = random.Random(seed)
+
+    def propose(self, batch, table):
+        chunk = min((c for c in layer_chunks(self.model) if c), default=None)  # (as the scheduler's)
+        drafts = []
+        for i, row in enumerate(batch.rows):
+            room = int(batch.limits[i] - batch.drawn[i]) - 1
+            if chunk:
+                room = min(room, chunk - 1 - int(table.lengths[row.slot]) % chunk)
+            if row.drafts is None or room <= 0 or rng.random() < 0.2:
+                drafts.append([])
+                continue
+            drawn = len(row.result.token_ids)
+            draft = list(expected[row.request.row_id][drawn : drawn + rng.randint(1, min(room, 6))])
+            if draft and rng.random() < 0.5:
+                at = rng.randrange(len(draft))
+                draft[at] = (draft[at] + 1) % 90 + 5  # a wrong token: the rest of the draft goes too
+            drafts.append(draft)
+        return drafts if any(drafts) else None
+
+    return propose
+
+
+def build_family(folder: Path, family: str) -> Path:
+    from tests.family_fixtures import FAMILIES, make_family_checkpoint
+    from tests.test_new_families_paths import build
+
+    if family in ("llama", "qwen2"):
+        return make_tiny_checkpoint(folder, family, seed=1)
+    if family in FAMILIES:
+        return make_family_checkpoint(folder, family, seed=1)
+    if family == "deepseek_v3":
+        from tests.test_families_deepseek import make_checkpoint
+
+        return make_checkpoint(folder, family)
+    if family == "llama4":
+        from tests.test_families_llama4 import write_llama4
+
+        return write_llama4(folder)
+    return build(family, folder)
+
+
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt_oss",
+    "gemma4",
+    "llama4",
+    "glm4",
+    "glm4_moe",
+    "olmo2",
+    "olmo3",
+    "smollm3",
+    "deepseek_v3",
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_any_draft_gives_plain_decodings_tokens(family, tmp_path, monkeypatch):
+    model = load_model(str(build_family(tmp_path / family, family)), dtype="float32").model
+    prompts = prompts_for(3)
+    plain, plain_state = run(model, prompts, chunk=16)
+    monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=7))
+    drafted, state = run(model, prompts, NGRAM, chunk=16)
+    assert drafted == plain
+    figures = [r.draft for r in state.results]
+    accepted, offered = sum(f["accepted"] for f in figures), sum(f["drafted"] for f in figures)
+    assert state.draft_off is None and state.verify_steps > 0
+    assert 0 < accepted < offered  # drafts were taken, and some were turned down
+    assert state.decode_steps < plain_state.decode_steps  # fewer steps for the same tokens
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "a-call-a-part"])
+def test_prompt_lookup_is_exact_beside_rows_that_cannot_draft(tmp_path, packed):
+    """Prompt lookup itself (no oracle): greedy rows draft from their repeated phrases; seeded
+    sampled rows and a logprobs row share every call and draw what they draw without drafts."""
+    model = load_model(str(make_tiny_checkpoint(tmp_path / "llama", "llama", seed=1)), dtype="float32").model
+    prompts = prompts_for(11, count=8)
+    sampled = Sampler("categorical", temperature=0.8, seed=5)
+    samplers = {1: sampled, 4: sampled}
+    plain, _ = run(model, prompts, samplers=samplers, chunk=8, max_rows=4)
+    drafted, state = run(model, prompts, NGRAM, samplers=samplers, chunk=8, max_rows=4, packed=packed)
+    assert drafted == plain
+    assert state.results[1].draft is None and state.results[4].draft is None  # (sampled: no drafts)
+    assert sum(r.draft["accepted"] for r in state.results if r.draft) > 0
+
+
+def test_drafts_with_the_prompt_cache_adopting_prefixes(tmp_path, monkeypatch):
+    model = load_model(str(make_tiny_checkpoint(tmp_path / "llama", "llama", seed=2)), dtype="float32").model
+    shared = prompts_for(5, count=1)[0] * 3
+    prompts = [shared + p for p in prompts_for(6, count=5)]
+    plain, _ = run(model, prompts)
+    monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=3))
+    drafted, state = run(model, prompts, NGRAM, prompt_cache=PromptCache(1 << 28))
+    assert drafted == plain
+    assert sum(r.cached_tokens for r in state.results) > 0 and state.verify_steps > 0
+
+
+def test_a_hybrid_decodes_without_drafts_and_says_why(tmp_path):
+    from tests.test_families_qwen3_5 import make_checkpoint
+
+    model = load_model(str(make_checkpoint(tmp_path / "q", "qwen3_5_text")), dtype="float32").model
+    prompts = prompts_for(4, count=3)
+    plain, _ = run(model, prompts)
+    drafted, state = run(model, prompts, NGRAM)
+    assert drafted == plain
+    assert "recurrent layers' state" in state.draft_off and state.verify_steps == 0
+    assert all(r.draft is None for r in state.results)
+
+
+# ---- through the job path: stats.json and generations.jsonl ----
+
+
+def test_a_job_reports_its_drafts(tmp_path, monkeypatch):
+    from mlxcel.runner import run as run_job
+    from tests.test_hybrid_paths import job_config
+
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", seed=1)
+    rows = [{"id": i, "prompt": "a b c d e f a b c d e f a b c"} for i in range(3)]
+    rows_file = write_rows(tmp_path / "rows.jsonl", rows)
+    settings = ("decode.max_tokens=20", "decode.ignore_eos=true", "runner.progress=off")
+    run_job(job_config(str(folder), rows_file, *settings), tmp_path / "plain", None, None)
+    plain = {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "plain")}
+    # (a random model seldom repeats itself: the drafts are the true continuations, corrupted)
+    monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=1))
+    run_job(job_config(str(folder), rows_file, *settings, "decode.draft.method=ngram"), tmp_path / "spec", None, None)
+    spec = read_rows(tmp_path / "spec")
+    assert {r["id"]: r["token_ids"] for r in spec} == plain
+    assert all(set(r["draft"]) == {"drafted", "accepted", "steps"} for r in spec)
+    stats = json.loads((tmp_path / "spec" / "stats.json").read_text())["draft"]
+    assert stats["rows"] == 3 and stats["drafted"] == sum(r["draft"]["drafted"] for r in spec)
+    assert stats["accepted"] == sum(r["draft"]["accepted"] for r in spec) > 0
+    assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"], abs=1e-4)
+    steps = stats["steps"]
+    assert stats["tokens_per_step"] == pytest.approx((stats["accepted"] + steps) / steps, abs=1e-3)
+    assert json.loads((tmp_path / "plain" / "stats.json").read_text())["draft"] == {}
+
+
+def test_the_server_answers_alike_with_drafts(tmp_path):
+    from tests.serve_fixtures import request_json, running_server
+
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", seed=1)
+    prompt = prompts_for(9, count=1)[0]
+    body = {"model": "m", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
+    answers = []
+    for extra in ((), ("decode.draft.method=ngram",)):
+        overrides = (f"model.path={folder}", "decode.ignore_eos=true", "serve.model_name=m", *extra)
+        with running_server(tmp_path / f"run{len(extra)}", *overrides) as server:
+            status, answer, _ = request_json(f"{server.url}/completions", body)
+            assert status == 200, answer
+            answers.append(answer["choices"][0]["text"])
+    assert answers[0] == answers[1] and answers[0]
+
+
+def test_bad_draft_settings_are_config_errors():
+    from tests.helpers import first_config_error
+
+    assert "decode.draft.tokens: " in first_config_error(decode={"draft": {"method": "ngram", "tokens": 0}})
+    assert "decode.draft.method: must be one of: none, ngram" in first_config_error(decode={"draft": {"method": "x"}})
+    message = first_config_error(decode={"draft": {"ngram_min": 5, "ngram_max": 3}})
+    assert "decode.draft.ngram_min: must be <= decode.draft.ngram_max (3)" in message

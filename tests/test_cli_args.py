@@ -209,7 +209,8 @@ def test_config_errors_exit_2_before_the_runner(stub_runner, monkeypatch, capsys
         (
             ["decode.max_tokenz=1"],
             "decode.max_tokenz: unknown key (did you mean decode.max_tokens?); valid keys: max_tokens, "
-            "stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size, step, constraint",
+            "stop_token_ids, stop_strings, ignore_eos, pipeline, logprobs, kv_bits, kv_group_size, step, constraint, "
+            "draft",
         ),
         (
             ["runner.batch_size=4"],

@@ -57,7 +57,8 @@ def test_every_model_preset_takes_every_model_key(preset):
     model = compose_config([f"model={preset}", "model.quantize={bits: 4, group_size: 64}", "model.max_context=512"])[
         "model"
     ]
-    assert set(model) == {"path", "dtype", "gguf_weights", "max_context", "quantize", "families", "hub_ids", "fuse"}
+    keys = {"path", "dtype", "gguf_weights", "max_context", "quantize", "families", "hub_ids", "fuse"}
+    assert set(model) == keys | {"adapter", "adapters", "merge_adapter"}
     # a family preset names its usual repos when model.path is missing (model=hf and smollm2 need none)
     assert bool(model["hub_ids"]) == bool(model["families"]) and all("/" in repo for repo in model["hub_ids"] or [])
     assert model["quantize"] == {"bits": 4, "group_size": 64} and model["max_context"] == 512

@@ -18,7 +18,8 @@ from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.drafts import PAUSE_AFTER_MISSES, NgramIndex, RowDrafts, count_accepted
 from mlxcel.engine.prompt_cache import PromptCache
 from mlxcel.engine.scheduler import BatchScheduler, layer_chunks
-from mlxcel.sampling import Sampler
+from mlxcel.sampling import Sampler, SamplerChain
+from mlxcel.sampling.config import SamplerConfig
 from tests.helpers import make_tiny_checkpoint, read_rows, write_rows
 
 pytestmark = pytest.mark.usefixtures("on_the_cpu")
@@ -181,19 +182,43 @@ def test_any_draft_gives_plain_decodings_tokens(family, tmp_path, monkeypatch):
     assert state.decode_steps < plain_state.decode_steps  # fewer steps for the same tokens
 
 
+def penalized(seed: int) -> SamplerChain:
+    """A chain with repetition penalties: its state follows every drawn token, so its rows do not draft."""
+    config = {"seed": seed, "processors": {"penalties": {"repeat": 1.3}, "temperature": {"value": 0.8}}}
+    return SamplerChain(SamplerConfig.model_validate({**config, "selector": {"kind": "categorical"}}), 0)
+
+
+def mixed_samplers() -> dict:
+    """Rows 1 and 4 sample (temperature 0.8, seeded), row 2 has penalties; the rest are greedy."""
+    sampled = Sampler("categorical", temperature=0.8, seed=5)
+    return {1: sampled, 4: sampled, 2: penalized(9)}
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "a-call-a-part"])
 def test_prompt_lookup_is_exact_beside_rows_that_cannot_draft(tmp_path, packed):
-    """Prompt lookup itself (no oracle): greedy rows draft from their repeated phrases; seeded
-    sampled rows and a logprobs row share every call and draw what they draw without drafts."""
+    """Prompt lookup itself (no oracle): greedy and sampled rows draft from their repeated phrases;
+    a row with penalties (and its state) shares every call and draws what it draws without drafts."""
     model = load_model(str(make_tiny_checkpoint(tmp_path / "llama", "llama", seed=1)), dtype="float32").model
     prompts = prompts_for(11, count=8)
-    sampled = Sampler("categorical", temperature=0.8, seed=5)
-    samplers = {1: sampled, 4: sampled}
-    plain, _ = run(model, prompts, samplers=samplers, chunk=8, max_rows=4)
-    drafted, state = run(model, prompts, NGRAM, samplers=samplers, chunk=8, max_rows=4, packed=packed)
+    plain, _ = run(model, prompts, samplers=mixed_samplers(), chunk=8, max_rows=4)
+    drafted, state = run(model, prompts, NGRAM, samplers=mixed_samplers(), chunk=8, max_rows=4, packed=packed)
     assert drafted == plain
-    assert state.results[1].draft is None and state.results[4].draft is None  # (sampled: no drafts)
+    assert state.results[2].draft is None and state.results[1].draft is not None
     assert sum(r.draft["accepted"] for r in state.results if r.draft) > 0
+
+
+def test_sampled_rows_draw_plain_decodings_tokens_whatever_is_drafted(tmp_path, monkeypatch):
+    """A sampled row's verify step draws each position with the random key its plain step would
+    have used, so a seeded row's tokens are plain decoding's, token for token, drafts or not (and
+    so distributed as the target's: a drafted token stands where the target drew it)."""
+    model = load_model(str(make_tiny_checkpoint(tmp_path / "llama", "llama", seed=4)), dtype="float32").model
+    prompts = prompts_for(12, count=7)
+    plain, _ = run(model, prompts, samplers=mixed_samplers(), chunk=8)
+    assert plain[1] != run(model, prompts, chunk=8)[0][1]  # (the sampled rows do sample)
+    monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=2))
+    drafted, state = run(model, prompts, NGRAM, samplers=mixed_samplers(), chunk=8)
+    assert drafted == plain
+    assert state.results[1].draft["accepted"] > 0 and state.results[4].draft["accepted"] > 0
 
 
 def test_drafts_with_the_prompt_cache_adopting_prefixes(tmp_path, monkeypatch):

@@ -77,6 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: smollm2, 64-token prompt, batch 1, 8 tokens, 1 rep"
     )
+    draft = parser.add_argument_group("speculative decoding (mlxcel/bench/draft.py)")
+    draft.add_argument(
+        "--draft", choices=["ngram"], help="prompt lookup on an extraction prompt with SmolLM2: plain, drafted, mlx-lm"
+    )
+    draft.add_argument("--draft-tokens", type=int, default=4, help="decode.draft.tokens")
+    draft.add_argument("--draft-rows", type=int, help="rows of the job run with and without (64 GPU, 8 CPU)")
+    draft.add_argument("--seed", type=int, default=0, help="draws the extraction prompts' documents")
     add_checkpoint_arguments(parser)
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else GPU_DEFAULTS if mx.default_device() == mx.gpu else CPU_DEFAULTS
@@ -86,6 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.batch_sizes = args.batch_sizes or batch_sizes
     args.gen = args.gen or gen
     args.reps = args.reps or reps
+    if args.draft:
+        gpu = mx.default_device() == mx.gpu
+        args.gen = args.gen if args.gen != gen else (128 if gpu else 64)
+        args.draft_rows = args.draft_rows or (64 if gpu else 8)
     if args.gen < 2 or args.reps < 1:
         parser.error("--gen must be >= 2 (decode speed needs tokens after the first) and --reps >= 1")
     return args
@@ -146,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         f"| reps {args.reps}"
     )
     work_dir = args.work_dir.expanduser()
+    if args.draft:
+        from mlxcel.bench.draft import bench_draft
+
+        table = bench_draft(args, prepare_checkpoint("smollm2", work_dir, dtype), dtype)
+        print(" | ".join(f"{k} {v}" for k, v in env.items()))
+        print(table)
+        return 0
     results = []
     for name in args.models:
         start = time.perf_counter()

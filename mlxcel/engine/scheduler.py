@@ -56,7 +56,6 @@ from mlxcel.models.recurrent import RecurrentCache
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
-from mlxcel.sampling.rng import KEY_WORDS
 from mlxcel.sampling.rows import GroupedRowsSampler
 from mlxcel.structured.matcher import MaskBuffer, consume_token, is_satisfied
 from mlxcel.vision.stage import merge_embeddings
@@ -494,11 +493,11 @@ class BatchScheduler:
 
     def can_draft(self, row: Row, request: GenerationRequest) -> bool:
         """Rows whose next tokens a verify call gives exactly: a chain that is a function of the
-        logits alone (greedy, no history, no random stream), no constraint, no logprobs, no images."""
+        logits and the step's random key (greedy or sampled; no penalties, DRY or mirostat, whose
+        state a drafted token would advance), no constraint, no logprobs, no images."""
         chain = row.request.sampler or request.sampler
-        stateless = chain.is_greedy and not chain.is_stateful and not chain.has("xtc")
         plain = row.matcher is None and not (request.logprobs or row.request.logprobs)
-        return stateless and plain and row.request.images is None
+        return not chain.is_stateful and plain and row.request.images is None
 
     def check_rows(self, rows: list[Row], request: GenerationRequest, on_row_done) -> list[Row]:
         """The rows that can run; the others end now with finish_reason "error" (reported)."""
@@ -866,16 +865,21 @@ class BatchScheduler:
         self.count_call(state, ("verify", len(batch), width))
         rows_index = mx.arange(len(batch))
         draw = sampler.sample(logits[rows_index, mx.array(leads)])  # each row's first position
-        # the targets after the drafted tokens: each drafting row's chain on its later positions
-        picks = [(i, int(leads[i]) + j) for i in np.nonzero(sizes)[0].tolist() for j in range(1, sizes[i] + 1)]
-        later = logits[mx.array([i for i, _ in picks]), mx.array([j for _, j in picks])]
-        chains = [batch.rows[i].request.sampler or request.sampler for i, _ in picks]
+        # the targets after the drafted tokens: each drafting row's chain on its later positions, with
+        # the random keys its plain steps would have drawn them with (the sampler's step counts)
+        picks = [(i, j) for i in np.nonzero(sizes)[0].tolist() for j in range(1, sizes[i] + 1)]
+        later = logits[mx.array([i for i, _ in picks]), mx.array([int(leads[i]) + j for i, j in picks])]
         targets = mx.zeros((len(picks),), mx.uint32)
-        for chain in {id(c): c for c in chains}.values():
-            where = np.array([k for k, c in enumerate(chains) if c is chain], dtype=np.int32)
-            keys = mx.zeros((len(where), KEY_WORDS), mx.uint32)
-            drawn, _ = chain.run_draw(later[mx.array(where)], keys, {})
-            targets[mx.array(where)] = drawn.astype(mx.uint32)
+        places = sampler.locate()
+        groups: dict[int, list[int]] = {}
+        for k, (i, _) in enumerate(picks):
+            groups.setdefault(id(places[i][0]), []).append(k)
+        for ks in groups.values():
+            group = places[picks[ks[0]][0]][0]
+            # (the first position's draw advanced the steps: position j draws at step + j - 1)
+            keys = group.keys_ahead([places[picks[k][0]][1] for k in ks], [picks[k][1] - 1 for k in ks])
+            drawn, _ = group.chain.run_draw(later[mx.array(ks)], keys, {})
+            targets[mx.array(ks)] = drawn.astype(mx.uint32)
         waited = time.perf_counter()
         first, logprobs = draw.to_host()
         after = targets.tolist()
@@ -889,6 +893,9 @@ class BatchScheduler:
             if sizes[i]:
                 row.drafts.record(int(sizes[i]), accepted)
                 row.result.draft = row.drafts.describe()
+                if accepted:
+                    group, place = places[i]
+                    group.advance(place, accepted)
             table.lengths[row.slot] = starts[i] + 1 + accepted  # the input and the accepted drafts stay
         state.decode_steps += 1
         state.rows_decoding_sum += len(batch)

@@ -84,6 +84,20 @@ class RowsSampler:
         top_ids = mx.argpartition(-lp, top_n - 1, axis=-1)[:, :top_n]
         return Draw(tokens, sel.take_token(lp, tokens), top_ids, mx.take_along_axis(lp, top_ids, axis=-1))
 
+    def keys_ahead(self, rows: list[int], ahead: list[int]) -> mx.array:
+        """[N, KEY_WORDS]: the step keys of these rows `ahead` draws past their next one (a verify
+        step's later positions draw with the keys plain steps would have used)."""
+        if not self.needs_keys:
+            return mx.zeros((len(rows), KEY_WORDS), mx.uint32)
+        index = np.asarray(rows, dtype=np.int32)
+        steps = (self.steps[index] + np.asarray(ahead)).astype(np.uint32)
+        return make_step_key_words(self.keys[mx.array(index)], mx.array(steps)[:, None])[:, 0]
+
+    def advance(self, row: int, count: int) -> None:
+        """The row drew `count` more tokens than its draws counted (accepted drafts)."""
+        self.steps[row] += count
+        self.history_lengths[row] += count
+
     def is_compiled(self, batch: int) -> bool:
         """Only when the chain was built with compile=True: the batch changes size as rows join and
         leave, and mx.compile traces again for every new size (slower than eager on the H200:
@@ -162,6 +176,15 @@ class GroupedRowsSampler:
 
     def state_arrays(self) -> list[mx.array]:
         return [a for group in self.groups.values() for a in group.state_arrays()]
+
+    def locate(self) -> list[tuple[RowsSampler, int]]:
+        """Each batch position's group and its place there."""
+        counts: dict[tuple[int, int], int] = {}
+        places = []
+        for key in self.members:
+            places.append((self.groups[key], counts.get(key, 0)))
+            counts[key] = places[-1][1] + 1
+        return places
 
 
 class GroupedDraw:

@@ -321,7 +321,9 @@ class DraftConfig(Group):
     """Speculative decoding (docs/speculative.md): a row drafts its next tokens, one forward call
     verifies them; the tokens are exactly those of plain decoding."""
 
-    method: Literal["none", "ngram"] = "none"  # ngram: prompt lookup (the row's own prompt and output)
+    # ngram: prompt lookup (the row's own prompt and output); model: a smaller model of the same tokenizer
+    method: Literal["none", "ngram", "model"] = "none"
+    model_path: str | None = None  # method=model: the draft model (a folder, a .gguf, embedded:..., a Hub id)
     tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_DRAFT_TOKENS)] = 4  # the most drafted a step
     adaptive: Bool = True  # fewer (then none, for a while) where drafts miss; up to `tokens` where they hit
     ngram_min: Annotated[int, Strict(), Field(ge=1, le=MAX_NGRAM)] = 2  # the shortest suffix looked up
@@ -329,6 +331,14 @@ class DraftConfig(Group):
 
     @model_validator(mode="after")
     def _check_ngrams(self) -> DraftConfig:
+        if self.method == "model" and not self.model_path:
+            raise reject("decode.draft.method=model needs the draft model: set decode.draft.model_path", "model_path")
+        if self.model_path and self.method != "model":
+            raise reject(
+                f"is set but decode.draft.method is {self.method}: set decode.draft.method=model to use it",
+                "model_path",
+                self.model_path,
+            )
         if self.ngram_min > self.ngram_max:
             raise reject(f"must be <= decode.draft.ngram_max ({self.ngram_max})", "ngram_min", self.ngram_min)
         return self

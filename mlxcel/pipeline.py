@@ -16,6 +16,7 @@ from mlxcel.checkpoints.loader import LoadedModel, load_model, resolve_model_pat
 from mlxcel.config import RunConfig
 from mlxcel.engine import BatchState, DirectEngine, GenerationRequest, RowRequest
 from mlxcel.engine.auto_rows import OPEN_PROMPT_TOKENS, choose_batch_engine_rows, choose_max_rows
+from mlxcel.engine.draft_model import check_draft_vocabulary
 from mlxcel.engine.engine import OnRowDone, OnToken
 from mlxcel.engine.prompt_cache import PROMPT_CACHE_SHARE, PromptCache
 from mlxcel.engine.prompt_cache_files import (
@@ -138,6 +139,23 @@ def load_weights_for(cfg: RunConfig, path: Path, log: TextIO | None, keep: bool)
     return loaded
 
 
+def load_draft_model(cfg: RunConfig, loaded: LoadedModel, log: TextIO | None):
+    """decode.draft.model_path's model, in the model's dtype (its vocabulary checked before: Pipeline.load)."""
+    from mlxcel.engine.draft_model import DraftModel
+    from mlxcel.engine.scheduler import recurrent_layers
+
+    path = cfg.decode.draft.model_path
+    say(log, f"loading draft model {path} ...")
+    draft = load_model(path, loaded.info["dtype"], cfg.model.gguf_weights)
+    if any(recurrent_layers(draft.model)):
+        raise MlxcelError(
+            f"decode.draft.model_path={path}: a {draft.info['arch']} draft model keeps recurrent state, which a "
+            "rejected draft cannot take back yet; pick an attention-only draft model"
+        )
+    say(log, f"loaded draft {draft.info['arch']} ({draft.info['params'] / 1e6:.0f}M params)")
+    return DraftModel(draft.model, loaded.model.args.vocab_size)
+
+
 def check_model_config(cfg: RunConfig, require_template: bool = True) -> tuple:
     """The config's demands on this model that its header and tokenizer can answer (tile size,
     KV groups, the chat template): config errors, before minutes of loading. Returns the
@@ -230,6 +248,7 @@ class Pipeline:
             else Constraints(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
         )
         self.constraint = self.compile_job_constraint()  # decode.constraint, for rows without their own
+        self.draft_model = None  # decode.draft.method=model: engine/draft_model.py (Pipeline.load)
 
     @classmethod
     def load(
@@ -245,10 +264,17 @@ class Pipeline:
         `require_template` False: see find_template."""
         # (a GGUF file's tokenizer reads its metadata itself)
         path, header, tokenizer = check_model_config(cfg, require_template)
+        drafting = load_weights and cfg.decode.draft.method == "model"
+        if drafting:  # (before minutes of loading)
+            draft_path = cfg.decode.draft.model_path
+            draft_tokenizer = load_tokenizer(resolve_model_path(draft_path), "auto")
+            check_draft_vocabulary(tokenizer, draft_tokenizer, f"decode.draft.model_path={draft_path}")
         loaded = None
         if load_weights:
             loaded = load_weights_for(cfg, path, log, keep_weights)
         pipeline = cls(cfg, header, tokenizer, loaded, require_template)
+        if drafting:
+            pipeline.draft_model = load_draft_model(cfg, loaded, log)
         pipeline.load_prompt_cache(path, log)
         return pipeline
 
@@ -479,6 +505,7 @@ class Pipeline:
                 batch_invariant=runner.batch_invariant,
                 # a prompt-cache folder's files hold every position of a layer, not a window's ring
                 window_rings=self.cfg.runner.prompt_cache_dir is None,
+                draft_model=self.draft_model,
             )
         if self.cfg.runner.batch_invariant:
             raise MlxcelError(

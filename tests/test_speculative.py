@@ -295,3 +295,77 @@ def test_bad_draft_settings_are_config_errors():
     assert "decode.draft.method: must be one of: none, ngram" in first_config_error(decode={"draft": {"method": "x"}})
     message = first_config_error(decode={"draft": {"ngram_min": 5, "ngram_max": 3}})
     assert "decode.draft.ngram_min: must be <= decode.draft.ngram_max (3)" in message
+    message = first_config_error(decode={"draft": {"method": "model"}})
+    assert "decode.draft.model_path: decode.draft.method=model needs the draft model" in message
+    message = first_config_error(decode={"draft": {"model_path": "/m"}})
+    assert "decode.draft.model_path: is set but decode.draft.method is none: set decode.draft.method=model" in message
+
+
+# ---- a draft model ----
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict:
+    """A tiny target, and drafts of the same tokenizer: the target itself (it drafts what the target
+    draws: every draft is taken) and another random model (it drafts little the target draws)."""
+    root = tmp_path_factory.mktemp("draft_pair")
+    folders = {name: make_tiny_checkpoint(root / name, "llama", seed=seed) for name, seed in (("t", 1), ("o", 2))}
+    return {"folders": folders, "models": {k: load_model(str(f), dtype="float32").model for k, f in folders.items()}}
+
+
+DRAFT_MODEL = DraftConfig(method="model", model_path="(given as an object)")
+
+
+@pytest.mark.parametrize("which", ["itself", "another"])
+def test_a_draft_model_gives_plain_decodings_tokens(pair, which):
+    from mlxcel.engine.draft_model import DraftModel
+
+    target = pair["models"]["t"]
+    draft = DraftModel(target if which == "itself" else pair["models"]["o"], target.args.vocab_size)
+    prompts = prompts_for(3) + [list(range(5, 80))]  # (a prompt past the draft's batched backlog: caught up first)
+    plain, plain_state = run(target, prompts, samplers=mixed_samplers(), chunk=16)
+    drafted, state = run(target, prompts, DRAFT_MODEL, samplers=mixed_samplers(), chunk=16, draft_model=draft)
+    assert drafted == plain and state.draft_off is None
+    figures = [r.draft for r in state.results if r.draft is not None]
+    accepted, offered = sum(f["accepted"] for f in figures), sum(f["drafted"] for f in figures)
+    if which == "itself":  # the greedy rows take every draft; the sampled ones what their draws agree with
+        assert all(f["accepted"] == f["drafted"] > 0 for f in (state.results[i].draft for i in (0, 3, 5)))
+        assert state.decode_steps < 0.6 * plain_state.decode_steps
+    else:
+        assert offered > 0 and accepted < offered
+    assert not draft.seen  # every row's slot in the draft's pool went back
+
+
+def test_a_job_with_a_draft_model(pair, tmp_path):
+    from mlxcel.runner import run as run_job
+    from tests.test_hybrid_paths import job_config
+
+    target = pair["folders"]["t"]
+    rows_file = write_rows(tmp_path / "rows.jsonl", [{"id": i, "prompt": f"a b c {i}"} for i in range(4)])
+    settings = ("decode.max_tokens=16", "decode.ignore_eos=true", "runner.progress=off")
+    run_job(job_config(str(target), rows_file, *settings), tmp_path / "plain", None, None)
+    drafted = ("decode.draft.method=model", f"decode.draft.model_path={target}")
+    run_job(job_config(str(target), rows_file, *settings, *drafted), tmp_path / "spec", None, None)
+    plain = {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "plain")}
+    assert {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "spec")} == plain
+    stats = json.loads((tmp_path / "spec" / "stats.json").read_text())["draft"]
+    assert stats["rows"] == 4 and stats["acceptance_rate"] == 1.0 and stats["tokens_per_step"] > 2
+
+
+def test_a_draft_model_of_another_tokenizer_or_with_recurrent_layers_is_refused(pair, tmp_path):
+    from mlxcel.errors import MlxcelError
+    from mlxcel.runner import run as run_job
+    from tests.test_families_qwen3_5 import make_checkpoint
+    from tests.test_hybrid_paths import job_config
+
+    rows_file = write_rows(tmp_path / "rows.jsonl", [{"prompt": "a b c"}])
+    target = str(pair["folders"]["t"])
+    hybrid = make_checkpoint(tmp_path / "hybrid", "qwen3_5_text")
+    cases = [
+        ("embedded:smollm2", "in the draft's vocabulary and"),
+        (str(hybrid), "keeps recurrent state, which a rejected draft cannot take back yet"),
+    ]
+    for path, message in cases:
+        settings = ("decode.draft.method=model", f"decode.draft.model_path={path}", "runner.progress=off")
+        with pytest.raises(MlxcelError, match=message):
+            run_job(job_config(target, rows_file, *settings), tmp_path / "run", None, None)

@@ -79,7 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     draft = parser.add_argument_group("speculative decoding (mlxcel/bench/draft.py)")
     draft.add_argument(
-        "--draft", choices=["ngram"], help="prompt lookup on an extraction prompt with SmolLM2: plain, drafted, mlx-lm"
+        "--draft",
+        choices=["ngram", "model"],
+        help="an extraction prompt with SmolLM2, plain / drafted / mlx-lm: ngram (prompt lookup) or model (SmolLM2 "
+        "at 4 bits drafts)",
     )
     draft.add_argument("--draft-tokens", type=int, default=4, help="decode.draft.tokens")
     draft.add_argument("--draft-rows", type=int, help="rows of the job run with and without (64 GPU, 8 CPU)")

@@ -1,6 +1,7 @@
-"""Speculative decoding against plain decoding and mlx-lm: python -m mlxcel.bench --draft ngram (this module)
+"""Speculative decoding against plain decoding and mlx-lm: python -m mlxcel.bench --draft ngram|model
 
     python -m mlxcel.bench --draft ngram [--gen 128] [--reps 3] [--draft-rows 64] [--draft-tokens 4]
+    python -m mlxcel.bench --draft model   (the draft: the same SmolLM2 quantized to 4 bits at load)
 
 An extraction prompt: a list of invoice lines (drawn from --seed) and the instruction to copy out
 the ones in euros, exactly, rendered with the model's chat template, so the answer copies spans of
@@ -63,13 +64,29 @@ def render_prompts(count: int, seed: int) -> list[list[int]]:
     return [prepared.prompt.token_ids for prepared in pipeline.prepare(samples)]
 
 
-def run_mlxcel(model, prompts: list[list[int]], gen: int, draft: DraftConfig | None):
+def run_mlxcel(model, prompts: list[list[int]], gen: int, draft: DraftConfig | None, draft_model=None):
     rows = [RowRequest(prompt, row_id=i) for i, prompt in enumerate(prompts)]
     request = GenerationRequest(rows, Sampler("greedy"), max_tokens=gen, draft=draft)
     synchronize_streams()
-    run = schedule_mlxcel(model, request, max(map(len, prompts)) + gen + 1)
+    run = schedule_mlxcel(model, request, max(map(len, prompts)) + gen + 1, draft_model)
     synchronize_streams()
     return run
+
+
+def make_draft(args: argparse.Namespace, folder, dtype: mx.Dtype, model) -> tuple[DraftConfig, object, str]:
+    """(decode.draft, the draft model or None, what the drafted runs are called). --draft model: the
+    same SmolLM2 quantized to 4 bits at load (a cheaper model that mostly agrees with the target;
+    as deep as the target, so at batch 1 a drafted token costs about a target step's launches)."""
+    if args.draft == "ngram":
+        return DraftConfig(method="ngram", tokens=args.draft_tokens), None, "mlxcel ngram"
+    from mlxcel.checkpoints.loader import load_model
+    from mlxcel.engine.draft_model import DraftModel
+
+    quantized = load_model(
+        str(folder), dtype=str(dtype).replace("mlx.core.", ""), quantize={"bits": 4, "group_size": 64}
+    )
+    config = DraftConfig(method="model", model_path="smollm2 4-bit", tokens=args.draft_tokens)
+    return config, DraftModel(quantized.model, model.args.vocab_size), "mlxcel draft"
 
 
 def describe(runs: list, label: str) -> dict:
@@ -81,13 +98,13 @@ def describe(runs: list, label: str) -> dict:
 
 def bench_draft(args: argparse.Namespace, folder, dtype: mx.Dtype) -> str:
     """The batch-1 comparison and the --draft-rows job; returns the printed table."""
-    draft = DraftConfig(method="ngram", tokens=args.draft_tokens)
     model = load_peer("mlxcel", folder, dtype).model
+    draft, draft_model, label = make_draft(args, folder, dtype, model)
     peer = load_peer("mlx-lm", folder, dtype)
     prompt = render_prompts(1, args.seed)
     engines = {
         "mlxcel": lambda: run_mlxcel(model, prompt, args.gen, None),
-        "mlxcel ngram": lambda: run_mlxcel(model, prompt, args.gen, draft),
+        label: lambda: run_mlxcel(model, prompt, args.gen, draft, draft_model),
         "mlx-lm": lambda: generate_mlx_lm(peer.model, prompt, args.gen),
     }
     for run in engines.values():
@@ -99,8 +116,8 @@ def bench_draft(args: argparse.Namespace, folder, dtype: mx.Dtype) -> str:
     figures = {name: describe(done, name) for name, done in runs.items()}
     tokens = {name: done[0].token_ids for name, done in runs.items()}
     same = all(t == tokens["mlxcel"] for t in tokens.values())
-    accepted, drafted, steps = measure_acceptance(model, prompt, args.gen, draft)
-    plain, spec, peer_tok_s = (figures[n]["decode_tok_s"] for n in ("mlxcel", "mlxcel ngram", "mlx-lm"))
+    accepted, drafted, steps = measure_acceptance(model, prompt, args.gen, draft, draft_model)
+    plain, spec, peer_tok_s = (figures[n]["decode_tok_s"] for n in ("mlxcel", label, "mlx-lm"))
     lines = [
         f"batch 1, an extraction prompt of {len(prompt[0])} tokens, {args.gen} greedy tokens, medians of "
         f"{args.reps} reps:",
@@ -108,30 +125,32 @@ def bench_draft(args: argparse.Namespace, folder, dtype: mx.Dtype) -> str:
             f"  {name:13s} decode {f['decode_tok_s']:8.1f} tok/s   TTFT {f['ttft_ms']:7.0f} ms"
             for name, f in figures.items()
         ),
-        f"  prompt lookup: {accepted} of {drafted} drafted tokens accepted ({accepted / max(drafted, 1):.0%}),"
+        f"  {draft.method} drafts: {accepted} of {drafted} drafted tokens accepted ({accepted / max(drafted, 1):.0%}),"
         f" {(accepted + steps) / max(steps, 1):.2f} tokens a verify step",
-        f"  ngram / plain {spec / plain:.2f}x   ngram / mlx-lm {spec / peer_tok_s:.2f}x   "
+        f"  drafted / plain {spec / plain:.2f}x   drafted / mlx-lm {spec / peer_tok_s:.2f}x   "
         f"same tokens in every run: {'yes' if same else 'NO'}",
     ]
     if args.draft_rows > 1:
         job = render_prompts(args.draft_rows, args.seed + 100)
-        run_mlxcel(model, job[: min(4, len(job))], 4, draft)  # warm-up of the batch shapes
-        plain_job, spec_job = run_mlxcel(model, job, args.gen, None), run_mlxcel(model, job, args.gen, draft)
+        run_mlxcel(model, job[: min(4, len(job))], 4, draft, draft_model)  # warm-up of the batch shapes
+        plain_job = run_mlxcel(model, job, args.gen, None)
+        spec_job = run_mlxcel(model, job, args.gen, draft, draft_model)
         same_job = plain_job.token_ids == spec_job.token_ids
         rates = [run.tokens_after_first / run.decode_s for run in (plain_job, spec_job)]
         lines.append(
-            f"{args.draft_rows} rows (a document each): decode {rates[0]:.1f} tok/s plain, {rates[1]:.1f} with prompt "
-            f"lookup ({rates[1] / rates[0]:.2f}x); same tokens: {'yes' if same_job else 'NO'}"
+            f"{args.draft_rows} rows (a document each): decode {rates[0]:.1f} tok/s plain, {rates[1]:.1f} with "
+            f"{draft.method} drafts ({rates[1] / rates[0]:.2f}x); same tokens: {'yes' if same_job else 'NO'}"
         )
     return "\n".join(lines)
 
 
-def measure_acceptance(model, prompts: list[list[int]], gen: int, draft: DraftConfig) -> tuple[int, int, int]:
+def measure_acceptance(
+    model, prompts: list[list[int]], gen: int, draft: DraftConfig, draft_model=None
+) -> tuple[int, int, int]:
     from mlxcel.engine.scheduler import BatchScheduler
 
     rows = [RowRequest(prompt, row_id=i) for i, prompt in enumerate(prompts)]
-    state = BatchScheduler(model, max(map(len, prompts)) + gen + 1, len(rows)).generate(
-        GenerationRequest(rows, Sampler("greedy"), max_tokens=gen, draft=draft)
-    )
+    scheduler = BatchScheduler(model, max(map(len, prompts)) + gen + 1, len(rows), draft_model=draft_model)
+    state = scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=gen, draft=draft))
     figures = [r.draft for r in state.results if r.draft]
     return tuple(sum(f[key] for f in figures) for key in ("accepted", "drafted", "steps"))

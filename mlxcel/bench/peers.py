@@ -177,7 +177,7 @@ def generate_mlxcel(model, prompts: list[list[int]], gen: int) -> Run:
     )
 
 
-def schedule_mlxcel(model, request: GenerationRequest, max_context: int) -> Run:
+def schedule_mlxcel(model, request: GenerationRequest, max_context: int, draft_model=None) -> Run:
     """The scheduler prefills rows a piece at a time and starts each decoding when its prompt is
     done, so rows' first tokens arrive apart. TTFT is when every row has its first token (as for
     mlx-lm's one prefill batch); decode tok/s counts the tokens after that over the time after it."""
@@ -187,7 +187,8 @@ def schedule_mlxcel(model, request: GenerationRequest, max_context: int) -> Run:
         arrivals[row].append(time.perf_counter())
         return True
 
-    state = BatchScheduler(model, max_context, len(request.rows)).generate(request, on_token)
+    scheduler = BatchScheduler(model, max_context, len(request.rows), draft_model=draft_model)
+    state = scheduler.generate(request, on_token)
     all_started = max(times[0] for times in arrivals)
     after = sum(1 for times in arrivals for t in times if t > all_started)
     end = max(times[-1] for times in arrivals)

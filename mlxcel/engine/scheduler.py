@@ -32,6 +32,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.engine.draft_model import DraftModel
 from mlxcel.engine.drafts import RowDrafts, count_accepted, make_row_drafts
 from mlxcel.engine.engine import (
     OnRowDone,
@@ -339,8 +340,10 @@ class BatchScheduler:
         snapshot_all: bool = False,
         batch_invariant: bool = False,
         window_rings: bool = True,
+        draft_model: DraftModel | None = None,
     ):
         self.model = model
+        self.draft_model = draft_model  # decode.draft.method=model: its pool is made per run (make_draft_pool)
         # each row's tokens as it alone would draw them, whatever shares its batch (docs/jobs.md)
         self.batch_invariant = batch_invariant
         if batch_invariant and (problem := find_invariance_problem(model)):
@@ -374,6 +377,7 @@ class BatchScheduler:
         packed_off = os.environ.get("MLXCEL_PACKED", "1") == "0" or batch_invariant
         self.packed = not packed_off and supports_packed_calls(model)
         self.drafting = False  # decode.draft runs in this request (set per request: steps)
+        self.drafts_from_model = False  # ... and its drafts come from the draft model
 
     def generate(
         self,
@@ -439,6 +443,9 @@ class BatchScheduler:
         )
         # rows keep a fixed-size state: pieces end where they share a prefix, so the prompt cache records it there
         self.hybrid = any(hasattr(c, "row_states") for c in caches)
+        self.drafts_from_model = self.drafting and request.draft.method == "model"
+        if self.drafts_from_model:
+            self.make_draft_pool(runnable, request, feed is not None)
         self.reuse = None
         if self.prompt_cache is not None:
             # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
@@ -481,6 +488,8 @@ class BatchScheduler:
     # ---- speculative decoding (engine/drafts.py) ----
     def find_draft_problem(self, request: GenerationRequest) -> str | None:
         """Why this model or request cannot verify drafts (the rows then decode as they would), or None."""
+        if request.draft.method == "model" and self.draft_model is None:
+            return "decode.draft.method=model but no draft model was loaded (decode.draft.model_path)"
         if self.hybrid:
             return "its recurrent layers' state cannot be taken back to a rejected draft's position yet"
         if request.kv_bits:
@@ -490,6 +499,35 @@ class BatchScheduler:
         if getattr(self.model, "longrope_limit", None) is not None:
             return "its longrope scaling switches factors at a position a draft could cross"
         return None
+
+    def make_draft_pool(self, rows: list[Row], request: GenerationRequest, open_feed: bool) -> None:
+        """The draft model's paged pool for this run: the same slots, each row's reservation plus the
+        positions its drafts write past it; a plain pool starts small and grows as rows come."""
+        draft = self.draft_model.model
+        if open_feed:
+            sizes = [count_blocks(self.max_context + (request.tile_size or 0) + request.draft.tokens)] * self.slots
+        else:
+            sizes = sorted((count_blocks(self.draft_positions(r, request)) for r in rows), reverse=True)
+        most = max(1, sum(sizes[: self.slots]))
+        kernels = uses_kernels(draft)
+        blocks = most if kernels[0] else min(most, count_blocks(OPEN_POOL_POSITIONS))
+        positions = self.max_context + (request.tile_size or 0) + request.draft.tokens + BLOCK_SIZE
+        table = PageTable(blocks, self.slots, positions, *kernels, max_blocks=most)
+        windows, chunks = layer_windows(draft), layer_chunks(draft)
+        caches = make_paged_caches(len(windows), table, windows, None, 64, recurrent_layers(draft), False, chunks)
+        self.draft_model.start(table, caches)
+
+    def draft_positions(self, row: Row, request: GenerationRequest) -> int:
+        """Positions a row's drafts may write in the draft model's pool."""
+        return self.reserved_positions(row, request) + request.draft.tokens
+
+    def admit_draft(self, row: Row, request: GenerationRequest) -> None:
+        """A drafting row's slot in the draft model's pool; without room there it decodes plainly."""
+        positions = self.draft_positions(row, request)
+        if self.draft_model.table.grow(count_blocks(positions)):
+            self.draft_model.admit(row.slot, positions)
+        else:
+            row.drafts = row.result.draft = None
 
     def can_draft(self, row: Row, request: GenerationRequest) -> bool:
         """Rows whose next tokens a verify call gives exactly: a chain that is a function of the
@@ -588,6 +626,8 @@ class BatchScheduler:
                 waiting.remove(row)
                 row.slot = free_slots.pop(0)
                 table.reserve(row.slot, self.reserved_positions(row, request))
+                if self.drafts_from_model and row.drafts is not None:
+                    self.admit_draft(row, request)
                 row.admitted_at = time.perf_counter()
                 if reuse is not None:
                     row.prefilled = row.result.cached_tokens = reuse.adopt(row)
@@ -763,6 +803,8 @@ class BatchScheduler:
                 fed = len(row.prompt) + len(row.result.token_ids) - 1
                 submit(self.reuse.record(row, min(int(table.lengths[row.slot]), fed)), state)
             release_slot(table, caches, row.slot)
+            if self.draft_model is not None and self.drafts_from_model:
+                self.draft_model.release(row.slot)
             free_slots.append(row.slot)
             row.slot = -1
             if self.reuse is not None:
@@ -793,6 +835,8 @@ class BatchScheduler:
                     self.reuse.finish_prefill(row)
                     self.reuse.forget(row)
                 release_slot(table, caches, row.slot)
+                if self.draft_model is not None and self.drafts_from_model:
+                    self.draft_model.release(row.slot)
                 free_slots.append(row.slot)
                 row.slot = -1
             else:
@@ -824,13 +868,20 @@ class BatchScheduler:
         attention chunk (Llama 4), a line stays within its input's chunk: a rejected token past it
         would have overwritten positions the row still attends to."""
         chunk = min((c for c in layer_chunks(self.model) if c), default=None)
-        drafts = []
+        drafts, asks = [], []
         for i, row in enumerate(batch.rows):
             room = int(batch.limits[i] - batch.drawn[i]) - 1
             if chunk:
                 room = min(room, chunk - 1 - int(table.lengths[row.slot]) % chunk)
             ready = row.drafts is not None and not row.drafts.paused and room > 0
+            if ready and self.drafts_from_model:
+                asks.append((i, min(room, row.drafts.size or row.drafts.tokens)))
+                ready = False
             drafts.append(row.drafts.propose(row.prompt, row.result.token_ids, room) if ready else [])
+        if asks:  # the draft model's, for every asking row at once
+            rows = [(batch.rows[i].slot, batch.rows[i].prompt + batch.rows[i].result.token_ids, n) for i, n in asks]
+            for (i, _), draft in zip(asks, self.draft_model.propose(rows, pad_id=0)):
+                drafts[i] = draft
         return drafts if any(drafts) else None
 
     def verify_drafts(

@@ -369,3 +369,35 @@ def test_a_draft_model_of_another_tokenizer_or_with_recurrent_layers_is_refused(
         settings = ("decode.draft.method=model", f"decode.draft.model_path={path}", "runner.progress=off")
         with pytest.raises(MlxcelError, match=message):
             run_job(job_config(target, rows_file, *settings), tmp_path / "run", None, None)
+
+
+def test_chat_turns_and_a_ray_worker_draft_as_the_api_answers(pair, tmp_path, monkeypatch):
+    """The chat loop (its answers kept in the prompt cache for the next turn) and the Ray job's worker
+    body with the target drafting for itself: every draft taken, the tokens of plain decoding."""
+    import io
+    import sys
+
+    from mlxcel import load_generator
+    from mlxcel.chat import chat
+    from tests.helpers import drive_job_worker
+    from tests.test_hybrid_paths import job_config
+
+    target = str(pair["folders"]["t"])
+    plain = ("model=hf", "runner.device=cpu", "model.dtype=float32", "decode.max_tokens=12", "decode.ignore_eos=true")
+    drafted = ("decode.draft.method=model", f"decode.draft.model_path={target}")
+    api = load_generator({"model": {"path": target}}, overrides=["runner.prompt_cache=false", *plain])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello, world!\nI am fine, thank you.\n")))
+    args = [f"model.path={target}", *plain, *drafted, "prompt.system=Be brief.", f"hydra.run.dir={tmp_path / 'chat'}"]
+    assert chat(args, io.StringIO(), io.StringIO()) == 0
+    turns = read_rows(tmp_path / "chat")
+    first = api.generate([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}])
+    assert turns[0]["token_ids"] == first.token_ids
+    assert turns[1]["token_ids"] == api.generate(turns[1]["messages"]).token_ids
+    assert all(t["draft"]["accepted"] == t["draft"]["drafted"] > 0 for t in turns)
+
+    rows = [{"id": f"p{i}", "prompt": text} for i, text in enumerate(["a b c", "Hello, world!", "def add(a, b):"])]
+    cfg = job_config(target, write_rows(tmp_path / "rows.jsonl", rows), *plain[3:], *drafted, "runner.progress=off")
+    got, _, _ = drive_job_worker(cfg)
+    expected = api.generate([row["prompt"] for row in rows])
+    assert {r["id"]: r["token_ids"] for r in got} == {row["id"]: e.token_ids for row, e in zip(rows, expected)}
+    assert all(r["draft"]["accepted"] == r["draft"]["drafted"] > 0 for r in got)

@@ -89,13 +89,14 @@ def prompts_for(seed: int, count: int = 6) -> list[list[int]]:
     return prompts
 
 
-def run(model, prompts, draft=None, samplers=None, **options) -> tuple[list[list[int]], object]:
+def run(model, prompts, draft=None, samplers=None, request_options=None, **options) -> tuple[list[list[int]], object]:
     packed = options.pop("packed", None)
     scheduler = BatchScheduler(model, 512, options.pop("max_rows", 3), chunk_size=options.pop("chunk", None), **options)
     if packed is not None:
         scheduler.packed = packed and scheduler.packed
     rows = [RowRequest(p, row_id=i, sampler=(samplers or {}).get(i)) for i, p in enumerate(prompts)]
-    state = scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=TOKENS, draft=draft))
+    request = GenerationRequest(rows, Sampler("greedy"), max_tokens=TOKENS, draft=draft, **(request_options or {}))
+    state = scheduler.generate(request)
     return [r.token_ids for r in state.results], state
 
 
@@ -232,15 +233,34 @@ def test_drafts_with_the_prompt_cache_adopting_prefixes(tmp_path, monkeypatch):
     assert sum(r.cached_tokens for r in state.results) > 0 and state.verify_steps > 0
 
 
-def test_a_hybrid_decodes_without_drafts_and_says_why(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"])
+def test_a_hybrids_rows_go_back_to_the_state_of_the_tokens_they_keep(family, tmp_path, monkeypatch):
+    """Recurrent layers run through every drafted token of a verify call: a row whose draft was cut
+    short has its states put back and its kept tokens run again, so its tokens are plain decoding's."""
     from tests.test_families_qwen3_5 import make_checkpoint
+    from tests.test_new_families_paths import build
 
-    model = load_model(str(make_checkpoint(tmp_path / "q", "qwen3_5_text")), dtype="float32").model
+    where = tmp_path / family
+    folder = make_checkpoint(where, family) if family == "qwen3_5_text" else build(family, where)
+    model = load_model(str(folder), dtype="float32").model
+    prompts = prompts_for(4, count=5)
+    plain, _ = run(model, prompts, samplers=mixed_samplers(), chunk=16)
+    monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=5))
+    drafted, state = run(model, prompts, NGRAM, samplers=mixed_samplers(), chunk=16)
+    assert drafted == plain and state.draft_off is None
+    figures = [r.draft for r in state.results if r.draft]
+    assert 0 < sum(f["accepted"] for f in figures) < sum(f["drafted"] for f in figures)
+    assert any(shape[0] == "replay" for shape in state.call_shapes)  # (cut drafts were run again)
+
+
+def test_drafts_are_off_with_a_quantized_kv_cache_and_say_why(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", seed=1, head_dim=32)  # (KV groups of 32)
+    model = load_model(str(folder), dtype="float32").model
     prompts = prompts_for(4, count=3)
-    plain, _ = run(model, prompts)
-    drafted, state = run(model, prompts, NGRAM)
+    plain, _ = run(model, prompts, request_options={"kv_bits": 8, "kv_group_size": 32})
+    drafted, state = run(model, prompts, NGRAM, request_options={"kv_bits": 8, "kv_group_size": 32})
     assert drafted == plain
-    assert "recurrent layers' state" in state.draft_off and state.verify_steps == 0
+    assert "decode.kv_bits" in state.draft_off and state.verify_steps == 0
     assert all(r.draft is None for r in state.results)
 
 

@@ -490,8 +490,6 @@ class BatchScheduler:
         """Why this model or request cannot verify drafts (the rows then decode as they would), or None."""
         if request.draft.method == "model" and self.draft_model is None:
             return "decode.draft.method=model but no draft model was loaded (decode.draft.model_path)"
-        if self.hybrid:
-            return "its recurrent layers' state cannot be taken back to a rejected draft's position yet"
         if request.kv_bits:
             return "decode.kv_bits is set (a quantized pool takes no ragged calls)"
         if self.batch_invariant:
@@ -908,6 +906,8 @@ class BatchScheduler:
         inputs = batch.next_input.tolist()
         lines = [[request.pad_token_id] * int(lead) + [inp] + d for lead, inp, d in zip(leads, inputs, drafts)]
         starts = table.lengths[batch.slots].copy()
+        recurrent = [c for c in caches if hasattr(c, "snapshot")]  # a hybrid's: states to go back to
+        saved = [c.snapshot(batch.slots) for c in recurrent]
         self.set_adapter_rows(table, batch.slots, prefill=False)
         select_adapters(self.model, batch.adapters)
         table.begin(batch.slots, width, leads)
@@ -935,12 +935,13 @@ class BatchScheduler:
         first, logprobs = draw.to_host()
         after = targets.tolist()
         state.wait_seconds += time.perf_counter() - waited
-        emitted, at = [], 0
+        emitted, kept, at = [], [], 0
         for i, row in enumerate(batch.rows):
             tokens = [first[i]] + after[at : at + sizes[i]]
             at += sizes[i]
             accepted = count_accepted(drafts[i], tokens) if sizes[i] else 0
             emitted.append(tokens[: accepted + 1])
+            kept.append(accepted)
             if sizes[i]:
                 row.drafts.record(int(sizes[i]), accepted)
                 row.result.draft = row.drafts.describe()
@@ -948,6 +949,10 @@ class BatchScheduler:
                     group, place = places[i]
                     group.advance(place, accepted)
             table.lengths[row.slot] = starts[i] + 1 + accepted  # the input and the accepted drafts stay
+        cut = [i for i in range(len(batch)) if kept[i] < sizes[i]]
+        if recurrent and cut:
+            kept_lines = [[inputs[i]] + drafts[i][: kept[i]] for i in cut]
+            self.replay_kept(table, caches, batch, cut, kept_lines, starts, recurrent, saved, state)
         state.decode_steps += 1
         state.rows_decoding_sum += len(batch)
         state.verify_steps += 1
@@ -960,6 +965,36 @@ class BatchScheduler:
         batch.drawn = batch.drawn + np.array([len(tokens) for tokens in emitted])
         batch.next_input = mx.array([tokens[-1] for tokens in emitted], dtype=batch.next_input.dtype)
         return ended
+
+    def replay_kept(
+        self,
+        table: PageTable,
+        caches: list,
+        batch: DecodeBatch,
+        cut: list[int],
+        kept_lines: list[list[int]],
+        starts: np.ndarray,
+        recurrent: list,
+        saved: list[dict],
+        state: ScheduleState,
+    ) -> None:
+        """A hybrid's rows whose drafts were cut short ran their recurrent layers past the tokens
+        they keep: their states go back to before the verify call and the kept tokens run again
+        (the attention layers write the same keys and values again), in one ragged call."""
+        slots = batch.slots[cut]
+        for cache, states in zip(recurrent, saved):
+            for slot in slots.tolist():
+                cache.restore(slot, states[slot])
+        width = max(map(len, kept_lines))
+        leads = np.array([width - len(line) for line in kept_lines], dtype=np.int32)
+        lines = mx.array([[0] * int(lead) + line for lead, line in zip(leads, kept_lines)], dtype=mx.int32)
+        table.lengths[slots] = starts[cut]
+        select_adapters(self.model, batch.adapters[cut])
+        table.begin(slots, width, leads)
+        self.model(lines, caches, logits_at=width - 1)
+        table.end()
+        self.count_call(state, ("replay", len(cut), width))
+        submit([a for c in caches for a in c.state], state)
 
     def compute_masks(self, rows: list[Row], request: GenerationRequest, state: ScheduleState) -> mx.array:
         """[B, ceil(V / 32)] structured output's bitmasks for a draw over `rows` (batch order);

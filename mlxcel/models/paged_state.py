@@ -97,6 +97,21 @@ class PagedRecurrentCache:
         """The row in `slot` starts from a cached prefix: its states after that prefix."""
         self.rows[slot] = states
 
+    def snapshot(self, slots: np.ndarray) -> dict[int, list[mx.array]]:
+        """The rows' states now ([1, ...] each, by slot): what restore puts back (speculative
+        decoding, when a verify call ran a row past the drafted tokens it keeps)."""
+        dense_at = {int(s): i for i, s in enumerate(self.order)} if self.order is not None else {}
+        saved = {}
+        for slot in slots.tolist():
+            if slot in self.rows:
+                saved[slot] = self.rows[slot]
+            elif slot in dense_at:
+                saved[slot] = [x[dense_at[slot] : dense_at[slot] + 1] for x in self.dense]
+        return saved
+
+    def restore(self, slot: int, states: list[mx.array]) -> None:
+        self.rows[slot] = states
+
     def forget(self, slot: int) -> None:
         """The row in `slot` ended: its own state goes (a decode batch's rows drop at its next step)."""
         self.rows.pop(slot, None)

@@ -421,3 +421,47 @@ def test_chat_turns_and_a_ray_worker_draft_as_the_api_answers(pair, tmp_path, mo
     expected = api.generate([row["prompt"] for row in rows])
     assert {r["id"]: r["token_ids"] for r in got} == {row["id"]: e.token_ids for row, e in zip(rows, expected)}
     assert all(r["draft"]["accepted"] == r["draft"]["drafted"] > 0 for r in got)
+
+
+# ---- structured output ----
+
+
+@pytest.mark.parametrize("source", ["oracle", "ngram"])
+def test_constrained_rows_draft_what_their_matcher_accepts(tiny_llama, monkeypatch, source):
+    """Rows with a JSON schema, a regex, grammars and a choice beside free rows: a constrained row's
+    draft is cut to what its matcher accepts (or is the tokens its grammar forces), each verified
+    position is masked by the matcher after the drafted tokens before it, and every row draws the
+    tokens of plain constrained decoding."""
+    from mlxcel.sampling import make_sampler_chain
+    from mlxcel.structured.matcher import Constraints
+    from mlxcel.tokenizer import load_tokenizer
+    from tests.helpers import make_token_prompts
+    from tests.test_structured import CHOICES, DATE, GBNF, LARK, SCHEMA
+
+    model = load_model(str(tiny_llama), dtype="float32").model
+    constraints = Constraints(load_tokenizer(tiny_llama), model.args.vocab_size, [2])
+    specs = [{"json_schema": SCHEMA}, {"regex": DATE}, None, {"grammar": GBNF}, {"choice": CHOICES}, {"grammar": LARK}]
+    prompts = make_token_prompts(11, len(specs))
+    chain = make_sampler_chain({"selector": {"kind": "greedy"}}, model.args.vocab_size)
+
+    def generate(draft):
+        rows = [
+            RowRequest(p, row_id=i, max_tokens=40, constraint=constraints.compile(spec) if spec else None)
+            for i, (p, spec) in enumerate(zip(prompts, specs))
+        ]
+        request = GenerationRequest(
+            rows, chain, max_tokens=40, stop_token_ids=frozenset([2]), constraints=constraints, draft=draft
+        )
+        state = BatchScheduler(model, 512, max_rows=4).generate(request)
+        return [r.token_ids for r in state.results], state
+
+    plain, _ = generate(None)
+    if source == "oracle":
+        monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=8))
+    drafted, state = generate(NGRAM)
+    assert drafted == plain
+    for i, spec in enumerate(specs):
+        if spec is not None:
+            assert state.results[i].constraint_satisfied is (state.results[i].finish_reason == "stop"), i
+    constrained = [state.results[i].draft for i, spec in enumerate(specs) if spec]
+    assert sum(f["accepted"] for f in constrained) > 0  # (forced tokens, at least, are drafted and taken)

@@ -57,6 +57,7 @@ from mlxcel.models.recurrent import RecurrentCache
 from mlxcel.models.rotating_cache import RotatingKVCache
 from mlxcel.prefill_plan import BUSY_CHUNK_SIZE, DEFAULT_CHUNK_SIZE
 from mlxcel.sampling import RowKey
+from mlxcel.sampling.processors import apply_token_bitmask
 from mlxcel.sampling.rows import GroupedRowsSampler
 from mlxcel.structured.matcher import MaskBuffer, consume_token, is_satisfied
 from mlxcel.vision.stage import merge_embeddings
@@ -530,9 +531,10 @@ class BatchScheduler:
     def can_draft(self, row: Row, request: GenerationRequest) -> bool:
         """Rows whose next tokens a verify call gives exactly: a chain that is a function of the
         logits and the step's random key (greedy or sampled; no penalties, DRY or mirostat, whose
-        state a drafted token would advance), no constraint, no logprobs, no images."""
+        state a drafted token would advance), no logprobs, no images. A constrained row drafts what
+        its matcher accepts (fit_drafts)."""
         chain = row.request.sampler or request.sampler
-        plain = row.matcher is None and not (request.logprobs or row.request.logprobs)
+        plain = not (request.logprobs or row.request.logprobs)
         return not chain.is_stateful and plain and row.request.images is None
 
     def check_rows(self, rows: list[Row], request: GenerationRequest, on_row_done) -> list[Row]:
@@ -643,7 +645,7 @@ class BatchScheduler:
                     leaving += self.keep(
                         batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
                     )
-                drafts = self.propose_drafts(batch, table)
+                drafts = self.fit_drafts(batch, self.propose_drafts(batch, table), table)
                 if drafts is not None:
                     verify = (table, caches, batch, drafts, sampler, request, state)
                     ended = self.verify_drafts(*verify, on_token, on_row_done)
@@ -846,12 +848,9 @@ class BatchScheduler:
                 on_row_done(row.index, row.result)
 
     def wants_drafts(self, batch: DecodeBatch) -> bool:
-        """Whether a row of the batch drafts this step (counting down paused rows' pauses); none
-        with a constraint in the batch (its masks need the plain step's order)."""
+        """Whether a row of the batch drafts this step (counting down paused rows' pauses)."""
         wants = False
         for row in batch.rows:
-            if row.matcher is not None:
-                return False
             drafts = row.drafts
             if drafts is not None:
                 if drafts.paused:
@@ -860,17 +859,42 @@ class BatchScheduler:
                     wants = True
         return wants
 
+    def draft_room(self, batch: DecodeBatch, i: int, table: PageTable) -> int:
+        """The most tokens row i may draft: what its limit leaves after the step's own token, and,
+        where layers keep a ring of one attention chunk (Llama 4), what keeps its line within its
+        input's chunk (a rejected token past it would overwrite positions the row still attends to)."""
+        room = int(batch.limits[i] - batch.drawn[i]) - 1
+        chunk = min((c for c in layer_chunks(self.model) if c), default=None)
+        if chunk:
+            room = min(room, chunk - 1 - int(table.lengths[batch.rows[i].slot]) % chunk)
+        return room
+
+    def fit_drafts(self, batch: DecodeBatch, drafts: list[list[int]] | None, table: PageTable):
+        """Structured output: a constrained row's draft cut to what its matcher accepts; a row with no
+        draft takes the tokens its grammar forces next (the masked draw can only pick those)."""
+        constrained = [i for i, row in enumerate(batch.rows) if row.matcher is not None and row.drafts is not None]
+        if not constrained:
+            return drafts
+        drafts = drafts or [[] for _ in batch.rows]
+        for i in constrained:
+            matcher, draft = batch.rows[i].matcher, drafts[i]
+            if matcher.is_stopped() or matcher.is_error():
+                drafts[i] = []
+                continue
+            if draft:
+                drafts[i] = draft[: matcher.validate_tokens(draft)]
+            elif not batch.rows[i].drafts.paused:
+                drafts[i] = list(matcher.compute_ff_tokens())[: max(self.draft_room(batch, i, table), 0)]
+        return drafts if any(drafts) else None
+
     def propose_drafts(self, batch: DecodeBatch, table: PageTable) -> list[list[int]] | None:
         """Each decoding row's draft (empty for rows without one; at most what its limit leaves
         after the step's own token), or None when no row has one. Where layers keep a ring of one
         attention chunk (Llama 4), a line stays within its input's chunk: a rejected token past it
         would have overwritten positions the row still attends to."""
-        chunk = min((c for c in layer_chunks(self.model) if c), default=None)
         drafts, asks = [], []
         for i, row in enumerate(batch.rows):
-            room = int(batch.limits[i] - batch.drawn[i]) - 1
-            if chunk:
-                room = min(room, chunk - 1 - int(table.lengths[row.slot]) % chunk)
+            room = self.draft_room(batch, i, table)
             ready = row.drafts is not None and not row.drafts.paused and room > 0
             if ready and self.drafts_from_model:
                 asks.append((i, min(room, row.drafts.size or row.drafts.tokens)))
@@ -915,11 +939,15 @@ class BatchScheduler:
         table.end()
         self.count_call(state, ("verify", len(batch), width))
         rows_index = mx.arange(len(batch))
-        draw = sampler.sample(logits[rows_index, mx.array(leads)])  # each row's first position
+        masks = self.mask_drafts(batch, drafts, request) if any(r.matcher is not None for r in batch.rows) else None
+        first_mask = mx.array(masks[0]) if masks is not None else None
+        draw = sampler.sample(logits[rows_index, mx.array(leads)], first_mask)  # each row's first position
         # the targets after the drafted tokens: each drafting row's chain on its later positions, with
         # the random keys its plain steps would have drawn them with (the sampler's step counts)
         picks = [(i, j) for i in np.nonzero(sizes)[0].tolist() for j in range(1, sizes[i] + 1)]
         later = logits[mx.array([i for i, _ in picks]), mx.array([int(leads[i]) + j for i, j in picks])]
+        if masks is not None:  # each later position under its row's mask after the drafted tokens before it
+            later = apply_token_bitmask(later, mx.array(np.stack([masks[1][i][j - 1] for i, j in picks])))
         targets = mx.zeros((len(picks),), mx.uint32)
         places = sampler.locate()
         groups: dict[int, list[int]] = {}
@@ -965,6 +993,26 @@ class BatchScheduler:
         batch.drawn = batch.drawn + np.array([len(tokens) for tokens in emitted])
         batch.next_input = mx.array([tokens[-1] for tokens in emitted], dtype=batch.next_input.dtype)
         return ended
+
+    def mask_drafts(self, batch: DecodeBatch, drafts: list[list[int]], request: GenerationRequest):
+        """Structured output's masks for a verify call: (the rows' masks at their first position
+        [B, W], and per row [k, W] the masks after each drafted token: its matcher advanced through
+        its draft, then rolled back; read_draw advances it by what is emitted)."""
+        constraints = request.constraints
+        first = constraints.fill_masks([row.matcher for row in batch.rows])
+        later = {}
+        for i, row in enumerate(batch.rows):
+            matcher, draft = row.matcher, drafts[i]
+            if matcher is None or not draft:
+                later[i] = np.full((len(draft), constraints.mask_words), -1, dtype=np.int32)
+                continue
+            steps = []
+            for token in draft:
+                matcher.consume_token(token)  # (fit_drafts checked the matcher takes them)
+                steps.append(constraints.fill_masks([matcher])[0])
+            matcher.rollback(len(draft))
+            later[i] = np.stack(steps)
+        return first, later
 
     def replay_kept(
         self,

@@ -465,3 +465,28 @@ def test_constrained_rows_draft_what_their_matcher_accepts(tiny_llama, monkeypat
             assert state.results[i].constraint_satisfied is (state.results[i].finish_reason == "stop"), i
     constrained = [state.results[i].draft for i, spec in enumerate(specs) if spec]
     assert sum(f["accepted"] for f in constrained) > 0  # (forced tokens, at least, are drafted and taken)
+
+
+def test_a_verify_call_holds_at_most_its_budget_and_the_best_drafters_keep_theirs(monkeypatch):
+    from types import SimpleNamespace
+
+    from mlxcel.engine import scheduler
+
+    monkeypatch.setitem(scheduler.VERIFY_TOKENS, "cpu", 10)
+    monkeypatch.setitem(scheduler.VERIFY_TOKENS, "gpu", 10)
+
+    def row(accepted, drafted):
+        return SimpleNamespace(drafts=SimpleNamespace(accepted=accepted, drafted=drafted))
+
+    class Batch:
+        rows = [row(1, 10), row(9, 10), SimpleNamespace(drafts=None), row(0, 0)]
+
+        def __len__(self):
+            return len(self.rows)
+
+    batch = Batch()
+    drafts = [[1, 2, 3], [4, 5, 6], [], [7, 8, 9]]
+    kept = scheduler.BatchScheduler.budget_drafts(None, batch, drafts)
+    # 10 tokens less the 4 rows' inputs: the row without figures yet (rate 1.0) and the 90% row first
+    assert kept == [[], [4, 5, 6], [], [7, 8, 9]]
+    assert scheduler.BatchScheduler.budget_drafts(None, batch, [[1], [], [], [2]]) == [[1], [], [], [2]]

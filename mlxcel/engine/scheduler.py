@@ -86,6 +86,11 @@ FEW_ROWS_ORDER = "split"
 # (a multiple of invariant.ROWS, and of paged_cache.ALIGNED_START for cuDNN's causal fast path)
 INVARIANT_PIECE = 512
 OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow as rows need: PageTable.grow)
+# Speculative decoding: the most tokens a verify call holds (its rows' inputs and drafts), where a
+# step stops being bound by launches and weight reads. CPU: a 2-core x86_64 VM decodes SmolLM2's
+# 8-row verify calls of ~40 tokens 1.6x faster than plain steps (docs/benchmarks.md); GPU: a guess
+# to measure (an H200 step at the 1B shape costs about the same up to a few hundred tokens).
+VERIFY_TOKENS = {"cpu": 64, "gpu": 512}
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
 
@@ -646,6 +651,7 @@ class BatchScheduler:
                         batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
                     )
                 drafts = self.fit_drafts(batch, self.propose_drafts(batch, table), table)
+                drafts = self.budget_drafts(batch, drafts) if drafts is not None else None
                 if drafts is not None:
                     verify = (table, caches, batch, drafts, sampler, request, state)
                     ended = self.verify_drafts(*verify, on_token, on_row_done)
@@ -868,6 +874,24 @@ class BatchScheduler:
         if chunk:
             room = min(room, chunk - 1 - int(table.lengths[batch.rows[i].slot]) % chunk)
         return room
+
+    def budget_drafts(self, batch: DecodeBatch, drafts: list[list[int]]) -> list[list[int]] | None:
+        """A verify call holds at most VERIFY_TOKENS[device] tokens: past that the step is bound by
+        arithmetic, where a drafted token costs what a plain step's does. Rows whose drafts were
+        accepted most keep theirs first (ties: batch order), so the choice is the rows' own."""
+        budget = VERIFY_TOKENS["gpu" if mx.default_device() == mx.gpu else "cpu"] - len(batch)
+        if sum(map(len, drafts)) <= budget:
+            return drafts
+
+        def rate(i: int) -> float:
+            figures = batch.rows[i].drafts
+            return figures.accepted / figures.drafted if figures is not None and figures.drafted else 1.0
+
+        kept = [[] for _ in drafts]
+        for i in sorted(range(len(drafts)), key=lambda i: -rate(i)):
+            kept[i] = drafts[i][: max(budget, 0)]
+            budget -= len(kept[i])
+        return kept if any(kept) else None
 
     def fit_drafts(self, batch: DecodeBatch, drafts: list[list[int]] | None, table: PageTable):
         """Structured output: a constrained row's draft cut to what its matcher accepts; a row with no

@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     config = read_model_config(folder)
     tokenizer_dir = prepare_tokenizer(config["vocab_size"], work_dir)
     names = [f"a{i}" for i in range(args.adapters)]
+    # (a checkpoint name or a folder's, and the shape: a folder is reused only for the same shapes)
+    label = f"{Path(args.model).name}-{config['num_hidden_layers']}x{config['hidden_size']}"
     adapters = {
-        name: str(write_random_adapter(work_dir / f"adapter-{args.model}-r{args.rank}-{i}", config, args.rank, i))
+        name: str(write_random_adapter(work_dir / f"adapter-{label}-r{args.rank}-{i}", config, args.rank, i))
         for i, name in enumerate(names)
     }
     special = read_special_ids(config)
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:7s} {m['gen_tok_s']:9.1f} tok/s  wall {m['wall_s']:7.2f} s  TTFT p50 {m['ttft_p50_s']:.2f} s")
     print(f"  mixed / merged: {ratio:.2f}x (target >= 0.7 on the H200)")
     if args.json:
-        args.json.write_text(json.dumps({"environment": env, "args": vars(args) | {"json": None}, "runs": figures}))
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"environment": env, "args": settings, "runs": figures}, indent=1))
     return 0
 
 

@@ -13,7 +13,11 @@ loses only itself), then prints one table:
   prompt.file=rows.jsonl`, no runner.max_rows), the whole process, on the 1B shape and the job's rows;
 - structured: the constrained step's orders (`bench.structured --orders split,thread,after`);
 - families: batch 1 and the ragged job for the newer shapes (hybrids, gpt-oss, Gemma 4, DeepSeek),
-  not in the default set (a second call).
+  not in the default set (a second call);
+- draft: speculative decoding, `bench --draft ngram` and `--draft model` (SmolLM2's extraction prompt at
+  batch 1 against plain decoding and mlx-lm, then 64 rows with and without), and adapters:
+  `bench.adapters` (256 rows over 4 LoRA adapters against one merged, the 1B shape); a third call
+  (`--parts draft,adapters`), their tables in the parts' logs.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ from mlxcel.bench.harness import align_columns
 SHAPES = "llama-3.2-1b,qwen2.5-0.5b"
 FAMILY_SHAPES = "qwen3.5-0.8b,gpt-oss-small,gemma4-e2b-small,deepseek-v2-lite-small"
 # each part's share of the budget (the rest of the budget goes to the parts still to run)
-SHARES = {"jobs": 0.40, "batch1": 0.20, "readme": 0.20, "structured": 0.20, "families": 1.0}
+SHARES = {
+    "jobs": 0.40,
+    "batch1": 0.20,
+    "readme": 0.20,
+    "structured": 0.20,
+    "families": 1.0,
+    "draft": 0.6,
+    "adapters": 1.0,
+}
 DEFAULT_PARTS = "jobs,batch1,readme,structured"
 
 
@@ -61,6 +73,10 @@ def commands(part: str, args: argparse.Namespace) -> list[list[str]]:
     if part == "structured":
         orders = ["--orders", "split,thread,after", "--repeats", "3"]
         return [[py, "-m", "mlxcel.bench.structured", "--batch-sizes", "1,32", "--schemas", "records", *orders]]
+    if part == "draft":
+        return [[py, "-m", "mlxcel.bench", "--draft", method, "--reps", "3"] for method in ("ngram", "model")]
+    if part == "adapters":
+        return [[py, "-m", "mlxcel.bench.adapters", "--json", str(out / "adapters.json")]]
     if part == "families":  # a command a shape and bench, so a cut keeps what ended before it
         shapes = args.family_shapes.split(",")
         jobs = ["--rows", str(args.rows), "--max-rows", "256"]

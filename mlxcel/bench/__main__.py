@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--draft",
         choices=["ngram", "model"],
         help="an extraction prompt with SmolLM2, plain / drafted / mlx-lm: ngram (prompt lookup) or model (SmolLM2 "
-        "at 4 bits drafts)",
+        "at 4 bits drafts on a GPU, SmolLM2 itself on the CPU)",
     )
     draft.add_argument("--draft-tokens", type=int, default=4, help="decode.draft.tokens")
     draft.add_argument("--draft-rows", type=int, help="rows of the job run with and without (64 GPU, 8 CPU)")

@@ -74,9 +74,11 @@ def run_mlxcel(model, prompts: list[list[int]], gen: int, draft: DraftConfig | N
 
 
 def make_draft(args: argparse.Namespace, folder, dtype: mx.Dtype, model) -> tuple[DraftConfig, object, str]:
-    """(decode.draft, the draft model or None, what the drafted runs are called). --draft model: the
-    same SmolLM2 quantized to 4 bits at load (a cheaper model that mostly agrees with the target;
-    as deep as the target, so at batch 1 a drafted token costs about a target step's launches)."""
+    """(decode.draft, the draft model or None, what the drafted runs are called). --draft model: on
+    a GPU the same SmolLM2 quantized to 4 bits at load (a cheaper model that mostly agrees with the
+    target; as deep as the target, so at batch 1 a drafted token costs about a target step's
+    launches); on the CPU, where MLX's quantized matmuls are ~10x slower than OpenBLAS's fp32 ones,
+    the model itself (every draft accepted: the machinery's cost, not a gain)."""
     if args.draft == "ngram":
         return DraftConfig(method="ngram", tokens=args.draft_tokens), None, "mlxcel ngram"
     from mlxcel.checkpoints.loader import load_model

@@ -1,0 +1,150 @@
+"""Tool-call and reasoning parsers (issue 46) on recorded outputs of each syntax: the whole text at
+once and streamed in pieces split at every character give the same content, reasoning and calls;
+a malformed call is text, never a broken tool_calls entry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxcel.tools.parsers import OutputParser, choose_tool_parser, parse_output
+
+WEATHER = {"location": "Paris", "unit": "celsius"}
+CASES = [
+    # (syntax, reasoning, in_reasoning, output, content, reasoning text, calls)
+    (
+        "hermes",
+        False,
+        False,
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}\n'
+        "</tool_call>",
+        "Let me check.\n",
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "hermes",
+        True,
+        False,
+        "<think>\nThe user wants weather.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        "\n",
+        "\nThe user wants weather.\n",
+        [("get_weather", WEATHER), ("get_time", {})],
+    ),
+    ("hermes", True, True, "I should greet.</think>\n\nHello!", "Hello!", "I should greet.", []),
+    (
+        "hermes",
+        False,
+        False,
+        "No tools needed: 2 < 3 and <tool is not a mark.",
+        "No tools needed: 2 < 3 and <tool is not a mark.",
+        None,
+        [],
+    ),
+    (
+        "mistral",
+        False,
+        False,
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius"}}]',
+        "",
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "mistral",
+        False,
+        False,
+        '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}',
+        "",
+        None,
+        [("get_weather", WEATHER), ("get_time", {})],
+    ),
+    (
+        "llama3_json",
+        False,
+        False,
+        '{"name": "get_weather", "parameters": {"location": "Paris", "unit": "celsius"}}',
+        "",
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "llama3_json",
+        False,
+        False,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"location": "Paris", "unit": "celsius"}}',
+        "",
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    ("llama3_json", False, False, "The weather in Paris is mild.", "The weather in Paris is mild.", None, []),
+]
+MALFORMED = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"location": }\n</tool_call>'),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}'),  # cut off by max_tokens
+    ("mistral", "[TOOL_CALLS]not json"),
+    ("llama3_json", '{"name": "f", "parameters": [1, 2]}'),
+]
+
+
+def describe(parsed):
+    calls = [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+    return parsed.content, parsed.reasoning, calls
+
+
+def stream(text, syntax, reasoning, in_reasoning, cuts):
+    parser = OutputParser(syntax, reasoning, in_reasoning)
+    deltas, start = [], 0
+    for cut in [*cuts, len(text)]:
+        deltas += parser.feed(text[start:cut])
+        start = cut
+    deltas += parser.finish()
+    return parser.result(), deltas
+
+
+@pytest.mark.parametrize("syntax, reasoning, in_reasoning, text, content, thinking, calls", CASES)
+def test_recorded_outputs_parse_whole_and_streamed_at_every_split(
+    syntax, reasoning, in_reasoning, text, content, thinking, calls
+):
+    assert describe(parse_output(text, syntax, reasoning, in_reasoning)) == (content, thinking, calls)
+    for cut in range(len(text) + 1):  # two pieces, split at every character
+        parsed, deltas = stream(text, syntax, reasoning, in_reasoning, [cut])
+        assert describe(parsed) == (content, thinking, calls), cut
+        assert "".join(d.text for d in deltas if d.kind == "content") == content
+        assert [d.call.name for d in deltas if d.kind == "tool_call"] == [name for name, _ in calls]
+    parsed, _ = stream(text, syntax, reasoning, in_reasoning, list(range(1, len(text))))  # a character a piece
+    assert describe(parsed) == (content, thinking, calls)
+
+
+@pytest.mark.parametrize("syntax, text", MALFORMED)
+def test_a_malformed_call_is_text(syntax, text):
+    parsed = parse_output(text, syntax)
+    assert parsed.tool_calls == [] and parsed.content == text
+    for cut in range(len(text) + 1):
+        assert stream(text, syntax, False, False, [cut])[0].content == text
+
+
+def test_the_parser_follows_the_template():
+    assert choose_tool_parser("auto", "{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert choose_tool_parser("auto", "[AVAILABLE_TOOLS] [TOOL_CALLS]") == "mistral"
+    assert choose_tool_parser("auto", "<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"
+    assert choose_tool_parser("auto", "{{ messages }}") is None
+    assert (
+        choose_tool_parser("mistral", "<tool_call>") == "mistral" and choose_tool_parser("none", "<tool_call>") is None
+    )
+
+
+def test_call_ids_are_unique_and_openai_shaped():
+    parsed = parse_output(CASES[1][3], "hermes", True)
+    first, second = (c.to_openai(i) for i, c in enumerate(parsed.tool_calls))
+    assert first["id"] != second["id"] and first["id"].startswith("call_")
+    assert first == {
+        "index": 0,
+        "id": first["id"],
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps(WEATHER)},
+    }

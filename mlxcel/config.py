@@ -181,6 +181,9 @@ class TemplateConfig(Group):
     # characters (the template's own markup keeps its special tokens), or special (the old way:
     # the rendered prompt is tokenized whole, so a user can write control tokens)
     special_tokens_in_content: Literal["text", "special"] = "text"
+    # how tool calls in answers are read (mlxcel/tools/parsers.py): auto (from the chat template),
+    # hermes (<tool_call> JSON), mistral ([TOOL_CALLS]), llama3_json, none
+    tool_parser: Literal["auto", "hermes", "mistral", "llama3_json", "none"] = "auto"
 
     @model_validator(mode="after")
     def _check_override(self) -> TemplateConfig:

@@ -36,7 +36,6 @@ IGNORED_FIELDS = frozenset(
         "safety_identifier",
         "prompt_cache_key",
         "prompt_cache_retention",
-        "parallel_tool_calls",
     }
 )
 
@@ -111,6 +110,44 @@ class ChatRequest(SamplingFields):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
     modalities: list[Literal["text"]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+
+    def tool_settings(self) -> tuple[list[dict] | None, str | dict]:
+        """(the tools, the choice: "none", "auto", "required" or the named function's name in a
+        dict), checked; tools are rendered by the model's template, calls parsed from the answer."""
+        tools, choice = self.tools, self.tool_choice
+        if tools is None:
+            if choice is not None and choice != "none":
+                raise ApiError(400, "tool_choice needs tools", "tool_choice")
+            return None, "none"
+        if not tools:
+            raise ApiError(400, "tools must list at least one function (or be left out)", "tools")
+        names = []
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+                raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools.{i}")
+            name = function.get("name")
+            if not isinstance(name, str) or not name or len(name) > 64:
+                raise ApiError(400, f"tools[{i}].function.name must be a name of 1-64 characters", f"tools.{i}")
+            parameters = function.get("parameters", {})
+            if not isinstance(parameters, dict):
+                raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", f"tools.{i}")
+            names.append(name)
+        if len(set(names)) < len(names):
+            raise ApiError(400, "tools: two functions share a name", "tools")
+        if choice is None:
+            return tools, "auto"
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise ApiError(400, "tool_choice must be none, auto, required or a named function", "tool_choice")
+            return tools, choice
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise ApiError(400, f"tool_choice names no tool of this request ({', '.join(names)})", "tool_choice")
+        return tools, {"name": name}
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -149,7 +149,13 @@ def test_images_need_a_vision_model_and_are_never_fetched(server, client):
         ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate", "unknown or unsupported"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature", "less than or equal"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools", "unsupported"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools", "at least one function"),
+        (  # SmolLM2's template has no tools
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},  # noqa: E501
+            "tools",
+            "does not render tools",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice", "needs tools"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
             "response_format.type",

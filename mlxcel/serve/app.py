@@ -40,6 +40,8 @@ from mlxcel.openai_protocol import (
 )
 from mlxcel.serve.engine import Job, ServeEngine, describe_exception
 from mlxcel.serve.records import ServeRecords
+from mlxcel.tools.grammar import make_call_grammar
+from mlxcel.tools.parsers import OutputParser, choose_tool_parser, parse_output, uses_reasoning
 
 
 class ServeApp:
@@ -64,6 +66,12 @@ class ServeApp:
         self.max_body = int(settings.max_body_mb * 1024 * 1024)
         self.image_dirs = [Path(d).expanduser().resolve() for d in settings.image_dirs]
         self.created = now()
+        # how chat answers are read (tools/parsers.py): the model's tool-call syntax, and <think>
+        pipeline = engine.pipeline
+        source = pipeline.template_source if pipeline is not None else None
+        self.tool_parser = choose_tool_parser(pipeline.cfg.template.tool_parser, source) if source else None
+        self.reasoning = uses_reasoning(source)
+        self.renders_tools = source is not None and "tools" in source
 
     # ---- plumbing ----
     def check_key(self, request: Request) -> None:
@@ -150,7 +158,10 @@ class ServeApp:
             body = await self.read_json(request)
             parsed = parse_request(ChatRequest if endpoint == "chat" else CompletionRequest, body)
             adapter = self.check_model(parsed.model)
+            tools, choice, spec = None, "none", read_constraint(parsed)
             if endpoint == "chat":
+                tools, choice = parsed.tool_settings()
+                spec = self.tool_constraint(tools, choice, parsed, spec)
                 images = tempfile.mkdtemp(prefix="mlxcel-serve-") if has_data_urls(parsed.messages) else None
                 prompts = [convert_messages(parsed.messages, Path(images) if images else None, self.image_dirs)]
             else:
@@ -168,8 +179,11 @@ class ServeApp:
                 stop=parsed.stop_strings(),
                 streaming=parsed.stream,
                 loop=asyncio.get_running_loop(),
-                constraint=await self.compile_constraint(read_constraint(parsed), endpoint),
+                constraint=await self.compile_constraint(spec, endpoint),
                 adapter=adapter,
+                tools=tools if choice != "none" else None,
+                tool_parser=self.tool_parser if choice != "none" else None,
+                reasoning=self.reasoning and endpoint == "chat",
             )
             self.engine.submit(job)
         except ApiError as error:
@@ -197,6 +211,25 @@ class ServeApp:
         finally:
             if images:
                 shutil.rmtree(images, ignore_errors=True)
+
+    def tool_constraint(self, tools: list | None, choice, parsed, spec: dict | None) -> dict | None:
+        """The structured-output spec of a chat request: tool_choice required or a named function
+        constrains the answer to a call (tools/grammar.py); else response_format's, if any."""
+        if tools is None or choice == "none":
+            return spec
+        if not self.renders_tools:
+            raise ApiError(
+                400,
+                "tools: the model's chat template does not render tools (set template.text or template.file to one "
+                "that does, or leave tools out)",
+                "tools",
+            )
+        if choice == "auto":
+            return spec
+        if spec is not None:
+            message = "response_format cannot be used with tool_choice required or a named function"
+            raise ApiError(400, message, "tool_choice")
+        return make_call_grammar(self.tool_parser, tools, choice, parsed.parallel_tool_calls)
 
     async def compile_constraint(self, spec: dict | None, endpoint: str):
         """The request's spec compiled, on a worker thread: a large schema or grammar takes ~0.1 s,
@@ -305,7 +338,10 @@ class ServeApp:
         for index in sorted(done):
             text = (job.prompts[index // job.n] if echoed else "") + done[index]["text"]
             entries = logprobs.get(index, []) if job.logprobs else None
-            choices.append(make_choice(job.endpoint, index, text, done[index]["finish_reason"], entries, top))
+            choice = make_choice(job.endpoint, index, text, done[index]["finish_reason"], entries, top)
+            if job.tool_parser is not None or job.reasoning:
+                read_message(choice, job, index)
+            choices.append(choice)
         usage = count_usage(done, job.n)
         body = make_answer(job.endpoint, job.id, self.model_id, choices, usage, self.records.fingerprint)
         return JSONResponse(body)
@@ -368,8 +404,43 @@ class ServeApp:
                         yield chunk(index, prompt)
             pending: dict[int, list] = {}  # index -> [text, logprob entries] not yet sent
 
+            # chat answers read for tool calls and reasoning: each choice's text through its parser
+            readers = (
+                {
+                    i: OutputParser(job.tool_parser, job.reasoning, job.opens_reasoning.get(i, False))
+                    for i in range(job.row_count)
+                }
+                if chat and (job.tool_parser is not None or job.reasoning)
+                else None
+            )
+            calls: dict[int, int] = {}  # index -> tool calls streamed
+
+            def delta_chunk(index: int, delta: dict, entries=None) -> str:
+                lp = make_chat_logprobs(entries, parsed.top_logprobs or 0) if entries else None
+                data = {**base, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}]}
+                if include_usage:
+                    data["usage"] = None
+                return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+            def read_deltas(index: int, deltas: list, entries: list, out: list[str]) -> None:
+                for delta in deltas:
+                    if delta.kind == "tool_call":
+                        k = calls.get(index, 0)
+                        calls[index] = k + 1
+                        body = {"tool_calls": [delta.call.to_openai(k)]}
+                    else:
+                        body = {"content" if delta.kind == "content" else "reasoning_content": delta.text}
+                    out.append(delta_chunk(index, body, entries))
+                    entries = []
+                if entries:  # (logprobs of tokens whose text is held back: on an empty delta)
+                    out.append(delta_chunk(index, {}, entries))
+
             def flush(index: int, out: list[str]) -> None:
                 text, entries = pending.pop(index, ["", []])
+                if readers is not None:
+                    if text or entries:
+                        read_deltas(index, readers[index].feed(text), entries, out)
+                    return
                 if text or entries:
                     out.append(chunk(index, text, entries=entries or None))
                     offsets[index] = offsets.get(index, 0) + len(text)
@@ -402,7 +473,12 @@ class ServeApp:
                             self.records.add_refusal(job.endpoint, error, started)
                             finished = True
                             return
-                        out.append(chunk(index, None if chat else "", finish=d["finish_reason"]))
+                        finish = d["finish_reason"]
+                        if readers is not None:
+                            read_deltas(index, readers[index].finish(), [], out)
+                            if calls.get(index) and finish == "stop":
+                                finish = "tool_calls"
+                        out.append(chunk(index, None if chat else "", finish=finish))
                 for index in list(pending):
                     flush(index, out)
                 if out:
@@ -424,6 +500,19 @@ class ServeApp:
                 self.log_disconnect(job, started)
             if images:
                 shutil.rmtree(images, ignore_errors=True)
+
+
+def read_message(choice: dict, job: Job, index: int) -> None:
+    """A chat choice's text read for tool calls and reasoning (tools/parsers.py)."""
+    message = choice["message"]
+    parsed = parse_output(message["content"], job.tool_parser, job.reasoning, job.opens_reasoning.get(index, False))
+    message["content"] = parsed.content if parsed.content or not parsed.tool_calls else None
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        if choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
 
 
 def read_failure(event: tuple) -> ApiError | None:

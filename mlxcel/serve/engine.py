@@ -62,6 +62,12 @@ class Job:
     # None: the server's decode.constraint
     constraint: Any = None
     adapter: int = -1  # the model's adapter the request's `model` names (model.adapters); -1: the base
+    tools: list[dict] | None = None  # chat: the request's tools, rendered by the model's template
+    # chat: how answers are read (tools/parsers.py): the tool syntax (None: calls stay text), and
+    # whether the template thinks in <think>; per prompt, whether its rendering opened <think>
+    tool_parser: str | None = None
+    reasoning: bool = False
+    opens_reasoning: dict[int, bool] = field(default_factory=dict)
 
     @property
     def row_count(self) -> int:
@@ -256,8 +262,10 @@ class ServeEngine:
 
     def make_rows(self, job: Job) -> list[tuple[int, RowRequest, Choice]]:
         prompts = [self.prepare(job, prompt) for prompt in job.prompts]
-        for prompt, _ in prompts:
+        for p, (prompt, _) in enumerate(prompts):
             check_room(job.max_tokens, len(prompt.token_ids), self.pipeline.max_context)
+            for i in range(job.n):  # (the answer starts inside <think> where the rendering opened it)
+                job.opens_reasoning[p * job.n + i] = prompt.text.rstrip().endswith("<think>")
         try:
             chain = self.pipeline.chain_for(job.sampler)
         except (MlxcelError, ValueError, OverflowError, MemoryError) as exc:  # (the request's own values)
@@ -295,7 +303,7 @@ class ServeEngine:
         if job.endpoint == "chat" or isinstance(prompt, str):
             raw = job.endpoint != "chat"
             messages = [{"role": "user", "content": prompt}] if raw else prompt
-            prepared = pipeline.prepare_one(Sample(JobRow(id=job.id, messages=messages, raw=raw)))
+            prepared = pipeline.prepare_one(Sample(JobRow(id=job.id, messages=messages, raw=raw, tools=job.tools)))
             return prepared.prompt, prepared.images
         vocab = pipeline.loaded.model.args.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]

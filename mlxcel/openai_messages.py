@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ def convert_messages(messages: list, folder: Path | None, image_dirs: list[Path]
             raise ApiError(400, f"messages[{i}] must be an object", f"messages.{i}")
         check_types(message, i)
         message = {k: v for k, v in message.items() if k != "name" or message.get("role") == "tool"}
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = read_tool_calls(message["tool_calls"], i)
         if message.get("role") == "developer":
             message["role"] = "system"
         content = message.get("content")
@@ -52,6 +55,28 @@ def convert_messages(messages: list, folder: Path | None, image_dirs: list[Path]
             text = detail[1] if detail else first["msg"]
             raise ApiError(400, f"messages[{i}].{where}: {text}", f"messages.{i}.{where}") from None
     return converted
+
+
+def read_tool_calls(calls: Any, i: int) -> list:
+    """An assistant message's tool calls with their arguments as objects: OpenAI sends them as JSON
+    text, templates render them as objects (`arguments | tojson`), as vLLM and transformers do."""
+    where = f"messages.{i}.tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls: expected an array, got {name_type(calls)}", where)
+    read = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}] needs function.name", f"{where}.{j}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                message = f"messages[{i}].tool_calls[{j}].function.arguments: not valid JSON"
+                raise ApiError(400, message, f"{where}.{j}.function.arguments") from None
+        read.append({**call, "function": {**function, "arguments": arguments}})
+    return read
 
 
 def check_types(message: dict, i: int) -> None:

@@ -148,3 +148,22 @@ def test_call_ids_are_unique_and_openai_shaped():
         "type": "function",
         "function": {"name": "get_weather", "arguments": json.dumps(WEATHER)},
     }
+
+
+@pytest.mark.parametrize(
+    "template, syntax, thinks",
+    [
+        ("qwen2.5.jinja", "hermes", False),
+        ("smollm3.jinja", "hermes", True),
+        ("mistral_v3.jinja", "mistral", False),
+        ("llama3.2.jinja", "llama3_json", False),
+        ("gemma2.jinja", None, False),
+    ],
+)
+def test_the_published_templates_pick_their_families_syntax(template, syntax, thinks):
+    from pathlib import Path
+
+    from mlxcel.tools.parsers import uses_reasoning
+
+    source = (Path(__file__).resolve().parent / "data" / "templates" / template).read_text()
+    assert choose_tool_parser("auto", source) == syntax and uses_reasoning(source) is thinks

@@ -181,7 +181,7 @@ class ServeApp:
                 loop=asyncio.get_running_loop(),
                 constraint=await self.compile_constraint(spec, endpoint),
                 adapter=adapter,
-                tools=tools if choice != "none" else None,
+                tools=tools,  # (rendered with tool_choice none too, as vLLM does: the model just calls none)
                 tool_parser=self.tool_parser if choice != "none" else None,
                 reasoning=self.reasoning and endpoint == "chat",
             )
@@ -215,7 +215,7 @@ class ServeApp:
     def tool_constraint(self, tools: list | None, choice, parsed, spec: dict | None) -> dict | None:
         """The structured-output spec of a chat request: tool_choice required or a named function
         constrains the answer to a call (tools/grammar.py); else response_format's, if any."""
-        if tools is None or choice == "none":
+        if tools is None:
             return spec
         if not self.renders_tools:
             raise ApiError(
@@ -224,7 +224,7 @@ class ServeApp:
                 "that does, or leave tools out)",
                 "tools",
             )
-        if choice == "auto":
+        if choice in ("auto", "none"):
             return spec
         if spec is not None:
             message = "response_format cannot be used with tool_choice required or a named function"

@@ -22,8 +22,8 @@ def call_schema(tool: dict, arguments_key: str) -> dict:
 
 
 def make_call_grammar(syntax: str | None, tools: list[dict], choice, parallel: bool) -> dict:
-    """The structured-output spec ({"grammar": Lark}) for a forced call: one of `tools` (or the named
-    one), several in a row where parallel calls are allowed (hermes)."""
+    """The structured-output spec ({"grammar": Lark}) for a forced call: the named function's (one
+    call), or one of `tools`, several in a row where parallel calls are allowed (hermes)."""
     if syntax not in CONSTRAINED_SYNTAXES:
         raise ApiError(
             400,
@@ -36,10 +36,13 @@ def make_call_grammar(syntax: str | None, tools: list[dict], choice, parallel: b
     key = "arguments" if syntax == "hermes" else "parameters"
     schemas = [call_schema(t, key) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # compact JSON as the families write their calls (free whitespace lets a model pad forever)
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
     lines = [f"call: %json {json.dumps(schema)}"]
     if syntax == "hermes":
         block = '"<tool_call>\\n" call "\\n</tool_call>"'
-        start = f'start: {block} ("\\n" {block})*' if parallel else f"start: {block}"
+        several = parallel and not isinstance(choice, dict)
+        start = f'start: {block} ("\\n" {block})*' if several else f"start: {block}"
     else:
         start = "start: call"
     return {"grammar": "\n".join([start, *lines])}

@@ -1,0 +1,152 @@
+"""Tool calls through the server (issue 46): the official `openai` client runs a two-turn tool loop
+(a forced call, the tool's result, a final answer) against mlxcel-serve on a tiny model with
+Qwen2.5's real chat template; streamed calls arrive as OpenAI streams them; bad tools are 400s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.serve_fixtures import request_json, running_server
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.usefixtures("on_the_cpu")
+
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.helpers import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tools")
+    folder = make_tiny_checkpoint(root / "llama", "llama", max_position_embeddings=4096)  # (tools take room)
+    run = root / "run"
+    overrides = (f"model.path={folder}", f"template.file={TEMPLATES / 'qwen2.5.jinja'}", "serve.model_name=m")
+    with running_server(run, *overrides, "decode.max_tokens=200") as server:
+        yield server
+
+
+def check_call(call, tool: dict) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+def test_a_two_turn_tool_loop_with_the_openai_client(server):
+    client = openai.OpenAI(base_url=server.url, api_key="none")
+    first = client.chat.completions.create(
+        model="m",
+        messages=QUESTION,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    arguments = check_call(call, WEATHER)
+    # the call goes back as the client sends it (arguments as JSON text), with the tool's answer
+    history = [
+        *QUESTION,
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, **arguments})},
+    ]
+    second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME], tool_choice="none")
+    answer = second.choices[0]
+    assert answer.message.tool_calls is None and isinstance(answer.message.content, str) and answer.message.content
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20  # (the call and its result are in the prompt)
+
+
+def test_required_calls_validate_and_stream_as_openai_streams_them(server):
+    client = openai.OpenAI(base_url=server.url, api_key="none")
+    for seed in range(3):  # sampled: the calls differ, each validates
+        answer = client.chat.completions.create(
+            model="m",
+            messages=QUESTION,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+        )
+        [call] = answer.choices[0].message.tool_calls
+        check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+    forced = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "seed": 1}
+    whole = client.chat.completions.create(model="m", messages=QUESTION, **forced)
+    stream = client.chat.completions.create(model="m", messages=QUESTION, stream=True, **forced)
+    calls, finish = {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        for part in delta.tool_calls or []:
+            entry = calls.setdefault(part.index, {"id": part.id, "name": "", "arguments": ""})
+            entry["name"] += part.function.name or ""
+            entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    expected = whole.choices[0].message.tool_calls
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra, param, fragment",
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "names no tool",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools.0",
+            "JSON schema object",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "share a name"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "none, auto, required"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "response_format cannot be used",
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "messages": [
+                    *QUESTION,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}],
+                    },
+                ],
+            },
+            "messages.1.tool_calls.0.function.arguments",
+            "not valid JSON",
+        ),
+    ],
+)
+def test_bad_tools_are_400s_naming_the_field(server, extra, param, fragment):
+    body = {"model": "m", "messages": QUESTION, **extra}
+    status, reply, _ = request_json(f"{server.url}/chat/completions", body)
+    assert status == 400, reply
+    assert fragment in reply["error"]["message"] and reply["error"]["param"] == param, reply

@@ -501,6 +501,10 @@ class PromptRow(Group):
     seed: NonNegativeInt | None = None  # default: sampler.seed
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_SAMPLES)] = 1  # samples of this prompt
     tools: list[dict[str, Any]] | None = None  # this row's tool definitions (default: template.kwargs.tools)
+    # as OpenAI's chat API (docs/tools.md): none, auto (default with tools), required, or
+    # {"type": "function", "function": {"name": ...}}; required and a named function constrain the answer
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool = True
     # structured output: what this row's answer must match (default: decode.constraint); as in the
     # config ({"json_schema": {...}}, regex, choice or grammar), or OpenAI's response_format. One
     # that cannot be read is the row's error, not the job's (jobs.read_row_constraint)

@@ -34,7 +34,24 @@ def make_generation_row(prepared: PreparedSample, result: RowResult, text: str) 
         # speculative decoding: the row's drafted and accepted tokens, and its verify steps
         **({"draft": result.draft} if result.draft is not None else {}),
         **(result.timing or {}),  # the scheduler's queue_ms, ttft_ms, latency_ms, decode_tok_per_sec
+        **read_answer(prepared.reader, text),
     }
+
+
+def read_answer(reader: tuple | None, text: str) -> dict:
+    """A chat answer read for tool calls and reasoning (docs/tools.md): its `content` (the text less
+    both), `reasoning` and `tool_calls` (OpenAI's shape), where the row has tools or the template thinks."""
+    if reader is None:
+        return {}
+    from mlxcel.tools.parsers import parse_output
+
+    parsed = parse_output(text, *reader)
+    out = {"content": parsed.content}
+    if parsed.reasoning is not None:
+        out["reasoning"] = parsed.reasoning
+    if parsed.tool_calls:
+        out["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+    return out
 
 
 def make_error_row(prepared: PreparedSample) -> dict:

@@ -24,6 +24,8 @@ class JobRow:
     constraint: dict | None = None  # structured output: the row's own spec (mlxcel.structured.spec); None: the job's
     constraint_error: str | None = None  # why the row's own constraint cannot be read: the row is an error row
     adapter: str | None = None  # one of model.adapters' names: the LoRA adapter this row runs with (None: the base)
+    tool_choice: str | dict | None = None  # as OpenAI's (None: auto where the row has tools)
+    parallel_tool_calls: bool = True
 
 
 def hash_row(row: JobRow) -> str:
@@ -45,6 +47,9 @@ def hash_row(row: JobRow) -> str:
         content["constraint"] = row.constraint
     if row.adapter is not None:
         content["adapter"] = row.adapter
+    if row.tool_choice is not None:
+        content["tool_choice"] = row.tool_choice
+        content["parallel_tool_calls"] = row.parallel_tool_calls
     if row.constraint_error is not None:  # (a fixed row then asks for something else)
         content["constraint_error"] = row.constraint_error
     return hashlib.sha256(

@@ -126,6 +126,8 @@ def check_rows(
                 constraint=constraint,
                 constraint_error=constraint_error,
                 adapter=row.adapter,
+                tool_choice=row.tool_choice,
+                parallel_tool_calls=row.parallel_tool_calls,
             )
         )
     if issues:

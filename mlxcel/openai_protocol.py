@@ -115,39 +115,7 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: StrictBool = True
 
     def tool_settings(self) -> tuple[list[dict] | None, str | dict]:
-        """(the tools, the choice: "none", "auto", "required" or the named function's name in a
-        dict), checked; tools are rendered by the model's template, calls parsed from the answer."""
-        tools, choice = self.tools, self.tool_choice
-        if tools is None:
-            if choice is not None and choice != "none":
-                raise ApiError(400, "tool_choice needs tools", "tool_choice")
-            return None, "none"
-        if not tools:
-            raise ApiError(400, "tools must list at least one function (or be left out)", "tools")
-        names = []
-        for i, tool in enumerate(tools):
-            function = tool.get("function") if isinstance(tool, dict) else None
-            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-                raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools.{i}")
-            name = function.get("name")
-            if not isinstance(name, str) or not name or len(name) > 64:
-                raise ApiError(400, f"tools[{i}].function.name must be a name of 1-64 characters", f"tools.{i}")
-            parameters = function.get("parameters", {})
-            if not isinstance(parameters, dict):
-                raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", f"tools.{i}")
-            names.append(name)
-        if len(set(names)) < len(names):
-            raise ApiError(400, "tools: two functions share a name", "tools")
-        if choice is None:
-            return tools, "auto"
-        if isinstance(choice, str):
-            if choice not in ("none", "auto", "required"):
-                raise ApiError(400, "tool_choice must be none, auto, required or a named function", "tool_choice")
-            return tools, choice
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in names:
-            raise ApiError(400, f"tool_choice names no tool of this request ({', '.join(names)})", "tool_choice")
-        return tools, {"name": name}
+        return read_tool_settings(self.tools, self.tool_choice)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -157,6 +125,45 @@ class ChatRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         return max(1, self.top_logprobs or 0) if self.logprobs else 0
+
+
+def read_tool_settings(tools: Any, choice: Any) -> tuple[list[dict] | None, str | dict]:
+    """(the tools, the choice: "none", "auto", "required" or {"name": the named function}), checked
+    (a chat request's, a job row's); tools are rendered by the model's template, calls parsed from
+    the answer (mlxcel/tools)."""
+    if tools is None:
+        if choice is not None and choice != "none":
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        return None, "none"
+    if not isinstance(tools, list) or not tools:
+        raise ApiError(400, "tools must list at least one function (or be left out)", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools.{i}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise ApiError(400, f"tools[{i}].function.name must be a name of 1-64 characters", f"tools.{i}")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", f"tools.{i}")
+        names.append(name)
+    if len(set(names)) < len(names):
+        raise ApiError(400, "tools: two functions share a name", "tools")
+    if choice is None:
+        return tools, "auto"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(400, "tool_choice must be none, auto, required or a named function", "tool_choice")
+        return tools, choice
+    name = (
+        (choice.get("function") or {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function"
+        else None
+    )
+    if name not in names:
+        raise ApiError(400, f"tool_choice names no tool of this request ({', '.join(names)})", "tool_choice")
+    return tools, {"name": name}
 
 
 class CompletionRequest(SamplingFields):

@@ -46,6 +46,8 @@ from mlxcel.template import NO_TEMPLATE_HINT, PromptTokens, build_prompt, load_t
 from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
 from mlxcel.tokenizer.literal import encode_text, escape_spans
+from mlxcel.tools.grammar import make_call_grammar
+from mlxcel.tools.parsers import choose_tool_parser, uses_reasoning
 from mlxcel.vision.stage import (
     ImageInputs,
     check_images_allowed,
@@ -63,6 +65,8 @@ class PreparedSample:
     error: str | None = None  # why this sample cannot run (it is written as an error row)
     images: ImageInputs | None = None  # the prompt's preprocessed images (VLMs); token ids already expanded
     constraint: Constraint | None = None  # structured output: the row's (or the job's) compiled constraint
+    # how the answer is read (mlxcel/tools/parsers.py): (tool syntax or None, <think>, opened in the prompt)
+    reader: tuple | None = None
 
 
 def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer, required: bool = True):
@@ -249,6 +253,9 @@ class Pipeline:
         )
         self.constraint = self.compile_job_constraint()  # decode.constraint, for rows without their own
         self.draft_model = None  # decode.draft.method=model: engine/draft_model.py (Pipeline.load)
+        # how answers are read for tool calls and <think> reasoning (mlxcel/tools/parsers.py)
+        self.tool_parser = choose_tool_parser(cfg.template.tool_parser, self.template_source)
+        self.reasoning = uses_reasoning(self.template_source)
 
     @classmethod
     def load(
@@ -347,6 +354,25 @@ class Pipeline:
         except ConstraintError as exc:
             raise ConfigError(describe_compile_error(spec, exc)) from None
 
+    def read_tools(self, row) -> tuple[str | None, dict | None]:
+        """A row's tools (its own, or template.kwargs.tools) and tool_choice: (the syntax its answer's
+        calls are read in, None without tools or with tool_choice none; its structured-output spec:
+        a forced call's grammar for required or a named function, else its own constraint)."""
+        from mlxcel.openai_protocol import ApiError, read_tool_settings
+
+        tools = row.tools if row.tools is not None else self.cfg.template.kwargs.get("tools")
+        if tools is None and row.tool_choice is None:
+            return None, row.constraint
+        try:
+            tools, choice = read_tool_settings(tools, row.tool_choice)
+            if choice in ("none", "auto"):
+                return (self.tool_parser if choice == "auto" else None), row.constraint
+            if row.constraint is not None:
+                raise ApiError(400, "a constraint cannot be used with tool_choice required or a named function")
+            return self.tool_parser, make_call_grammar(self.tool_parser, tools, choice, row.parallel_tool_calls)
+        except ApiError as exc:
+            raise MlxcelError(f"{exc.param}: {exc.message}" if exc.param else exc.message) from None
+
     def constraint_for(self, spec: dict | None) -> Constraint | None:
         """A row's constraint: its own spec compiled (ConstraintError if it does not), else the job's."""
         if spec is None:
@@ -374,7 +400,8 @@ class Pipeline:
             raise MlxcelError(row.constraint_error)  # (its constraint cannot be read: this row's error)
         if self.loaded is not None:
             self.chain_for(row.sampler)  # (a bad logit_bias id is this row's error)
-        constraint = self.constraint_for(row.constraint)  # (one that does not compile: this row's error)
+        tool_parser, spec = self.read_tools(row)
+        constraint = self.constraint_for(spec)  # (one that does not compile: this row's error)
         if row.raw:  # a completion (a server's, a batch file's): the text as it is
             prompt = build_prompt(self.tokenizer, row.messages, None, enabled=False)
             self.check_length(prompt)
@@ -387,9 +414,12 @@ class Pipeline:
         templated = template.kind != "none"
         literal = template.special_tokens_in_content == "text"  # (the user's special-token text stays text)
         prompt = build_prompt(self.tokenizer, messages, self.template_source, templated, kwargs, literal)
+        reader = None
+        if templated and (tool_parser is not None or self.reasoning):
+            reader = (tool_parser, self.reasoning, prompt.text.rstrip().endswith("<think>"))
         if model is None or not is_vision_model(model):
             self.check_length(prompt)
-            return PreparedSample(sample, prompt, constraint=constraint)
+            return PreparedSample(sample, prompt, constraint=constraint, reader=reader)
         # a family that expands its placeholders in the text gets it with the user's special-token
         # texts escaped, so they stay text when it is encoded again
         escaped, escapes = escape_spans(prompt.text, prompt.literal_spans)

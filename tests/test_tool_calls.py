@@ -150,3 +150,34 @@ def test_bad_tools_are_400s_naming_the_field(server, extra, param, fragment):
     status, reply, _ = request_json(f"{server.url}/chat/completions", body)
     assert status == 400, reply
     assert fragment in reply["error"]["message"] and reply["error"]["param"] == param, reply
+
+
+def test_job_rows_take_tools_and_write_their_calls(tmp_path):
+    """JSONL rows with the chat API's fields: tools rendered by the template, a forced call read
+    into the row's tool_calls (OpenAI's shape), a bad tool_choice the row's own error."""
+    from mlxcel.runner import run
+    from tests.helpers import make_tiny_checkpoint, read_rows, write_rows
+    from tests.test_hybrid_paths import job_config
+
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", max_position_embeddings=4096)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    rows = [
+        {"id": "forced", "messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": named},
+        {"id": "free", "messages": QUESTION, "tools": [WEATHER], "tool_choice": "none"},
+        {
+            "id": "bad",
+            "messages": QUESTION,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "x"}},
+        },
+    ]
+    template = f"template.file={TEMPLATES / 'qwen2.5.jinja'}"
+    cfg = job_config(str(folder), write_rows(tmp_path / "rows.jsonl", rows), template, "decode.max_tokens=120")
+    run(cfg, tmp_path / "run", None, None)
+    got = {row["id"]: row for row in read_rows(tmp_path / "run")}
+    [call] = got["forced"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["type"] == "function"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert got["forced"]["content"] == "" and got["forced"]["text"].startswith("<tool_call>")
+    assert "tool_calls" not in got["free"] and "content" not in got["free"]  # (tool_choice none: not read)
+    assert got["bad"]["finish_reason"] == "error" and "tool_choice names no tool" in got["bad"]["error"]

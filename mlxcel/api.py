@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -24,6 +24,7 @@ from mlxcel.blas import advise_api_blas
 from mlxcel.config import RunConfig, validate_config
 from mlxcel.devices import select_device
 from mlxcel.engine import RowResult
+from mlxcel.generation_rows import read_answer
 from mlxcel.jobs import JobRow, Sample
 from mlxcel.pipeline import Pipeline, PreparedSample
 from mlxcel.stats import GenerationStats, make_generation_stats, measure_batch
@@ -42,6 +43,10 @@ class Generation:
     prompt_tokens: int
     error: str | None = None
     constraint_satisfied: bool | None = None  # with a constraint: whether the answer is whole
+    # read for tools and reasoning (docs/tools.md), where the prompt has tools or the template thinks:
+    content: str | None = None  # the text less its reasoning and tool calls
+    reasoning: str | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's shape: [{"id", "type": "function", "function": {...}}]
 
 
 def load_config(config: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -70,14 +75,17 @@ class Generator:
         max_tokens: int | None = None,
         seed: int | None = None,
         constraint: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
     ) -> Generation | list[Generation]:
         """One prompt -> one Generation; a list of prompts -> a list, at most runner.max_rows decoding at once.
         `constraint`: what every answer must match (docs/structured.md): {"json_schema": {...}},
-        {"regex": ...}, {"choice": [...]}, {"grammar": ...}, or OpenAI's response_format."""
+        {"regex": ...}, {"choice": [...]}, {"grammar": ...}, or OpenAI's response_format. `tools`,
+        `tool_choice`: as OpenAI's chat API (docs/tools.md); the calls come back in tool_calls."""
         single = isinstance(prompts, str) or is_conversation(prompts)
         batch = [prompts] if single else list(prompts)
         start = time.perf_counter()
-        prepared = self.prepare(batch, max_tokens, seed, constraint)
+        prepared = self.prepare(batch, max_tokens, seed, constraint, tools, tool_choice)
         results: dict[int, Generation] = {}
         measured = []
         runnable = [(i, p) for i, p in enumerate(prepared) if not p.error]
@@ -126,14 +134,21 @@ class Generator:
         )
 
     def prepare(
-        self, prompts: list[Prompt], max_tokens: int | None, seed: int | None, constraint: dict | None = None
+        self,
+        prompts: list[Prompt],
+        max_tokens: int | None,
+        seed: int | None,
+        constraint: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
     ) -> list[PreparedSample]:
         cfg = self.pipeline.cfg.prompt
         spec = read_constraint(constraint)
         rows = []
         for number, prompt in enumerate(prompts, start=1):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-            rows.append(Sample(JobRow(number, cfg.with_system(messages), max_tokens, seed, constraint=spec)))
+            row = JobRow(number, cfg.with_system(messages), max_tokens, seed, tools=tools, constraint=spec)
+            rows.append(Sample(replace(row, tool_choice=tool_choice)))
         return self.pipeline.prepare(rows)
 
     def make_generation(self, prepared: PreparedSample, result: RowResult, stream: TextStream) -> Generation:
@@ -141,6 +156,7 @@ class Generator:
         if stream.stopped:
             result.finish_reason = "stop"
         judge_returned_text(prepared.constraint, result, text)
+        answer = read_answer(prepared.reader, text)
         return Generation(
             prepared.sample.row.id,
             text,
@@ -149,6 +165,9 @@ class Generator:
             result.prompt_tokens,
             result.error,
             result.constraint_satisfied,
+            answer.get("content"),
+            answer.get("reasoning"),
+            answer.get("tool_calls"),
         )
 
 

@@ -181,3 +181,19 @@ def test_job_rows_take_tools_and_write_their_calls(tmp_path):
     assert got["forced"]["content"] == "" and got["forced"]["text"].startswith("<tool_call>")
     assert "tool_calls" not in got["free"] and "content" not in got["free"]  # (tool_choice none: not read)
     assert got["bad"]["finish_reason"] == "error" and "tool_choice names no tool" in got["bad"]["error"]
+
+
+def test_the_python_api_takes_tools(tmp_path):
+    from mlxcel import load_generator
+    from tests.helpers import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", max_position_embeddings=4096)
+    template = {"file": str(TEMPLATES / "qwen2.5.jinja")}
+    generator = load_generator({"model": {"path": str(folder)}, "template": template}, ["runner.device=cpu"])
+    named = {"type": "function", "function": {"name": "get_weather"}}  # (one call: required may add more)
+    answer = generator.generate(QUESTION, max_tokens=120, tools=[WEATHER, TIME], tool_choice=named)
+    [call] = answer.tool_calls
+    assert call["function"]["name"] == "get_weather" and answer.content == ""
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    plain = generator.generate(QUESTION, max_tokens=4)
+    assert plain.tool_calls is None and plain.content is None  # (no tools, a template that does not think)

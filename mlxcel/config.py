@@ -184,6 +184,8 @@ class TemplateConfig(Group):
     # how tool calls in answers are read (mlxcel/tools/parsers.py): auto (from the chat template),
     # hermes (<tool_call> JSON), mistral ([TOOL_CALLS]), llama3_json, none
     tool_parser: Literal["auto", "hermes", "mistral", "llama3_json", "none"] = "auto"
+    # the thinking switch of templates that take one (Qwen 3, SmolLM3): passed as enable_thinking; null: theirs
+    enable_thinking: Bool | None = None
 
     @model_validator(mode="after")
     def _check_override(self) -> TemplateConfig:

@@ -363,6 +363,11 @@ class Pipeline:
         tools = row.tools if row.tools is not None else self.cfg.template.kwargs.get("tools")
         if tools is None and row.tool_choice is None:
             return None, row.constraint
+        if tools is not None and "tools" not in (self.template_source or ""):
+            raise MlxcelError(
+                "tools: the chat template does not render tools (set template.file or template.text to one that "
+                "does, or leave tools out)"
+            )
         try:
             tools, choice = read_tool_settings(tools, row.tool_choice)
             if choice in ("none", "auto"):
@@ -410,6 +415,8 @@ class Pipeline:
         if model is not None:
             check_images_allowed(model, self.header.arch, paths)
         kwargs = template.kwargs if sample.row.tools is None else {**template.kwargs, "tools": sample.row.tools}
+        if template.enable_thinking is not None:
+            kwargs = {**kwargs, "enable_thinking": template.enable_thinking}
         messages = flatten_text_parts(sample.row.messages)
         templated = template.kind != "none"
         literal = template.special_tokens_in_content == "text"  # (the user's special-token text stays text)

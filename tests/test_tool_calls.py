@@ -197,3 +197,26 @@ def test_the_python_api_takes_tools(tmp_path):
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
     plain = generator.generate(QUESTION, max_tokens=4)
     assert plain.tool_calls is None and plain.content is None  # (no tools, a template that does not think)
+
+
+def test_enable_thinking_reaches_the_template_and_rows_report_reasoning(tmp_path):
+    """template.enable_thinking is SmolLM3's switch (an empty think block when off); a job row's
+    answer on a thinking template is read into reasoning and content."""
+    from mlxcel.api import load_config
+    from mlxcel.jobs import JobRow, Sample
+    from mlxcel.pipeline import Pipeline
+    from mlxcel.tools.parsers import parse_output
+    from tests.helpers import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", max_position_embeddings=4096)
+    texts = {}
+    for switch in (True, False):
+        template = {"file": str(TEMPLATES / "smollm3.jinja"), "enable_thinking": switch}
+        cfg = load_config({"model": {"path": str(folder)}, "template": template}, ["runner.device=cpu"])
+        pipeline = Pipeline.load(cfg, load_weights=False)
+        prepared = pipeline.prepare_one(Sample(JobRow(1, [{"role": "user", "content": "hi"}])))
+        texts[switch] = prepared.prompt.text
+        assert prepared.reader == (None, True, False)  # (no tools; the template thinks)
+    assert texts[False].endswith("<think>\n\n</think>\n") and not texts[True].endswith("</think>\n")
+    parsed = parse_output("<think>Short.</think>\nHello.", *prepared.reader)
+    assert (parsed.reasoning, parsed.content) == ("Short.", "Hello.")

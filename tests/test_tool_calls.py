@@ -251,3 +251,28 @@ def test_smollm2_forced_calls_validate_20_of_20(tmp_path):
         [call] = row["tool_calls"]
         tool = WEATHER if call["function"]["name"] == "get_weather" else TIME
         jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+
+
+def test_a_tokenizers_tool_use_template_renders_the_rows_with_tools(tmp_path):
+    """A tokenizer with named templates (default, tool_use) renders prompts with tools with
+    tool_use, as transformers picks it, and the others with default."""
+    from mlxcel.api import load_config
+    from mlxcel.jobs import JobRow, Sample
+    from mlxcel.pipeline import Pipeline
+    from tests.helpers import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "llama", "llama", max_position_embeddings=4096)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+        {"name": "tool_use", "template": (TEMPLATES / "qwen2.5.jinja").read_text()},
+    ]
+    config_file.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink()  # (it would be the default)
+    pipeline = Pipeline.load(load_config({"model": {"path": str(folder)}}, ["runner.device=cpu"]), load_weights=False)
+    plain = pipeline.prepare_one(Sample(JobRow(1, QUESTION)))
+    with_tools = pipeline.prepare_one(Sample(JobRow(2, QUESTION, tools=[WEATHER])))
+    assert plain.prompt.text == QUESTION[0]["content"]
+    assert "<tools>" in with_tools.prompt.text and '"get_weather"' in with_tools.prompt.text
+    assert with_tools.reader[0] == "hermes"  # (the tool_use template's syntax)

@@ -41,7 +41,7 @@ from mlxcel.openai_protocol import (
 from mlxcel.serve.engine import Job, ServeEngine, describe_exception
 from mlxcel.serve.records import ServeRecords
 from mlxcel.tools.grammar import make_call_grammar
-from mlxcel.tools.parsers import OutputParser, choose_tool_parser, parse_output, uses_reasoning
+from mlxcel.tools.parsers import OutputParser, parse_output
 
 
 class ServeApp:
@@ -68,9 +68,9 @@ class ServeApp:
         self.created = now()
         # how chat answers are read (tools/parsers.py): the model's tool-call syntax, and <think>
         pipeline = engine.pipeline
-        source = pipeline.template_source if pipeline is not None else None
-        self.tool_parser = choose_tool_parser(pipeline.cfg.template.tool_parser, source) if source else None
-        self.reasoning = uses_reasoning(source)
+        source = pipeline.tool_template_source if pipeline is not None else None  # (prompts with tools)
+        self.tool_parser = pipeline.tool_parser if pipeline is not None else None
+        self.reasoning = pipeline.reasoning if pipeline is not None else False
         self.renders_tools = source is not None and "tools" in source
 
     # ---- plumbing ----

@@ -151,7 +151,10 @@ def test_images_need_a_vision_model_and_are_never_fetched(server, client):
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools", "at least one function"),
         (  # SmolLM2's template has no tools
-            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},  # noqa: E501
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },  # noqa: E501
             "tools",
             "does not render tools",
         ),

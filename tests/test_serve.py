@@ -154,7 +154,7 @@ def test_images_need_a_vision_model_and_are_never_fetched(server, client):
             {
                 "messages": [{"role": "user", "content": "hi"}],
                 "tools": [{"type": "function", "function": {"name": "f"}}],
-            },  # noqa: E501
+            },
             "tools",
             "does not render tools",
         ),

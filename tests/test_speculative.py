@@ -490,3 +490,16 @@ def test_a_verify_call_holds_at_most_its_budget_and_the_best_drafters_keep_their
     # 10 tokens less the 4 rows' inputs: the row without figures yet (rate 1.0) and the 90% row first
     assert kept == [[], [4, 5, 6], [], [7, 8, 9]]
     assert scheduler.BatchScheduler.budget_drafts(None, batch, [[1], [], [], [2]]) == [[1], [], [], [2]]
+
+
+def test_the_draft_pool_holds_no_more_positions_than_the_models_own(pair):
+    """A server's open feed: the draft model's pool is sized by the model's pool (which the KV budget
+    caps) and the drafts' overhang, not by max_rows rows of the whole context."""
+    from mlxcel.engine.draft_model import DraftModel
+
+    target = pair["models"]["t"]
+    scheduler = BatchScheduler(target, 32768, 64, draft_model=DraftModel(target, target.args.vocab_size))
+    scheduler.slots = 64
+    request = GenerationRequest([], Sampler("greedy"), draft=NGRAM)
+    scheduler.make_draft_pool([], request, open_feed=True, target_blocks=100)
+    assert scheduler.draft_model.table.max_blocks == 100 + 64 * 2  # (4 drafted tokens: one block, and one more)

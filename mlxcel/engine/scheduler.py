@@ -451,7 +451,7 @@ class BatchScheduler:
         self.hybrid = any(hasattr(c, "row_states") for c in caches)
         self.drafts_from_model = self.drafting and request.draft.method == "model"
         if self.drafts_from_model:
-            self.make_draft_pool(runnable, request, feed is not None)
+            self.make_draft_pool(runnable, request, feed is not None, table.max_blocks)
         self.reuse = None
         if self.prompt_cache is not None:
             # with kv_bits a row's pieces are its own chunk size, so an adopted prefix ends on one
@@ -504,15 +504,18 @@ class BatchScheduler:
             return "its longrope scaling switches factors at a position a draft could cross"
         return None
 
-    def make_draft_pool(self, rows: list[Row], request: GenerationRequest, open_feed: bool) -> None:
+    def make_draft_pool(self, rows: list[Row], request: GenerationRequest, open_feed: bool, target_blocks: int):
         """The draft model's paged pool for this run: the same slots, each row's reservation plus the
-        positions its drafts write past it; a plain pool starts small and grows as rows come."""
+        positions its drafts write past it, never more positions than the model's own pool holds
+        (`target_blocks`, within runner.kv_budget_gb) and its rows' overhang; a plain pool starts
+        small and grows as rows come."""
         draft = self.draft_model.model
         if open_feed:
             sizes = [count_blocks(self.max_context + (request.tile_size or 0) + request.draft.tokens)] * self.slots
         else:
             sizes = sorted((count_blocks(self.draft_positions(r, request)) for r in rows), reverse=True)
-        most = max(1, sum(sizes[: self.slots]))
+        overhang = self.slots * (count_blocks(request.draft.tokens) + 1)
+        most = max(1, min(sum(sizes[: self.slots]), target_blocks + overhang))
         kernels = uses_kernels(draft)
         blocks = most if kernels[0] else min(most, count_blocks(OPEN_POOL_POSITIONS))
         positions = self.max_context + (request.tile_size or 0) + request.draft.tokens + BLOCK_SIZE

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -147,8 +147,12 @@ class Generator:
         rows = []
         for number, prompt in enumerate(prompts, start=1):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-            row = JobRow(number, cfg.with_system(messages), max_tokens, seed, tools=tools, constraint=spec)
-            rows.append(Sample(replace(row, tool_choice=tool_choice)))
+            messages = cfg.with_system(messages)
+            rows.append(
+                Sample(
+                    JobRow(number, messages, max_tokens, seed, tools=tools, constraint=spec, tool_choice=tool_choice)
+                )
+            )
         return self.pipeline.prepare(rows)
 
     def make_generation(self, prepared: PreparedSample, result: RowResult, stream: TextStream) -> Generation:

@@ -17,7 +17,7 @@ from mlxcel.config import DraftConfig
 from mlxcel.engine import GenerationRequest, RowRequest
 from mlxcel.engine.drafts import PAUSE_AFTER_MISSES, NgramIndex, RowDrafts, count_accepted
 from mlxcel.engine.prompt_cache import PromptCache
-from mlxcel.engine.scheduler import BatchScheduler, layer_chunks
+from mlxcel.engine.scheduler import BatchScheduler
 from mlxcel.sampling import Sampler, SamplerChain
 from mlxcel.sampling.config import SamplerConfig
 from tests.helpers import make_tiny_checkpoint, read_rows, write_rows
@@ -52,6 +52,19 @@ def test_the_ngram_index_proposes_what_a_brute_force_lookup_finds(low, high):
             index.sync(prompt, generated)
             assert index.propose(4) == lookup(prompt + generated, low, high, 4)
             generated += [rng.randrange(6) for _ in range(rng.randint(1, 3))]  # (a step may accept several)
+
+
+def test_a_draft_models_backlog_is_the_sequences_tail():
+    from mlxcel.engine.draft_model import read_tail
+
+    rng = random.Random(1)
+    for _ in range(500):
+        prompt, generated = ([rng.randrange(9) for _ in range(rng.randint(0, 6))] for _ in range(2))
+        n = len(prompt) + len(generated)
+        start = rng.randint(0, n)
+        end = rng.randint(start, n)
+        assert read_tail(prompt, generated, start, end) == (prompt + generated)[start:end]
+        assert read_tail(prompt, generated, start) == (prompt + generated)[start:]
 
 
 def test_count_accepted_stops_at_the_first_disagreement():
@@ -106,12 +119,9 @@ def draft_from(expected: list[list[int]] | dict, seed: int):
     rng = random.Random(seed)
 
     def propose(self, batch, table):
-        chunk = min((c for c in layer_chunks(self.model) if c), default=None)  # (as the scheduler's)
         drafts = []
         for i, row in enumerate(batch.rows):
-            room = int(batch.limits[i] - batch.drawn[i]) - 1
-            if chunk:
-                room = min(room, chunk - 1 - int(table.lengths[row.slot]) % chunk)
+            room = self.draft_room(batch, i, table)
             if row.drafts is None or room <= 0 or rng.random() < 0.2:
                 drafts.append([])
                 continue
@@ -353,7 +363,7 @@ def test_a_draft_model_gives_plain_decodings_tokens(pair, which):
         assert state.decode_steps < 0.6 * plain_state.decode_steps
     else:
         assert offered > 0 and accepted < offered
-    assert not draft.seen  # every row's slot in the draft's pool went back
+    assert not draft.table.owned.any()  # every row's blocks in the draft's pool went back
 
 
 def test_a_job_with_a_draft_model(pair, tmp_path):

@@ -94,12 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.models = split_models(args.models, models)
     args.prompt_lengths = args.prompt_lengths or prompt_lengths
     args.batch_sizes = args.batch_sizes or batch_sizes
+    if args.draft:  # (its own defaults: an answer long enough to copy spans, a job of rows)
+        gpu = mx.default_device() == mx.gpu
+        gen = 128 if gpu else 64
+        args.draft_rows = args.draft_rows or (64 if gpu else 8)
     args.gen = args.gen or gen
     args.reps = args.reps or reps
-    if args.draft:
-        gpu = mx.default_device() == mx.gpu
-        args.gen = args.gen if args.gen != gen else (128 if gpu else 64)
-        args.draft_rows = args.draft_rows or (64 if gpu else 8)
     if args.gen < 2 or args.reps < 1:
         parser.error("--gen must be >= 2 (decode speed needs tokens after the first) and --reps >= 1")
     return args

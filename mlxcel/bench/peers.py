@@ -37,6 +37,7 @@ class Run:
     decode_s: float
     peak_bytes: int  # the engine's weights + what the run allocated on top
     token_ids: list[list[int]]
+    drafts: list[dict] | None = None  # mlxcel with decode.draft: each drafting row's {drafted, accepted, steps}
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -200,6 +201,7 @@ def schedule_mlxcel(model, request: GenerationRequest, max_context: int, draft_m
         end - all_started,
         0,
         tokens,
+        [r.draft for r in state.results if r.draft] if request.draft is not None else None,
     )
 
 

@@ -25,32 +25,30 @@ class DraftModel:
     def __init__(self, model, vocab_size: int):
         self.model = model
         self.vocab_size = vocab_size  # the target's: a draft token past it could not be verified
-        self.table: PageTable | None = None
+        self.table: PageTable | None = None  # its lengths: how much of each row's sequence the pool holds
         self.caches: list = []
-        self.seen: dict[int, int] = {}  # slot -> tokens of its row's sequence in the pool
 
     def start(self, table: PageTable, caches: list) -> None:
         """A run's pool (the scheduler makes it: engine/scheduler.py make_draft_pool)."""
-        self.table, self.caches, self.seen = table, caches, {}
+        self.table, self.caches = table, caches
 
     def admit(self, slot: int, positions: int) -> None:
         self.table.reserve(slot, positions)
-        self.seen[slot] = 0
 
     def release(self, slot: int) -> None:
-        if slot in self.seen:
-            del self.seen[slot]
+        if self.table.owned[slot]:
             self.table.release(slot)
             for cache in self.caches:
                 if hasattr(cache, "forget"):
                     cache.forget(slot)
 
-    def propose(self, rows: list[tuple[int, list[int], int]], pad_id: int) -> list[list[int]]:
-        """Greedy drafts for (slot, sequence, count) rows: `count` tokens after each sequence."""
-        for slot, sequence, _ in rows:
-            self.catch_up(slot, sequence)
-        slots = np.array([slot for slot, _, _ in rows], dtype=np.int32)
-        backlogs = [sequence[self.seen[slot] :] for slot, sequence, _ in rows]
+    def propose(self, rows: list[tuple[int, list[int], list[int], int]], pad_id: int) -> list[list[int]]:
+        """Greedy drafts for (slot, prompt, generated, count) rows: `count` tokens after each sequence
+        (the prompt, then the tokens generated)."""
+        for slot, prompt, generated, _ in rows:
+            self.catch_up(slot, prompt, generated)
+        slots = np.array([slot for slot, _, _, _ in rows], dtype=np.int32)
+        backlogs = [read_tail(prompt, generated, int(self.table.lengths[slot])) for slot, prompt, generated, _ in rows]
         width = max(map(len, backlogs))
         leads = np.array([width - len(b) for b in backlogs], dtype=np.int32)
         lines = mx.array([[pad_id] * int(lead) + b for lead, b in zip(leads, backlogs)], dtype=mx.int32)
@@ -58,31 +56,39 @@ class DraftModel:
         token = self.pick(self.model(lines, self.caches, logits_at=width - 1)[:, -1, :])
         self.table.end()
         drafted = [token]
-        for _ in range(max(count for _, _, count in rows) - 1):
+        for _ in range(max(count for _, _, _, count in rows) - 1):
             self.table.begin(slots, 1, decoding=True)
             token = self.pick(self.model(token[:, None], self.caches)[:, -1, :])
             self.table.end()
             drafted.append(token)
         tokens = mx.stack(drafted, axis=1).tolist()
-        for slot, sequence, _ in rows:  # the drafted positions go: the target's verdict comes as the next backlog
-            self.table.lengths[slot] = self.seen[slot] = len(sequence)
-        return [tokens[i][:count] for i, (_, _, count) in enumerate(rows)]
+        for slot, prompt, generated, _ in rows:  # the drafted positions go: the target's verdict is the next backlog
+            self.table.lengths[slot] = len(prompt) + len(generated)
+        return [tokens[i][:count] for i, (_, _, _, count) in enumerate(rows)]
 
     def pick(self, logits: mx.array) -> mx.array:
         return mx.argmax(logits[:, : self.vocab_size], axis=-1).astype(mx.int32)
 
-    def catch_up(self, slot: int, sequence: list[int]) -> None:
+    def catch_up(self, slot: int, prompt: list[int], generated: list[int]) -> None:
         """A long backlog (a new row's prompt) into the pool, a piece a call, but for its last
         BATCHED_BACKLOG tokens (the proposal's first call takes those)."""
-        start, end = self.seen[slot], len(sequence) - BATCHED_BACKLOG
+        start, end = int(self.table.lengths[slot]), len(prompt) + len(generated) - BATCHED_BACKLOG
         while end - start > 0:
             size = min(CATCH_UP_PIECE, end - start)
             self.table.begin(np.array([slot], dtype=np.int32), size)
-            self.model(mx.array([sequence[start : start + size]], dtype=mx.int32), self.caches, logits_at=size - 1)
+            piece = read_tail(prompt, generated, start, start + size)
+            self.model(mx.array([piece], dtype=mx.int32), self.caches, logits_at=size - 1)
             self.table.end()
             mx.eval([a for c in self.caches for a in c.state])
             start += size
-        self.seen[slot] = max(start, self.seen[slot])
+
+
+def read_tail(prompt: list[int], generated: list[int], start: int, end: int | None = None) -> list[int]:
+    """(prompt + generated)[start:end] without joining the two (a long prompt, every step)."""
+    end = len(prompt) + len(generated) if end is None else end
+    if start >= len(prompt):
+        return generated[start - len(prompt) : end - len(prompt)]
+    return prompt[start:end] + generated[: max(end - len(prompt), 0)]
 
 
 def check_draft_vocabulary(target, draft, setting: str) -> None:

@@ -87,9 +87,9 @@ FEW_ROWS_ORDER = "split"
 INVARIANT_PIECE = 512
 OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow as rows need: PageTable.grow)
 # Speculative decoding: the most tokens a verify call holds (its rows' inputs and drafts), where a
-# step stops being bound by launches and weight reads. CPU: a 2-core x86_64 VM decodes SmolLM2's
-# 8-row verify calls of ~40 tokens 1.6x faster than plain steps (docs/benchmarks.md); GPU: a guess
-# to measure (an H200 step at the 1B shape costs about the same up to a few hundred tokens).
+# step stops being bound by launches and weight reads. CPU: on a 2-core x86_64 VM, SmolLM2's 8-row
+# job with verify calls of up to 40 tokens decoded 1.30x faster than without (docs/benchmarks.md);
+# GPU: a guess to measure.
 VERIFY_TOKENS = {"cpu": 64, "gpu": 512}
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
@@ -414,6 +414,7 @@ class BatchScheduler:
         # speculative decoding: rows that can draft do, the others decode as before (find_draft_problem)
         draft_off = self.find_draft_problem(request) if request.draft is not None else None
         self.drafting = request.draft is not None and draft_off is None
+        self.draft_chunk = min((c for c in layer_chunks(self.model) if c), default=None)  # (draft_room)
         rows = [self.make_row(i, r, request) for i, r in enumerate(request.rows)]
         state = ScheduleState(request, [r.result for r in rows], timings, rows, kv_budget_bytes=self.kv_budget_bytes)
         state.draft_off = draft_off
@@ -649,10 +650,7 @@ class BatchScheduler:
                 while inflight:
                     ended += self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
                     draws_read += 1
-                if ended and len(batch):
-                    leaving += self.keep(
-                        batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
-                    )
+                leaving += self.drop_ended(batch, ended, sampler, draws_queued)
                 drafts = self.fit_drafts(batch, self.propose_drafts(batch, table), table)
                 drafts = self.budget_drafts(batch, drafts) if drafts is not None else None
                 if drafts is not None:
@@ -661,10 +659,7 @@ class BatchScheduler:
                     draws_queued += 1
                     draws_read += 1
                     leaving += self.keep(batch, batch.drawn < batch.limits, sampler, draws_queued)
-                    if ended and len(batch):
-                        leaving += self.keep(
-                            batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
-                        )
+                    leaving += self.drop_ended(batch, ended, sampler, draws_queued)
                     verified_last = True
                     self.free_rows(leaving, draws_read, table, caches, free_slots, state)
                     state.iterations += 1
@@ -687,10 +682,7 @@ class BatchScheduler:
                 if logits is not None:
                     logits_parts.append(logits)
                 joined += done
-                for row in done:
-                    prefilling.remove(row)
-                    if self.reuse is not None:
-                        self.reuse.finish_prefill(row)
+                self.end_prefills(done, prefilling)
             elif len(batch):
                 logits_parts.append(self.decode_step(table, caches, batch))
                 self.count_call(state, ("decode", len(batch)))
@@ -716,10 +708,7 @@ class BatchScheduler:
                 if done:
                     logits_parts.append(logits)
                     joined += done
-                    for row in done:
-                        prefilling.remove(row)
-                        if self.reuse is not None:
-                            self.reuse.finish_prefill(row)
+                    self.end_prefills(done, prefilling)
             # 3. one draw for the decoding rows and the rows whose prefill ended
             if logits_parts:
                 for row in joined:
@@ -781,18 +770,12 @@ class BatchScheduler:
                     draws_read += 1
                 # rows that drew their last token leave the decode batch now (no wasted step)
                 leaving += self.keep(batch, batch.drawn < batch.limits, sampler, draws_queued)
-                if ended and len(batch):
-                    leaving += self.keep(
-                        batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
-                    )
+                leaving += self.drop_ended(batch, ended, sampler, draws_queued)
             # 4. read the oldest draw (pipelined: one step behind), apply stop rules
             if inflight and (len(inflight) > 1 or not self.pipeline or not (len(batch) or prefilling)):
                 ended = self.read_draw(inflight.popleft(), request, state, on_token, on_row_done)
                 draws_read += 1
-                if ended and len(batch):
-                    leaving += self.keep(
-                        batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, draws_queued
-                    )
+                leaving += self.drop_ended(batch, ended, sampler, draws_queued)
             # slots and blocks of rows whose every queued step has been read go back
             self.free_rows(leaving, draws_read, table, caches, free_slots, state)
             state.iterations += 1
@@ -873,9 +856,8 @@ class BatchScheduler:
         where layers keep a ring of one attention chunk (Llama 4), what keeps its line within its
         input's chunk (a rejected token past it would overwrite positions the row still attends to)."""
         room = int(batch.limits[i] - batch.drawn[i]) - 1
-        chunk = min((c for c in layer_chunks(self.model) if c), default=None)
-        if chunk:
-            room = min(room, chunk - 1 - int(table.lengths[batch.rows[i].slot]) % chunk)
+        if self.draft_chunk:
+            room = min(room, self.draft_chunk - 1 - int(table.lengths[batch.rows[i].slot]) % self.draft_chunk)
         return room
 
     def budget_drafts(self, batch: DecodeBatch, drafts: list[list[int]]) -> list[list[int]] | None:
@@ -928,7 +910,7 @@ class BatchScheduler:
                 ready = False
             drafts.append(row.drafts.propose(row.prompt, row.result.token_ids, room) if ready else [])
         if asks:  # the draft model's, for every asking row at once
-            rows = [(batch.rows[i].slot, batch.rows[i].prompt + batch.rows[i].result.token_ids, n) for i, n in asks]
+            rows = [(batch.rows[i].slot, batch.rows[i].prompt, batch.rows[i].result.token_ids, n) for i, n in asks]
             for (i, _), draft in zip(asks, self.draft_model.propose(rows, pad_id=0)):
                 drafts[i] = draft
         return drafts if any(drafts) else None
@@ -1087,6 +1069,21 @@ class BatchScheduler:
         if self._mask_buffer is None:
             self._mask_buffer = MaskBuffer(request.constraints, self.max_rows)
         return self._mask_buffer
+
+    def drop_ended(
+        self, batch: DecodeBatch, ended: list[Row], sampler: GroupedRowsSampler, last_draw: int
+    ) -> list[Row]:
+        """The rows of `ended` leave the decode batch (keep)."""
+        if not ended or not len(batch):
+            return []
+        return self.keep(batch, ~np.isin(batch.indices, [row.index for row in ended]), sampler, last_draw)
+
+    def end_prefills(self, done: list[Row], prefilling: deque) -> None:
+        """Rows whose prompts are prefilled: out of the queue, their shared prefixes' waits over."""
+        for row in done:
+            prefilling.remove(row)
+            if self.reuse is not None:
+                self.reuse.finish_prefill(row)
 
     def keep(self, batch: DecodeBatch, mask: np.ndarray, sampler: GroupedRowsSampler, last_draw: int) -> list[Row]:
         """Only the rows where `mask` holds go on decoding; returns the others, which took part

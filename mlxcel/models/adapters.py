@@ -106,8 +106,10 @@ class AdapterControl:
 class AdaptedMixin:
     """A Linear (dense or quantized) plus its adapters (`adapters`, not a parameter: the model's
     parameters stay the checkpoint's, and quantizing leaves the adapters in their dtype). Each token's
-    product is gathered by its adapter (mx.gather_mm): on the CPU 2-4x faster than computing every
-    adapter's and masking (2-4 adapters, rank 16, 2048 wide)."""
+    product is gathered by its adapter (mx.gather_mm, as vLLM's multi-LoRA kernels). On the 2-core
+    CPU (OpenBLAS, rank 16, 2048 wide) it is not faster than computing every adapter's product and
+    masking the columns: 8 tokens 0.12 vs 0.10 ms (2 adapters), 0.08 vs 0.19 (4); 512 tokens 3.3 vs
+    1.3 ms (2), 3.3 vs 2.3 (4). Which form a GPU prefers is for the H200 run (issue 44 item 6)."""
 
     adapters: LayerAdapters
 

@@ -24,7 +24,6 @@ import uuid
 from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-PARSERS = ("hermes", "mistral", "llama3_json")
 
 
 @dataclass
@@ -116,6 +115,7 @@ class OutputParser:
         self.thinking: list[str] = []
         self.calls: list[ToolCall] = []
         self.after_think = False  # the newlines templates put after </think> are not content
+        self.mark = ""  # the mark that opened the call being read (it is the text again if the call is bad)
 
     # ---- feeding ----
     def feed(self, text: str) -> list[Delta]:

@@ -183,7 +183,7 @@ class TemplateConfig(Group):
     special_tokens_in_content: Literal["text", "special"] = "text"
     # how tool calls in answers are read (mlxcel/tools/parsers.py): auto (from the chat template),
     # hermes (<tool_call> JSON), mistral ([TOOL_CALLS]), llama3_json, none
-    tool_parser: Literal["auto", "hermes", "mistral", "llama3_json", "none"] = "auto"
+    tool_parser: Literal["auto", "hermes", "mistral", "llama3_json", "harmony", "none"] = "auto"
     # the thinking switch of templates that take one (Qwen 3, SmolLM3): passed as enable_thinking; null: theirs
     enable_thinking: Bool | None = None
 

@@ -47,7 +47,7 @@ from mlxcel.tokenizer import DeferredTextStream, TextStream, load_tokenizer
 from mlxcel.tokenizer.base import MlxcelTokenizer
 from mlxcel.tokenizer.literal import encode_text, escape_spans
 from mlxcel.tools.grammar import make_call_grammar
-from mlxcel.tools.parsers import choose_tool_parser, uses_reasoning
+from mlxcel.tools.parsers import choose_tool_parser, reasoning_format
 from mlxcel.vision.stage import (
     ImageInputs,
     check_images_allowed,
@@ -257,7 +257,7 @@ class Pipeline:
         # transformers picks it), and answers are read for tool calls and <think> reasoning
         self.tool_template_source = find_template(cfg, tokenizer, require_template, tools=[]) or self.template_source
         self.tool_parser = choose_tool_parser(cfg.template.tool_parser, self.tool_template_source)
-        self.reasoning = uses_reasoning(self.template_source)
+        self.reasoning = reasoning_format(self.template_source)  # think, harmony or None
 
     @classmethod
     def load(
@@ -376,7 +376,10 @@ class Pipeline:
                 return (self.tool_parser if choice == "auto" else None), row.constraint
             if row.constraint is not None:
                 raise ApiError(400, "a constraint cannot be used with tool_choice required or a named function")
-            return self.tool_parser, make_call_grammar(self.tool_parser, tools, choice, row.parallel_tool_calls)
+            grammar = make_call_grammar(
+                self.tool_parser, tools, choice, row.parallel_tool_calls, self.tokenizer.special_tokens
+            )
+            return self.tool_parser, grammar
         except ApiError as exc:
             raise MlxcelError(f"{exc.param}: {exc.message}" if exc.param else exc.message) from None
 

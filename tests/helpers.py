@@ -91,13 +91,21 @@ def write_tiny_tokenizer(
     return len(wrapped)
 
 
-def make_tiny_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Random-weight fp32 checkpoint + tokenizer + generation_config in `folder`."""
+def make_tiny_checkpoint(
+    folder: Path,
+    family: str = "llama",
+    seed: int = 0,
+    specials: list[str] = SPECIALS,
+    eos: list[int] = (2,),
+    **overrides,
+) -> Path:
+    """Random-weight fp32 checkpoint + tokenizer (`specials` its first ids) + generation_config
+    (`eos` its end ids) in `folder`."""
     import torch
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tiny_tokenizer(folder)
+    vocab = write_tiny_tokenizer(folder, specials)
     torch.manual_seed(seed)
     shape = {**TINY_SHAPES[family], "vocab_size": vocab, **overrides}
     if family == "llama":
@@ -114,7 +122,7 @@ def make_tiny_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **o
                 p.normal_(0.0, 0.2)
     model.eval()
     model.save_pretrained(folder)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "temperature": 0.7}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos), "temperature": 0.7}))
     return folder
 
 

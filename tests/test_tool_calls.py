@@ -5,6 +5,7 @@ Qwen2.5's real chat template; streamed calls arrive as OpenAI streams them; bad 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -48,8 +49,41 @@ def server(tmp_path_factory):
         yield server
 
 
+# the marks that are special tokens: gpt-oss's harmony (<|call|> and <|return|> end a turn) and
+# Mistral v3's [TOOL_CALLS], as specials of the tiny tokenizer, each with its template
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SPECIAL_SYNTAXES = {
+    "harmony": (
+        [*CHATML_SPECIALS, "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"]
+        + ["<|constrain|>"],
+        ("<|im_end|>", "<|call|>", "<|return|>"),
+        "harmony.jinja",
+    ),
+    "mistral": (
+        [*CHATML_SPECIALS, "<s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]
+        + ["[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
+        ("<|im_end|>",),
+        "mistral_v3.jinja",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(SPECIAL_SYNTAXES))
+def special_server(request, tmp_path_factory):
+    from tests.helpers import make_tiny_checkpoint
+
+    specials, ends, template = SPECIAL_SYNTAXES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    eos = [specials.index(t) for t in ends]
+    folder = make_tiny_checkpoint(root / "llama", "llama", specials=specials, eos=eos, max_position_embeddings=4096)
+    overrides = (f"model.path={folder}", f"template.file={TEMPLATES / template}", "serve.model_name=m")
+    with running_server(root / "run", *overrides, "decode.max_tokens=120") as server:
+        server.syntax = request.param
+        yield server
+
+
 def check_call(call, tool: dict) -> dict:
-    assert call.type == "function" and call.id.startswith("call_")
+    assert call.type == "function" and (call.id.startswith("call_") or re.fullmatch("[0-9a-f]{9}", call.id))
     assert call.function.name == tool["function"]["name"]
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, tool["function"]["parameters"])
@@ -78,6 +112,41 @@ def test_a_two_turn_tool_loop_with_the_openai_client(server):
     answer = second.choices[0]
     assert answer.message.tool_calls is None and isinstance(answer.message.content, str) and answer.message.content
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20  # (the call and its result are in the prompt)
+
+
+def test_a_tool_loop_in_special_token_syntaxes(special_server):
+    """gpt-oss's harmony (a commentary message to functions.get_weather) and Mistral's [TOOL_CALLS]:
+    the forced call's marks are special tokens, matched as tokens; read back into tool_calls; the
+    result goes back as the template renders it (Mistral's takes only 9-character ids); streamed,
+    the call arrives whole."""
+    client = openai.OpenAI(base_url=special_server.url, api_key="none")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=named, temperature=0
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    arguments = check_call(call, WEATHER)
+    history = [
+        *QUESTION,
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, **arguments})},
+    ]
+    second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME], tool_choice="none")
+    answer = second.choices[0]
+    assert answer.message.tool_calls is None and isinstance(answer.message.content, str)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
+    tools = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False}
+    for seed in range(3):  # required, sampled: one call of either tool, arguments valid
+        forced = client.chat.completions.create(model="m", messages=QUESTION, **tools, temperature=1.0, seed=seed)
+        [call] = forced.choices[0].message.tool_calls
+        check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+    stream = client.chat.completions.create(
+        model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=named, stream=True, temperature=0
+    )
+    parts = [part for chunk in stream for part in chunk.choices[0].delta.tool_calls or []]
+    assert [(p.function.name, json.loads(p.function.arguments)) for p in parts] == [("get_weather", arguments)]
 
 
 def test_required_calls_validate_and_stream_as_openai_streams_them(server):
@@ -186,6 +255,28 @@ def test_job_rows_take_tools_and_write_their_calls(tmp_path):
     assert got["bad"]["finish_reason"] == "error" and "tool_choice names no tool" in got["bad"]["error"]
 
 
+def test_harmony_job_rows_write_calls_and_read_channels(tmp_path):
+    """A gpt-oss-style job: a forced row's call in tool_calls; without tools the answer is still read
+    by harmony's channels (a model that writes none: its text is the content)."""
+    from mlxcel.runner import run
+    from tests.helpers import make_tiny_checkpoint, read_rows, write_rows
+    from tests.test_hybrid_paths import job_config
+
+    specials, ends, template = SPECIAL_SYNTAXES["harmony"]
+    eos = [specials.index(t) for t in ends]
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama", specials=specials, eos=eos, max_position_embeddings=4096)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    rows = [{"id": "forced", "messages": QUESTION, "tools": [WEATHER], "tool_choice": named}]
+    rows.append({"id": "plain", "messages": QUESTION})
+    settings = (f"template.file={TEMPLATES / template}", "decode.max_tokens=120")
+    run(job_config(str(folder), write_rows(tmp_path / "rows.jsonl", rows), *settings), tmp_path / "run", None, None)
+    got = {row["id"]: row for row in read_rows(tmp_path / "run")}
+    [call] = got["forced"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert got["forced"]["text"].startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json")
+    assert got["plain"]["content"] == got["plain"]["text"] and "tool_calls" not in got["plain"]
+
+
 def test_the_python_api_takes_tools(tmp_path):
     from mlxcel import load_generator
     from tests.helpers import make_tiny_checkpoint
@@ -219,7 +310,7 @@ def test_enable_thinking_reaches_the_template_and_rows_report_reasoning(tmp_path
         pipeline = Pipeline.load(cfg, load_weights=False)
         prepared = pipeline.prepare_one(Sample(JobRow(1, [{"role": "user", "content": "hi"}])))
         texts[switch] = prepared.prompt.text
-        assert prepared.reader == (None, True, False)  # (no tools; the template thinks)
+        assert prepared.reader == (None, "think", False)  # (no tools; the template thinks in <think>)
     assert texts[False].endswith("<think>\n\n</think>\n") and not texts[True].endswith("</think>\n")
     parsed = parse_output("<think>Short.</think>\nHello.", *prepared.reader)
     assert (parsed.reasoning, parsed.content) == ("Short.", "Hello.")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mlxcel.tools.parsers import OutputParser, choose_tool_parser, parse_output
+from mlxcel.tools.parsers import choose_tool_parser, make_output_parser, parse_output, reasoning_format
 
 WEATHER = {"location": "Paris", "unit": "celsius"}
 CASES = [
@@ -91,6 +91,60 @@ CASES = [
         [],
     ),
     (None, False, False, "<think>Not read.</think>", "<think>Not read.</think>", None, []),
+    # gpt-oss's harmony messages (its prompt ends in `<|start|>assistant`; <|call|> and <|return|>
+    # are stop tokens, so the text ends where they would be)
+    (
+        "harmony",
+        "harmony",
+        False,
+        "<|channel|>analysis<|message|>The user wants the weather in Paris.<|end|><|start|>assistant"
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"location":"Paris","unit":'
+        '"celsius"}',
+        "",
+        "The user wants the weather in Paris.",
+        [("get_weather", WEATHER)],
+    ),
+    (  # the recipient in the role part, as the chat template renders earlier calls
+        "harmony",
+        "harmony",
+        False,
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"location": "Paris", "unit": "celsius"}'
+        "<|call|>",
+        "",
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "harmony",
+        "harmony",
+        False,
+        "<|channel|>analysis<|message|>Just greet.<|end|><|start|>assistant<|channel|>final<|message|>Hello! "
+        "2 < 3 and <|end is text.",
+        "Hello! 2 < 3 and <|end is text.",
+        "Just greet.",
+        [],
+    ),
+    (  # a preamble before the call (commentary without a recipient) is content
+        "harmony",
+        "harmony",
+        False,
+        "<|channel|>commentary<|message|>Checking the weather.<|end|><|start|>assistant<|channel|>commentary "
+        "to=functions.get_time <|constrain|>json<|message|>{}<|call|>",
+        "Checking the weather.",
+        None,
+        [("get_time", {})],
+    ),
+    (  # tool_choice none: harmony's channels still read, a call stays text
+        None,
+        "harmony",
+        False,
+        "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>commentary to=functions.f"
+        '<|message|>{"a": 1}',
+        '<|start|>assistant<|channel|>commentary to=functions.f<|message|>{"a": 1}',
+        "Hmm.",
+        [],
+    ),
+    ("harmony", "harmony", False, "Plain text, no channels.", "Plain text, no channels.", None, []),
 ]
 MALFORMED = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"location": }\n</tool_call>'),
@@ -98,6 +152,14 @@ MALFORMED = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}'),  # cut off by max_tokens
     ("mistral", "[TOOL_CALLS]not json"),
     ("llama3_json", '{"name": "f", "parameters": [1, 2]}'),
+]
+HARMONY_MALFORMED = [  # (the answer, the content it leaves)
+    (
+        '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": ',
+        '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": ',
+    ),
+    ("<|channel|>commentary to=browser.search<|message|>{}", "<|channel|>commentary to=browser.search<|message|>{}"),
+    ("<|channel|>final<|message|>Cut here<|en", "Cut here<|en"),
 ]
 
 
@@ -107,7 +169,7 @@ def describe(parsed):
 
 
 def stream(text, syntax, reasoning, in_reasoning, cuts):
-    parser = OutputParser(syntax, reasoning, in_reasoning)
+    parser = make_output_parser(syntax, reasoning, in_reasoning)
     deltas, start = [], 0
     for cut in [*cuts, len(text)]:
         deltas += parser.feed(text[start:cut])
@@ -138,11 +200,21 @@ def test_a_malformed_call_is_text(syntax, text):
         assert stream(text, syntax, False, False, [cut])[0].content == text
 
 
+@pytest.mark.parametrize("text, content", HARMONY_MALFORMED)
+def test_a_harmony_call_that_cannot_be_read_is_text(text, content):
+    for cut in range(len(text) + 1):
+        parsed = stream(text, "harmony", "harmony", False, [cut])[0]
+        assert parsed.tool_calls == [] and parsed.content == content, cut
+
+
 def test_the_parser_follows_the_template():
     assert choose_tool_parser("auto", "{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert choose_tool_parser("auto", "[AVAILABLE_TOOLS] [TOOL_CALLS]") == "mistral"
     assert choose_tool_parser("auto", "<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"
     assert choose_tool_parser("auto", "{{ messages }}") is None
+    harmony = "<|start|>assistant to=functions.{{ name }}<|channel|>commentary json<|message|>"
+    assert choose_tool_parser("auto", harmony) == "harmony" and reasoning_format(harmony) == "harmony"
+    assert reasoning_format("<think>{{ x }}</think>") == "think" and reasoning_format("{{ x }}") is None
     assert (
         choose_tool_parser("mistral", "<tool_call>") == "mistral" and choose_tool_parser("none", "<tool_call>") is None
     )

@@ -41,7 +41,7 @@ from mlxcel.openai_protocol import (
 from mlxcel.serve.engine import Job, ServeEngine, describe_exception
 from mlxcel.serve.records import ServeRecords
 from mlxcel.tools.grammar import make_call_grammar
-from mlxcel.tools.parsers import OutputParser, parse_output
+from mlxcel.tools.parsers import make_output_parser, parse_output
 
 
 class ServeApp:
@@ -70,7 +70,7 @@ class ServeApp:
         pipeline = engine.pipeline
         source = pipeline.tool_template_source if pipeline is not None else None  # (prompts with tools)
         self.tool_parser = pipeline.tool_parser if pipeline is not None else None
-        self.reasoning = pipeline.reasoning if pipeline is not None else False
+        self.reasoning = pipeline.reasoning if pipeline is not None else None
         self.renders_tools = source is not None and "tools" in source
 
     # ---- plumbing ----
@@ -183,7 +183,7 @@ class ServeApp:
                 adapter=adapter,
                 tools=tools,  # (rendered with tool_choice none too, as vLLM does: the model just calls none)
                 tool_parser=self.tool_parser if choice != "none" else None,
-                reasoning=self.reasoning and endpoint == "chat",
+                reasoning=self.reasoning if endpoint == "chat" else None,
             )
             self.engine.submit(job)
         except ApiError as error:
@@ -229,7 +229,8 @@ class ServeApp:
         if spec is not None:
             message = "response_format cannot be used with tool_choice required or a named function"
             raise ApiError(400, message, "tool_choice")
-        return make_call_grammar(self.tool_parser, tools, choice, parsed.parallel_tool_calls)
+        specials = self.engine.pipeline.tokenizer.special_tokens
+        return make_call_grammar(self.tool_parser, tools, choice, parsed.parallel_tool_calls, specials)
 
     async def compile_constraint(self, spec: dict | None, endpoint: str):
         """The request's spec compiled, on a worker thread: a large schema or grammar takes ~0.1 s,
@@ -407,7 +408,7 @@ class ServeApp:
             # chat answers read for tool calls and reasoning: each choice's text through its parser
             readers = (
                 {
-                    i: OutputParser(job.tool_parser, job.reasoning, job.opens_reasoning.get(i, False))
+                    i: make_output_parser(job.tool_parser, job.reasoning, job.opens_reasoning.get(i, False))
                     for i in range(job.row_count)
                 }
                 if chat and (job.tool_parser is not None or job.reasoning)

@@ -64,9 +64,9 @@ class Job:
     adapter: int = -1  # the model's adapter the request's `model` names (model.adapters); -1: the base
     tools: list[dict] | None = None  # chat: the request's tools, rendered by the model's template
     # chat: how answers are read (tools/parsers.py): the tool syntax (None: calls stay text), and
-    # whether the template thinks in <think>; per prompt, whether its rendering opened <think>
+    # how the template thinks (<think> blocks or harmony's channels); per prompt, whether its rendering opened <think>
     tool_parser: str | None = None
-    reasoning: bool = False
+    reasoning: str | None = None  # the template's thinking format (tools/parsers.py: reasoning_format)
     opens_reasoning: dict[int, bool] = field(default_factory=dict)
 
     @property

@@ -7,9 +7,12 @@ Syntaxes (`template.tool_parser`, auto: from the chat template):
 - mistral: `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (v3 tokenizers), or
   `[TOOL_CALLS]name[ARGS]{...}` a call (v11 and later);
 - llama3_json: the answer is a JSON object {"name": ..., "parameters": {...}} (or several joined
-  by ';'), after an optional `<|python_tag|>` (Llama 3.1-3.3).
+  by ';'), after an optional `<|python_tag|>` (Llama 3.1-3.3);
+- harmony: gpt-oss's messages, `<|channel|>analysis<|message|>...<|end|><|start|>assistant` then
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}` (a call) or
+  `<|channel|>final<|message|>...` (the answer); HarmonyParser.
 Reasoning: `<think>...</think>` (Qwen 3, DeepSeek R1, SmolLM3); an answer whose prompt ended inside
-`<think>` starts in it.
+`<think>` starts in it; harmony's analysis channel.
 
 `OutputParser` takes the text as it streams and gives deltas: content, reasoning, and whole tool
 calls once their closing mark (or the end) is read. Text that may still become a mark is held back
@@ -20,10 +23,14 @@ never as a broken tool_calls entry.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+# a message's body ends at <|end|>; <|call|> and <|return|> are stop tokens (not in the text) but end it too
+HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 
 
 @dataclass
@@ -56,6 +63,8 @@ def choose_tool_parser(setting: str, template_source: str | None) -> str | None:
     if setting != "auto":
         return None if setting == "none" else setting
     source = template_source or ""
+    if HARMONY_CHANNEL in source:  # (gpt-oss's template also names <tool_call>-free functions)
+        return "harmony"
     if "<tool_call>" in source:
         return "hermes"
     if "[TOOL_CALLS]" in source:
@@ -66,7 +75,15 @@ def choose_tool_parser(setting: str, template_source: str | None) -> str | None:
 
 
 def uses_reasoning(template_source: str | None) -> bool:
-    return THINK_CLOSE in (template_source or "")
+    return reasoning_format(template_source) is not None
+
+
+def reasoning_format(template_source: str | None) -> str | None:
+    """How the template's model thinks: "harmony" (an analysis channel), "think" (<think> blocks) or None."""
+    source = template_source or ""
+    if HARMONY_CHANNEL in source:
+        return "harmony"
+    return "think" if THINK_CLOSE in source else None
 
 
 def read_call(data) -> ToolCall | None:
@@ -237,6 +254,9 @@ class OutputParser:
     def emit_calls(self, calls: list[ToolCall | None], raw: str) -> list[Delta]:
         if not calls or any(c is None for c in calls):
             return self.emit("content", raw)  # a malformed call stays the text it was
+        if self.syntax == "mistral":  # (Mistral's templates refuse any id but 9 letters and digits)
+            for call in calls:
+                call.id = uuid.uuid4().hex[:9]
         self.calls += calls
         self.started = True
         return [Delta("tool_call", call=c) for c in calls]
@@ -268,9 +288,147 @@ def read_llama_calls(body: str) -> list[ToolCall | None]:
     return [read_call(parse_json(part.strip())) for part in text.split(";") if part.strip()] or [None]
 
 
-def parse_output(text: str, tool_parser: str | None, reasoning: bool = False, in_reasoning: bool = False):
+def make_output_parser(tool_parser: str | None, reasoning: bool | str | None = False, in_reasoning: bool = False):
+    """The reader of one answer: harmony's (the template's format, whether or not calls are read),
+    else OutputParser for the call syntax and <think> reasoning."""
+    if tool_parser == "harmony" or reasoning == "harmony":
+        return HarmonyParser(reads_calls=tool_parser == "harmony")
+    return OutputParser(tool_parser, bool(reasoning), in_reasoning)
+
+
+def parse_output(text: str, tool_parser: str | None, reasoning: bool | str | None = False, in_reasoning: bool = False):
     """A whole answer at once."""
-    parser = OutputParser(tool_parser, reasoning, in_reasoning)
+    parser = make_output_parser(tool_parser, reasoning, in_reasoning)
     parser.feed(text)
     parser.finish()
     return parser.result()
+
+
+class HarmonyParser:
+    """gpt-oss's harmony format, piece by piece: a sequence of messages, each a header (`assistant`
+    after `<|start|>`, `<|channel|>` and its name, a ` to=` recipient, a content type) up to
+    `<|message|>`, then a body up to `<|end|>` (or the end of the answer: `<|call|>` and `<|return|>`
+    are stop tokens). The analysis channel is reasoning; final and recipient-less commentary (the
+    preambles) are content; commentary to `functions.NAME` is a call, read when its body ends. An
+    answer that does not open with a header is content as it is; a call that cannot be read (bad
+    JSON, calls not asked for, a built-in tool) is content as the text it was."""
+
+    def __init__(self, reads_calls: bool = True):
+        self.reads_calls = reads_calls
+        self.buffer = ""
+        self.mode = "header"  # header, body, between (after a body's end), plain (not harmony at all)
+        self.first = True  # the answer's first header (its prompt ended in `<|start|>assistant`)
+        self.header = ""  # the message's header as written (with its <|start|>, after the first)
+        self.channel: str | None = None
+        self.recipient: str | None = None
+        self.arguments: list[str] = []  # a call's body so far
+        self.content: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[Delta]:
+        self.buffer += text
+        out: list[Delta] = []
+        while (step := self.step(final=False)) is not None:
+            out += step
+        return out
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        while (step := self.step(final=True)) is not None:
+            out += step
+        if self.mode == "body":  # cut inside a body (length): what it holds so far ends it
+            out += self.end_message()
+        return out
+
+    def result(self) -> ParsedOutput:
+        reasoning = "".join(self.thinking) if self.thinking else None
+        return ParsedOutput("".join(self.content), reasoning, list(self.calls))
+
+    def step(self, final: bool) -> list[Delta] | None:
+        if not self.buffer:
+            return None
+        if self.mode == "plain":
+            text, self.buffer = self.buffer, ""
+            return self.emit("content", text)
+        if self.mode == "header":
+            return self.read_header(final)
+        if self.mode == "between":
+            return self.read_between(final)
+        return self.read_body(final)
+
+    def read_header(self, final: bool) -> list[Delta] | None:
+        at = self.buffer.find(HARMONY_MESSAGE)
+        if self.first and not starts_header(self.buffer, final and at < 0):
+            self.mode = "plain"  # a model that does not write harmony: its text is the answer
+            return []
+        if at < 0:
+            if final:  # cut inside a header: no message began, nothing to show
+                self.buffer = ""
+            return None
+        header, self.buffer = self.buffer[:at], self.buffer[at + len(HARMONY_MESSAGE) :]
+        self.header = header if self.first else HARMONY_START + header
+        self.first, self.mode = False, "body"
+        channel = re.search(r"<\|channel\|>\s*([\w-]+)", self.header)
+        recipient = re.search(r"\bto=([^\s<]+)", self.header)
+        self.channel = channel.group(1) if channel else None
+        self.recipient = recipient.group(1) if recipient else None
+        return []
+
+    def read_body(self, final: bool) -> list[Delta] | None:
+        found = [(self.buffer.find(mark), mark) for mark in HARMONY_ENDS if mark in self.buffer]
+        if found:
+            at, mark = min(found)
+            text, self.buffer = self.buffer[:at], self.buffer[at + len(mark) :]
+            return self.body_text(text) + self.end_message()
+        keep = 0 if final else held_back(self.buffer, HARMONY_ENDS)
+        text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+        return self.body_text(text) if text else None
+
+    def read_between(self, final: bool) -> list[Delta] | None:
+        """After a body's end: the next message's `<|start|>` (text outside any message is content)."""
+        at = self.buffer.find(HARMONY_START)
+        if at >= 0:
+            text, self.buffer = self.buffer[:at], self.buffer[at + len(HARMONY_START) :]
+            self.mode = "header"
+            return self.emit("content", text) if text.strip() else []
+        keep = 0 if final else held_back(self.buffer, (HARMONY_START,))
+        text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+        if not text:
+            return None
+        return self.emit("content", text) if text.strip() else []
+
+    def body_text(self, text: str) -> list[Delta]:
+        if self.recipient is not None:
+            self.arguments.append(text)
+            return []
+        return self.emit("reasoning" if self.channel == "analysis" else "content", text)
+
+    def end_message(self) -> list[Delta]:
+        self.mode = "between"
+        if self.recipient is None:
+            return []
+        body, self.arguments = "".join(self.arguments), []
+        name = self.recipient.removeprefix("functions.")
+        call = None
+        if self.reads_calls and self.recipient.startswith("functions.") and name:
+            call = read_call({"name": name, "arguments": parse_json(body.strip())})
+        if call is None:  # the text it was
+            return self.emit("content", f"{self.header}{HARMONY_MESSAGE}{body}")
+        self.calls.append(call)
+        return [Delta("tool_call", call=call)]
+
+    def emit(self, kind: str, text: str) -> list[Delta]:
+        if not text:
+            return []
+        (self.thinking if kind == "reasoning" else self.content).append(text)
+        return [Delta(kind, text)]
+
+
+def starts_header(text: str, whole: bool) -> bool:
+    """Whether an answer's text opens with a harmony header (or may still: a prefix of one)."""
+    stripped = text.lstrip()
+    for opening in (HARMONY_CHANNEL, " to=", HARMONY_START):
+        if stripped.startswith(opening.strip()) or (not whole and opening.strip().startswith(stripped)):
+            return True
+    return False

@@ -146,7 +146,9 @@ def test_a_tool_loop_in_special_token_syntaxes(special_server):
         model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=named, stream=True, temperature=0
     )
     parts = [part for chunk in stream for part in chunk.choices[0].delta.tool_calls or []]
-    assert [(p.function.name, json.loads(p.function.arguments)) for p in parts] == [("get_weather", arguments)]
+    assert parts[0].id and parts[0].function.name == "get_weather" and len(parts) > 2
+    assert {p.index for p in parts} == {0} and all(p.id is None and p.function.name is None for p in parts[1:])
+    assert json.loads("".join(p.function.arguments for p in parts)) == arguments  # (streamed as written)
 
 
 def test_required_calls_validate_and_stream_as_openai_streams_them(server):
@@ -166,16 +168,17 @@ def test_required_calls_validate_and_stream_as_openai_streams_them(server):
     forced = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "seed": 1}
     whole = client.chat.completions.create(model="m", messages=QUESTION, **forced)
     stream = client.chat.completions.create(model="m", messages=QUESTION, stream=True, **forced)
-    calls, finish = {}, None
+    calls, finish, arguments_deltas = {}, None, 0
     for chunk in stream:
         delta = chunk.choices[0].delta
         for part in delta.tool_calls or []:
+            arguments_deltas += bool(part.function.arguments)
             entry = calls.setdefault(part.index, {"id": part.id, "name": "", "arguments": ""})
             entry["name"] += part.function.name or ""
             entry["arguments"] += part.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     expected = whole.choices[0].message.tool_calls
-    assert finish == "tool_calls"
+    assert finish == "tool_calls" and arguments_deltas > len(calls)  # (the arguments arrive as written)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in expected
     ]

@@ -249,3 +249,73 @@ def test_the_published_templates_pick_their_families_syntax(template, syntax, th
 
     source = (Path(__file__).resolve().parent / "data" / "templates" / template).read_text()
     assert choose_tool_parser("auto", source) == syntax and uses_reasoning(source) is thinks
+
+
+TRICKY = {"location": 'Pa}ris {"x"]', "unit": "celsius"}  # (brackets and quotes inside a string)
+FORCED = [  # (syntax, reasoning, a forced answer, its calls)
+    (
+        "hermes",
+        False,
+        '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(TRICKY) + "}\n</tool_call>\n"
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        [("get_weather", TRICKY), ("get_time", {})],
+    ),
+    (
+        "llama3_json",
+        False,
+        '{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + "}",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "mistral",
+        False,
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(TRICKY) + ', "id": "abcdefghi"}, '
+        '{"name": "get_time", "arguments": {}}]',
+        [("get_weather", TRICKY), ("get_time", {})],
+    ),
+    (
+        "mistral",
+        False,
+        "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(WEATHER) + "[TOOL_CALLS]get_time[ARGS]{}",
+        [("get_weather", WEATHER), ("get_time", {})],
+    ),
+    (
+        "harmony",
+        "harmony",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + json.dumps(TRICKY),
+        [("get_weather", TRICKY)],
+    ),
+]
+
+
+def read_forced(deltas):
+    """The calls as an OpenAI client accumulates a stream: a start (name, id), argument pieces."""
+    calls, ended = [], []
+    for delta in deltas:
+        assert delta.kind != "tool_call"  # (a forced call is never sent whole)
+        if delta.kind == "call_start":
+            calls.append([delta.call.id, delta.call.name, ""])
+        elif delta.kind == "call_arguments":
+            calls[-1][2] += delta.text
+        elif delta.kind == "call_end":
+            ended.append(delta.call)
+    assert [c.id for c in ended] == [c[0] for c in calls]  # (the ids the client was given)
+    return [(name, json.loads(arguments)) for _, name, arguments in calls]
+
+
+@pytest.mark.parametrize("syntax, reasoning, text, calls", FORCED)
+def test_a_forced_calls_arguments_stream_as_they_are_written(syntax, reasoning, text, calls):
+    def run(cuts):
+        parser = make_output_parser(syntax, reasoning, False, forced=True)
+        deltas, start = [], 0
+        for cut in [*cuts, len(text)]:
+            deltas += parser.feed(text[start:cut])
+            start = cut
+        return parser, deltas + parser.finish()
+
+    for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        parser, deltas = run(cuts)
+        assert read_forced(deltas) == calls, cuts
+        assert describe(parser.result())[1:] == (None, calls)
+    _, deltas = run(list(range(1, len(text))))  # a character a piece: the arguments arrive in pieces
+    assert sum(d.kind == "call_arguments" for d in deltas) > len(calls)

@@ -183,6 +183,7 @@ class ServeApp:
                 adapter=adapter,
                 tools=tools,  # (rendered with tool_choice none too, as vLLM does: the model just calls none)
                 tool_parser=self.tool_parser if choice != "none" else None,
+                forced_call=choice not in ("none", "auto"),
                 reasoning=self.reasoning if endpoint == "chat" else None,
             )
             self.engine.submit(job)
@@ -408,7 +409,9 @@ class ServeApp:
             # chat answers read for tool calls and reasoning: each choice's text through its parser
             readers = (
                 {
-                    i: make_output_parser(job.tool_parser, job.reasoning, job.opens_reasoning.get(i, False))
+                    i: make_output_parser(
+                        job.tool_parser, job.reasoning, job.opens_reasoning.get(i, False), job.forced_call
+                    )
                     for i in range(job.row_count)
                 }
                 if chat and (job.tool_parser is not None or job.reasoning)
@@ -425,10 +428,14 @@ class ServeApp:
 
             def read_deltas(index: int, deltas: list, entries: list, out: list[str]) -> None:
                 for delta in deltas:
-                    if delta.kind == "tool_call":
+                    if delta.kind == "call_end":  # (a forced call, sent as it was written)
+                        continue
+                    if delta.kind in ("tool_call", "call_start"):
                         k = calls.get(index, 0)
                         calls[index] = k + 1
                         body = {"tool_calls": [delta.call.to_openai(k)]}
+                    elif delta.kind == "call_arguments":
+                        body = {"tool_calls": [{"index": calls[index] - 1, "function": {"arguments": delta.text}}]}
                     else:
                         body = {"content" if delta.kind == "content" else "reasoning_content": delta.text}
                     out.append(delta_chunk(index, body, entries))

@@ -68,6 +68,7 @@ class Job:
     tool_parser: str | None = None
     reasoning: str | None = None  # the template's thinking format (tools/parsers.py: reasoning_format)
     opens_reasoning: dict[int, bool] = field(default_factory=dict)
+    forced_call: bool = False  # tool_choice required or a named function: a call's arguments stream
 
     @property
     def row_count(self) -> int:

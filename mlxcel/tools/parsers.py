@@ -17,7 +17,9 @@ Reasoning: `<think>...</think>` (Qwen 3, DeepSeek R1, SmolLM3); an answer whose 
 `OutputParser` takes the text as it streams and gives deltas: content, reasoning, and whole tool
 calls once their closing mark (or the end) is read. Text that may still become a mark is held back
 until it cannot. A call that does not parse (bad JSON, no name) comes back as the text it was,
-never as a broken tool_calls entry.
+never as a broken tool_calls entry. A forced call (tool_choice required or a named function: the
+grammar makes it parse) streams as OpenAI streams calls instead: its name and id once the name is
+written (call_start), then its arguments as they are written (call_arguments), then call_end.
 """
 
 from __future__ import annotations
@@ -46,9 +48,92 @@ class ToolCall:
 
 @dataclass
 class Delta:
-    kind: str  # "content", "reasoning" or "tool_call"
+    # content, reasoning, tool_call (a whole call); a forced call's call_start (its name and id),
+    # call_arguments (a piece of its arguments' text) and call_end (the whole call, already sent)
+    kind: str
     text: str = ""
     call: ToolCall | None = None
+
+
+# a call object's opening, up to its arguments' value (the grammar writes "name" first), by syntax
+ARGUMENTS_OPENING = {
+    "hermes": re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:'),
+    "llama3_json": re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:'),
+    "mistral": re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:|([\w.-]+)\[ARGS\]'),
+}
+
+
+class ArgumentStream:
+    """A forced call's arguments as they are written: each call's opening found in the call's text
+    (several in one body: Mistral's), then its JSON value scanned to its end, bracket by bracket."""
+
+    def __init__(self, syntax: str):
+        self.opening = ARGUMENTS_OPENING[syntax]
+        self.syntax = syntax
+        self.pos = 0  # how far the body is read
+        self.in_value = False
+        self.depth, self.in_string, self.escaped, self.began = 0, False, False, False
+        self.started: list[ToolCall] = []
+
+    def read(self, body: str) -> list[Delta]:
+        out: list[Delta] = []
+        while self.pos < len(body):
+            if not self.in_value:
+                match = self.opening.search(body, self.pos)
+                if match is None:
+                    return out
+                name = match.group(1) if match.group(1) is not None else match.group(2)
+                call = ToolCall(json.loads(f'"{name}"') if match.group(1) is not None else name, "")
+                if self.syntax == "mistral":
+                    call.id = mistral_call_id()
+                self.started.append(call)
+                out.append(Delta("call_start", call=call))
+                self.pos, self.in_value = match.end(), True
+                self.depth, self.in_string, self.escaped, self.began = 0, False, False, False
+                continue
+            start, fresh = self.pos, not self.began
+            end = self.scan(body)
+            text = body[start:end].lstrip() if fresh else body[start:end]  # (not the space before the value)
+            if text:
+                out.append(Delta("call_arguments", text))
+            if self.in_value:
+                return out
+        return out
+
+    def scan(self, body: str) -> int:
+        """Advance over the value; where it ends (or the body does)."""
+        while self.pos < len(body):
+            char = body[self.pos]
+            self.pos += 1
+            if not self.began:
+                if char.isspace():
+                    continue
+                self.began = True
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 0:  # (a value that is a string)
+                        self.in_value = False
+                        return self.pos
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.in_value = False
+                    return self.pos
+        return self.pos
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates refuse any id but 9 letters and digits."""
+    return uuid.uuid4().hex[:9]
 
 
 @dataclass
@@ -122,8 +207,12 @@ def held_back(text: str, marks: tuple[str, ...]) -> int:
 class OutputParser:
     """One answer's text, piece by piece (feed), then finish(): deltas in order."""
 
-    def __init__(self, tool_parser: str | None, reasoning: bool = False, in_reasoning: bool = False):
+    def __init__(
+        self, tool_parser: str | None, reasoning: bool = False, in_reasoning: bool = False, forced: bool = False
+    ):
         self.syntax = tool_parser
+        self.forced = forced and tool_parser in ARGUMENTS_OPENING  # (stream its arguments: ArgumentStream)
+        self.arguments: ArgumentStream | None = None
         self.reasoning = reasoning
         self.mode = "reasoning" if reasoning and in_reasoning else "content"
         self.buffer = ""
@@ -220,19 +309,27 @@ class OutputParser:
 
     def read_call(self, final: bool) -> list[Delta] | None:
         """The text after a call's mark, once it is whole: hermes to </tool_call>; mistral and
-        llama3_json to the end of the answer (their calls end it)."""
+        llama3_json to the end of the answer (their calls end it). A forced call's arguments stream
+        as they are written."""
+        streamed = []
+        if self.forced and not final:
+            self.arguments = self.arguments or ArgumentStream(self.syntax)
+            body = self.buffer
+            if self.syntax == "hermes" and "</tool_call>" in body:
+                body = body[: body.find("</tool_call>")]
+            streamed = self.arguments.read(body)
         if self.syntax == "hermes":
             at = self.buffer.find("</tool_call>")
             if at < 0 and not final:
-                return None
+                return streamed or None
             body = self.buffer[:at] if at >= 0 else self.buffer
             self.buffer = self.buffer[at + len("</tool_call>") :] if at >= 0 else ""
             self.mode = "content"
             calls = [read_call(parse_json(body.strip()))]
             closing = "</tool_call>" if at >= 0 else ""
-            return self.emit_calls(calls, f"<tool_call>{body}{closing}")
+            return streamed + self.emit_calls(calls, f"<tool_call>{body}{closing}")
         if not final:
-            return None
+            return streamed or None
         body, self.buffer, self.mode = self.buffer, "", "content"
         if self.syntax == "mistral":
             return self.emit_calls(read_mistral_calls(body), f"[TOOL_CALLS]{body}")
@@ -252,13 +349,18 @@ class OutputParser:
         return [Delta(kind, text)]
 
     def emit_calls(self, calls: list[ToolCall | None], raw: str) -> list[Delta]:
+        started, self.arguments = (self.arguments.started if self.arguments else []), None
         if not calls or any(c is None for c in calls):
             return self.emit("content", raw)  # a malformed call stays the text it was
-        if self.syntax == "mistral":  # (Mistral's templates refuse any id but 9 letters and digits)
+        if self.syntax == "mistral":
             for call in calls:
-                call.id = uuid.uuid4().hex[:9]
+                call.id = mistral_call_id()
         self.calls += calls
         self.started = True
+        if started and len(started) == len(calls):  # (streamed: the ids the client has)
+            for call, sent in zip(calls, started):
+                call.id = sent.id
+            return [Delta("call_end", call=c) for c in calls]
         return [Delta("tool_call", call=c) for c in calls]
 
 
@@ -288,12 +390,15 @@ def read_llama_calls(body: str) -> list[ToolCall | None]:
     return [read_call(parse_json(part.strip())) for part in text.split(";") if part.strip()] or [None]
 
 
-def make_output_parser(tool_parser: str | None, reasoning: bool | str | None = False, in_reasoning: bool = False):
+def make_output_parser(
+    tool_parser: str | None, reasoning: bool | str | None = False, in_reasoning: bool = False, forced: bool = False
+):
     """The reader of one answer: harmony's (the template's format, whether or not calls are read),
-    else OutputParser for the call syntax and <think> reasoning."""
+    else OutputParser for the call syntax and <think> reasoning. `forced`: the answer is a
+    constrained call (its arguments stream)."""
     if tool_parser == "harmony" or reasoning == "harmony":
-        return HarmonyParser(reads_calls=tool_parser == "harmony")
-    return OutputParser(tool_parser, bool(reasoning), in_reasoning)
+        return HarmonyParser(reads_calls=tool_parser == "harmony", forced=forced)
+    return OutputParser(tool_parser, bool(reasoning), in_reasoning, forced)
 
 
 def parse_output(text: str, tool_parser: str | None, reasoning: bool | str | None = False, in_reasoning: bool = False):
@@ -313,8 +418,10 @@ class HarmonyParser:
     answer that does not open with a header is content as it is; a call that cannot be read (bad
     JSON, calls not asked for, a built-in tool) is content as the text it was."""
 
-    def __init__(self, reads_calls: bool = True):
+    def __init__(self, reads_calls: bool = True, forced: bool = False):
         self.reads_calls = reads_calls
+        self.forced = forced and reads_calls  # a constrained call: its arguments stream as written
+        self.sent: ToolCall | None = None  # the forced call whose start was sent
         self.buffer = ""
         self.mode = "header"  # header, body, between (after a body's end), plain (not harmony at all)
         self.first = True  # the answer's first header (its prompt ended in `<|start|>assistant`)
@@ -373,6 +480,10 @@ class HarmonyParser:
         recipient = re.search(r"\bto=([^\s<]+)", self.header)
         self.channel = channel.group(1) if channel else None
         self.recipient = recipient.group(1) if recipient else None
+        name = (self.recipient or "").removeprefix("functions.")
+        if self.forced and self.recipient and self.recipient.startswith("functions.") and name:
+            self.sent = ToolCall(name, "")
+            return [Delta("call_start", call=self.sent)]
         return []
 
     def read_body(self, final: bool) -> list[Delta] | None:
@@ -401,7 +512,7 @@ class HarmonyParser:
     def body_text(self, text: str) -> list[Delta]:
         if self.recipient is not None:
             self.arguments.append(text)
-            return []
+            return [Delta("call_arguments", text)] if self.sent is not None and text else []
         return self.emit("reasoning" if self.channel == "analysis" else "content", text)
 
     def end_message(self) -> list[Delta]:
@@ -413,9 +524,13 @@ class HarmonyParser:
         call = None
         if self.reads_calls and self.recipient.startswith("functions.") and name:
             call = read_call({"name": name, "arguments": parse_json(body.strip())})
+        sent, self.sent = self.sent, None
         if call is None:  # the text it was
             return self.emit("content", f"{self.header}{HARMONY_MESSAGE}{body}")
         self.calls.append(call)
+        if sent is not None:
+            call.id = sent.id
+            return [Delta("call_end", call=call)]
         return [Delta("tool_call", call=call)]
 
     def emit(self, kind: str, text: str) -> list[Delta]:

@@ -41,3 +41,15 @@ def test_a_part_past_its_time_is_cut_and_the_rest_still_run(tmp_path, monkeypatc
     first = suite.run_part("jobs", args, 1.0)
     second = suite.run_part("batch1", args, 1.0)
     assert first["status"] == second["status"] == "cut at 1 s" and first["seconds"] < 10
+
+
+def test_the_family_halves_run_one_bench_each(tmp_path):
+    """families runs both benches a shape; family-batch1 and family-jobs either half (a lease's call
+    holds one half of the four shapes)."""
+    args = suite.parse_args(["--out", str(tmp_path), "--family-shapes", "a,b"])
+    benches = {
+        part: [c[2] for c in suite.commands(part, args)] for part in ("families", "family-batch1", "family-jobs")
+    }
+    assert benches["families"] == ["mlxcel.bench"] * 2 + ["mlxcel.bench.jobs"] * 2
+    assert benches["family-batch1"] == ["mlxcel.bench"] * 2 and benches["family-jobs"] == ["mlxcel.bench.jobs"] * 2
+    assert [c[4] for c in suite.commands("family-jobs", args)] == ["a", "b"]

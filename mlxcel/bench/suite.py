@@ -13,7 +13,8 @@ loses only itself), then prints one table:
   prompt.file=rows.jsonl`, no runner.max_rows), the whole process, on the 1B shape and the job's rows;
 - structured: the constrained step's orders (`bench.structured --orders split,thread,after`);
 - families: batch 1 and the ragged job for the newer shapes (hybrids, gpt-oss, Gemma 4, DeepSeek),
-  not in the default set (a second call);
+  not in the default set (a second call; on an H100 the four batch-1 benches alone took 530 s, so
+  family-batch1 and family-jobs run either half);
 - draft: speculative decoding, `bench --draft ngram` and `--draft model` (SmolLM2's extraction prompt at
   batch 1 against plain decoding and mlx-lm, then 64 rows with and without), and adapters:
   `bench.adapters` (256 rows over 4 LoRA adapters against one merged, the 1B shape); a third call
@@ -41,6 +42,8 @@ SHARES = {
     "readme": 0.20,
     "structured": 0.20,
     "families": 1.0,
+    "family-batch1": 1.0,
+    "family-jobs": 1.0,
     "draft": 0.6,
     "adapters": 1.0,
 }
@@ -77,25 +80,19 @@ def commands(part: str, args: argparse.Namespace) -> list[list[str]]:
         return [[py, "-m", "mlxcel.bench", "--draft", method, "--reps", "3"] for method in ("ngram", "model")]
     if part == "adapters":
         return [[py, "-m", "mlxcel.bench.adapters", "--json", str(out / "adapters.json")]]
-    if part == "families":  # a command a shape and bench, so a cut keeps what ended before it
+    if part.startswith("famil"):  # a command a shape and bench, so a cut keeps what ended before it
         shapes = args.family_shapes.split(",")
         jobs = ["--rows", str(args.rows), "--max-rows", "256"]
-        return [
-            [py, "-m", "mlxcel.bench", "--models", shape, *batch1, "--json", str(out / f"families-batch1-{shape}.json")]
-            for shape in shapes
-        ] + [
-            [
-                py,
-                "-m",
-                "mlxcel.bench.jobs",
-                "--models",
-                shape,
-                *jobs,
-                "--json",
-                str(out / f"families-jobs-{shape}.json"),
-            ]
-            for shape in shapes
-        ]
+        benches = []
+        if part != "family-jobs":
+            for shape in shapes:
+                json_out = ["--json", str(out / f"families-batch1-{shape}.json")]
+                benches.append([py, "-m", "mlxcel.bench", "--models", shape, *batch1, *json_out])
+        if part != "family-batch1":
+            for shape in shapes:
+                json_out = ["--json", str(out / f"families-jobs-{shape}.json")]
+                benches.append([py, "-m", "mlxcel.bench.jobs", "--models", shape, *jobs, *json_out])
+        return benches
     return [readme_command(args)]
 
 
@@ -149,7 +146,7 @@ def run_part(part: str, args: argparse.Namespace, seconds: float) -> dict:
 def summarize(part: str, out: Path, seconds: float | None = None) -> list[tuple]:
     """(part, case, metric, mlxcel, mlx-lm, ratio) rows from a part's JSON (`seconds`: the part's wall time)."""
     rows = []
-    paths = sorted(out.glob("families-*.json")) if part == "families" else [out / f"{part}.json"]
+    paths = sorted(out.glob("families-*.json")) if part.startswith("famil") else [out / f"{part}.json"]
     for path in paths:
         if not path.exists():
             continue

@@ -148,7 +148,7 @@ def choose_tool_parser(setting: str, template_source: str | None) -> str | None:
     if setting != "auto":
         return None if setting == "none" else setting
     source = template_source or ""
-    if HARMONY_CHANNEL in source:  # (gpt-oss's template also names <tool_call>-free functions)
+    if HARMONY_CHANNEL in source:  # (harmony's channels are the whole answer's format)
         return "harmony"
     if "<tool_call>" in source:
         return "hermes"

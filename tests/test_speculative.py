@@ -513,3 +513,34 @@ def test_the_draft_pool_holds_no_more_positions_than_the_models_own(pair):
     request = GenerationRequest([], Sampler("greedy"), draft=NGRAM)
     scheduler.make_draft_pool([], request, open_feed=True, target_blocks=100)
     assert scheduler.draft_model.table.max_blocks == 100 + 64 * 2  # (4 drafted tokens: one block, and one more)
+
+
+def test_the_draft_models_pool_comes_out_of_the_kv_budget(pair, monkeypatch):
+    """runner.kv_budget_gb holds both pools: the model's blocks and the draft model's beside them
+    (each with its own bytes a block, the drafts' overhang included), and the tokens stay plain
+    decoding's."""
+    from mlxcel.engine import scheduler as scheduler_module
+    from mlxcel.engine.draft_model import DraftModel
+    from mlxcel.engine.scheduler import kv_bytes_per_position
+    from mlxcel.models.paged_cache import BLOCK_SIZE
+
+    target, other = pair["models"]["t"], pair["models"]["o"]
+    tables = []
+
+    class Recorded(scheduler_module.PageTable):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            tables.append(self)
+
+    monkeypatch.setattr(scheduler_module, "PageTable", Recorded)
+    block = {name: kv_bytes_per_position(m) * BLOCK_SIZE for name, m in (("t", target), ("o", other))}
+    budget = 12 * block["t"]  # (a pool of the model's alone would hold 12 blocks)
+    prompts = prompts_for(3)
+    plain, _ = run(target, prompts, kv_budget_bytes=budget)
+    drafted, state = run(
+        target, prompts, DRAFT_MODEL, kv_budget_bytes=budget, draft_model=DraftModel(other, target.args.vocab_size)
+    )
+    assert drafted == plain and state.draft_off is None
+    model_pool, draft_pool = tables[-2].max_blocks, tables[-1].max_blocks
+    assert model_pool * block["t"] + draft_pool * block["o"] <= budget
+    assert model_pool < 12 and draft_pool >= model_pool

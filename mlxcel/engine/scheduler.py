@@ -426,11 +426,19 @@ class BatchScheduler:
         # A row's fixed-size state (a hybrid's recurrent layers', sliding layers' rings) per row slot:
         # the slots' states come out of the budget first, for as many rows as fit with a block each.
         self.state_bytes = state_bytes_per_row(self.model) + ring_bytes_per_row(self.model, rings)
+        # a draft model's pool comes out of the same budget: a block of it beside each of the model's
+        # (its drafts' overhang per slot on top), its recurrent states beside each slot's
+        self.drafts_from_model = self.drafting and request.draft.method == "model"
+        draft_block, draft_state = self.draft_pool_bytes() if self.drafts_from_model else (0, 0)
         self.slots = self.max_rows
-        if self.state_bytes:
-            self.slots = max(1, min(self.max_rows, self.kv_budget_bytes // (self.state_bytes + self.per_block)))
+        if self.state_bytes or draft_state:
+            row_bytes = self.state_bytes + draft_state + self.per_block + draft_block
+            self.slots = max(1, min(self.max_rows, self.kv_budget_bytes // row_bytes))
         state.state_bytes = self.slots * self.state_bytes
-        blocks_budget = max(self.kv_budget_bytes - state.state_bytes, self.per_block)
+        overhang = (
+            self.slots * ((count_blocks(request.draft.tokens) + 1) * draft_block + draft_state) if draft_block else 0
+        )
+        blocks_budget = max(self.kv_budget_bytes - state.state_bytes - overhang, self.per_block)
         runnable = self.check_rows(rows, request, on_row_done)
         if feed is None:
             # The pool holds what the job can use at once: its max_rows largest reservations, within the budget.
@@ -438,7 +446,7 @@ class BatchScheduler:
         else:  # rows to come: room for max_rows rows of the whole context, within the budget
             sizes = [count_blocks(self.max_context + (request.tile_size or 0))] * self.slots
         per_block = self.per_block
-        num_blocks = max(1, min(sum(sizes[: self.slots]), blocks_budget // per_block))
+        num_blocks = max(1, min(sum(sizes[: self.slots]), blocks_budget // (per_block + draft_block)))
         most = num_blocks
         if feed is not None and not kernels[0]:  # plain pools start small, grow as rows arrive (PageTable.grow)
             num_blocks = min(num_blocks, count_blocks(OPEN_POOL_POSITIONS))
@@ -450,7 +458,6 @@ class BatchScheduler:
         )
         # rows keep a fixed-size state: pieces end where they share a prefix, so the prompt cache records it there
         self.hybrid = any(hasattr(c, "row_states") for c in caches)
-        self.drafts_from_model = self.drafting and request.draft.method == "model"
         if self.drafts_from_model:
             self.make_draft_pool(runnable, request, feed is not None, table.max_blocks)
         self.reuse = None
@@ -524,6 +531,11 @@ class BatchScheduler:
         windows, chunks = layer_windows(draft), layer_chunks(draft)
         caches = make_paged_caches(len(windows), table, windows, None, 64, recurrent_layers(draft), False, chunks)
         self.draft_model.start(table, caches)
+
+    def draft_pool_bytes(self) -> tuple[int, int]:
+        """(a block of the draft model's pool, a row's recurrent states in it) in bytes."""
+        draft = self.draft_model.model
+        return max(1, kv_bytes_per_position(draft) * BLOCK_SIZE), state_bytes_per_row(draft)
 
     def draft_positions(self, row: Row, request: GenerationRequest) -> int:
         """Positions a row's drafts may write in the draft model's pool."""

@@ -127,28 +127,27 @@ class ChatSession:
             self.say(f"error: {prepared.error}")
             return
         stream = self.pipeline.make_text_stream()
+        shown = AnswerView(self.out, prepared.reader)
         rows: list[dict] = []
 
         def on_token(row: int, token: int) -> bool:
-            piece = stream.add_token(token)
-            if piece:
-                self.out.write(piece)
-                self.out.flush()
+            shown.write(stream.add_token(token))
             return not (self.stopping or stream.stopped)
 
         def on_row_done(row: int, result) -> None:
-            tail = stream.finalize()
+            shown.write(stream.finalize())
             if stream.stopped:
                 result.finish_reason = "stop"
             elif self.stopping:
                 result.finish_reason = "cancelled"
-            self.out.write(tail + "\n")
-            self.out.flush()
+            shown.end()
             rows.append(make_generation_row(prepared, result, stream.text))
 
         state = self.pipeline.generate([prepared], on_token, on_row_done)
         row = rows[0]
-        self.messages.append({"role": "assistant", "content": row["text"]})
+        # the next turn renders the answer as the template expects it: without its reasoning
+        # (harmony's templates refuse channel marks in content)
+        self.messages.append({"role": "assistant", "content": row.get("content", row["text"])})
         self.turns += 1
         self.last = row
         self.outputs.append_generation(row)
@@ -176,6 +175,46 @@ class ChatSession:
 
     def say(self, message: str) -> None:
         print(message, file=self.log, flush=True)
+
+
+class AnswerView:
+    """An answer as the terminal shows it: its text as it streams, or, where the template thinks
+    (<think> blocks, harmony's channels), the reasoning after a "[thinking]" label and the answer
+    after "[answer]", without the format's marks."""
+
+    def __init__(self, out: TextIO, reader: tuple | None):
+        from mlxcel.tools.parsers import make_output_parser
+
+        self.out = out
+        self.parser = make_output_parser(*reader) if reader is not None else None
+        self.label = None  # the kind of text shown last
+
+    def write(self, piece: str) -> None:
+        if self.parser is None:
+            self.show(piece)
+        elif piece:
+            for delta in self.parser.feed(piece):
+                self.show_delta(delta)
+        self.out.flush()
+
+    def end(self) -> None:
+        if self.parser is not None:
+            for delta in self.parser.finish():
+                self.show_delta(delta)
+        self.show("\n")
+        self.out.flush()
+
+    def show_delta(self, delta) -> None:
+        if delta.kind == "reasoning" and self.label != "reasoning":
+            self.show("[thinking] ")
+        elif delta.kind == "content" and self.label == "reasoning":
+            self.show("\n[answer] ")
+        self.label = delta.kind
+        self.show(delta.text)
+
+    def show(self, text: str) -> None:
+        if text:
+            self.out.write(text)
 
 
 def read_line(prompt: str) -> str | None:

@@ -174,3 +174,29 @@ def test_the_closing_ttft_counts_the_model_not_the_user_typing(tmp_path, tiny_ll
     assert stats["turns"] == 2 and 0 < stats["ttft_ms"] < 3_600_000, stats["ttft_ms"]
     (shown,) = re.findall(r"^ttft (\d+) ms", log.getvalue(), re.MULTILINE)
     assert int(shown) < 3_600_000
+
+
+def test_a_thinking_answer_shows_its_parts_and_the_history_keeps_the_answer(tmp_path, monkeypatch, on_the_cpu):
+    """A harmony model (gpt-oss's format, its marks special tokens): the terminal shows the analysis
+    after [thinking] and the final message after [answer], no marks; the next turn's prompt holds
+    the answer alone (gpt-oss's templates refuse channel marks in content). The answer is forced by
+    a grammar, as the tiny model's weights are random."""
+    import io
+
+    from mlxcel.chat import chat
+    from tests.helpers import make_tiny_checkpoint
+    from tests.test_tool_calls import SPECIAL_SYNTAXES, TEMPLATES
+
+    specials, ends, template = SPECIAL_SYNTAXES["harmony"]
+    folder = make_tiny_checkpoint(tmp_path / "m", specials=specials, eos=[specials.index(t) for t in ends])
+    grammar = 'start: <|channel|> "analysis" <|message|> "Hmm." <|end|> '
+    grammar += '<|start|> "assistant" <|channel|> "final" <|message|> "Hello"'
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nAgain\n"), encoding="utf-8"))
+    out, log = io.StringIO(), io.StringIO()
+    args = [f"model.path={folder}", "model.dtype=float32", "runner.device=cpu", "decode.max_tokens=40"]
+    args += [f"template.file={TEMPLATES / template}", f"decode.constraint.grammar='{grammar}'"]
+    assert chat([*args, f"hydra.run.dir={tmp_path / 'chat'}"], out, log) == 0, log.getvalue()
+    assert out.getvalue().count("[thinking] Hmm.\n[answer] Hello\n") == 2, out.getvalue()
+    rows = [json.loads(line) for line in (tmp_path / "chat" / "generations.jsonl").read_text().splitlines()]
+    assert rows[0]["reasoning"] == "Hmm." and rows[0]["content"] == "Hello"
+    assert rows[1]["messages"][1] == {"role": "assistant", "content": "Hello"}

@@ -24,7 +24,7 @@ from mlx import nn
 
 from mlxcel.errors import MlxcelError
 from mlxcel.models import llama
-from mlxcel.models.base import read_rope_scaling, read_rope_theta
+from mlxcel.models.base import apply_linear, read_rope_scaling, read_rope_theta
 from mlxcel.models.rotating_cache import SlidingWindowLayers, read_layer_windows
 from mlxcel.models.switch import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, concatenate_switch_linears
 
@@ -173,7 +173,7 @@ class MLP(nn.Module):
         self.experts.fuse()
 
     def __call__(self, x: mx.array) -> mx.array:
-        logits = self.router(x)
+        logits = apply_linear(self.router, x)  # (one row: a gemv and an add, not a cuBLASLt call)
         indices = mx.argpartition(-logits, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
         weights = mx.softmax(mx.take_along_axis(logits, indices, axis=-1).astype(mx.float32), axis=-1)
         y = self.experts(x, indices)

@@ -98,32 +98,12 @@ def test_a_two_turn_tool_loop_with_the_openai_client(server):
         tools=[WEATHER, TIME],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    [call] = choice.message.tool_calls
-    arguments = check_call(call, WEATHER)
-    # the call goes back as the client sends it (arguments as JSON text), with the tool's answer
-    history = [
-        *QUESTION,
-        {"role": "assistant", "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, **arguments})},
-    ]
-    second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME], tool_choice="none")
-    answer = second.choices[0]
-    assert answer.message.tool_calls is None and isinstance(answer.message.content, str) and answer.message.content
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20  # (the call and its result are in the prompt)
+    answer_the_call(client, first)
 
 
-def test_a_tool_loop_in_special_token_syntaxes(special_server):
-    """gpt-oss's harmony (a commentary message to functions.get_weather) and Mistral's [TOOL_CALLS]:
-    the forced call's marks are special tokens, matched as tokens; read back into tool_calls; the
-    result goes back as the template renders it (Mistral's takes only 9-character ids); streamed,
-    the call arrives whole."""
-    client = openai.OpenAI(base_url=special_server.url, api_key="none")
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    first = client.chat.completions.create(
-        model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=named, temperature=0
-    )
+def answer_the_call(client, first) -> dict:
+    """The second turn of a tool loop: the first answer's call goes back as the client sends it
+    (arguments as JSON text), with the tool's result; the model answers in text. The arguments."""
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -136,7 +116,21 @@ def test_a_tool_loop_in_special_token_syntaxes(special_server):
     second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME], tool_choice="none")
     answer = second.choices[0]
     assert answer.message.tool_calls is None and isinstance(answer.message.content, str)
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20  # (the call and its result are in the prompt)
+    return arguments
+
+
+def test_a_tool_loop_in_special_token_syntaxes(special_server):
+    """gpt-oss's harmony (a commentary message to functions.get_weather) and Mistral's [TOOL_CALLS]:
+    the forced call's marks are special tokens, matched as tokens; read back into tool_calls; the
+    result goes back as the template renders it (Mistral's takes only 9-character ids); streamed,
+    the call arrives whole."""
+    client = openai.OpenAI(base_url=special_server.url, api_key="none")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=named, temperature=0
+    )
+    arguments = answer_the_call(client, first)
     tools = {"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False}
     for seed in range(3):  # required, sampled: one call of either tool, arguments valid
         forced = client.chat.completions.create(model="m", messages=QUESTION, **tools, temperature=1.0, seed=seed)

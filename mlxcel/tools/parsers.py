@@ -204,8 +204,41 @@ def held_back(text: str, marks: tuple[str, ...]) -> int:
     return 0
 
 
-class OutputParser:
-    """One answer's text, piece by piece (feed), then finish(): deltas in order."""
+class AnswerReader:
+    """One answer's text, piece by piece (feed), then finish(): deltas in order. A reader's step()
+    makes one move over its buffer (None: it waits for more text); close() ends what is open."""
+
+    buffer: str
+    content: list[str]
+    thinking: list[str]
+    calls: list[ToolCall]
+
+    def feed(self, text: str) -> list[Delta]:
+        self.buffer += text
+        out: list[Delta] = []
+        while (step := self.step(final=False)) is not None:
+            out += step
+        return out
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        while (step := self.step(final=True)) is not None:
+            out += step
+        return out + self.close()
+
+    def result(self) -> ParsedOutput:
+        reasoning = "".join(self.thinking) if self.thinking else None
+        return ParsedOutput("".join(self.content), reasoning, list(self.calls))
+
+    def step(self, final: bool) -> list[Delta] | None:
+        raise NotImplementedError
+
+    def close(self) -> list[Delta]:
+        return []
+
+
+class OutputParser(AnswerReader):
+    """The call syntaxes but harmony, and <think> reasoning."""
 
     def __init__(
         self, tool_parser: str | None, reasoning: bool = False, in_reasoning: bool = False, forced: bool = False
@@ -222,29 +255,6 @@ class OutputParser:
         self.calls: list[ToolCall] = []
         self.after_think = False  # the newlines templates put after </think> are not content
         self.mark = ""  # the mark that opened the call being read (it is the text again if the call is bad)
-
-    # ---- feeding ----
-    def feed(self, text: str) -> list[Delta]:
-        self.buffer += text
-        out: list[Delta] = []
-        while True:
-            step = self.step(final=False)
-            if step is None:
-                return out
-            out += step
-
-    def finish(self) -> list[Delta]:
-        out: list[Delta] = []
-        while self.buffer:
-            step = self.step(final=True)
-            if step is None:
-                break
-            out += step
-        return out
-
-    def result(self) -> ParsedOutput:
-        reasoning = "".join(self.thinking) if self.thinking else None
-        return ParsedOutput("".join(self.content), reasoning, list(self.calls))
 
     # ---- one move over the buffer; None: wait for more text ----
     def step(self, final: bool) -> list[Delta] | None:
@@ -409,7 +419,7 @@ def parse_output(text: str, tool_parser: str | None, reasoning: bool | str | Non
     return parser.result()
 
 
-class HarmonyParser:
+class HarmonyParser(AnswerReader):
     """gpt-oss's harmony format, piece by piece: a sequence of messages, each a header (`assistant`
     after `<|start|>`, `<|channel|>` and its name, a ` to=` recipient, a content type) up to
     `<|message|>`, then a body up to `<|end|>` (or the end of the answer: `<|call|>` and `<|return|>`
@@ -433,24 +443,9 @@ class HarmonyParser:
         self.thinking: list[str] = []
         self.calls: list[ToolCall] = []
 
-    def feed(self, text: str) -> list[Delta]:
-        self.buffer += text
-        out: list[Delta] = []
-        while (step := self.step(final=False)) is not None:
-            out += step
-        return out
-
-    def finish(self) -> list[Delta]:
-        out: list[Delta] = []
-        while (step := self.step(final=True)) is not None:
-            out += step
-        if self.mode == "body":  # cut inside a body (length): what it holds so far ends it
-            out += self.end_message()
-        return out
-
-    def result(self) -> ParsedOutput:
-        reasoning = "".join(self.thinking) if self.thinking else None
-        return ParsedOutput("".join(self.content), reasoning, list(self.calls))
+    def close(self) -> list[Delta]:
+        # cut inside a body (length): what it holds so far ends it
+        return self.end_message() if self.mode == "body" else []
 
     def step(self, final: bool) -> list[Delta] | None:
         if not self.buffer:

@@ -271,7 +271,7 @@ def test_the_pool_keeps_the_latent_and_the_rope_key_a_position(built):
     scheduler.generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=4))
     assert len(caches) == 3 and all(type(c) is PagedKVCache for c in caches)
     for cache in caches:
-        assert cache.keys.shape[1:] == (1, 32) and cache.values.shape[1:] == (1, rope)
+        assert (cache.keys.shape[0], cache.keys.shape[2], cache.values.shape[2]) == (1, 32, rope)  # heads first
     assert kv_bytes_per_position(model) == 3 * (32 + rope) * 4
 
 

@@ -56,7 +56,7 @@ def test_a_long_row_holds_its_window_in_sliding_layers(gemma2):
     pools = [c for c in caches if type(c) is PagedKVCache]
     assert len(rings) == len(pools) == 2
     assert all(c.keys.shape[0] == 2 * 16 for c in rings)  # two slots of 16 positions, whatever the row's length
-    assert all(c.keys.shape[0] >= len(LONG) for c in pools)  # the full layers hold every position
+    assert all(c.keys.shape[1] >= len(LONG) for c in pools)  # the full layers hold every position (heads first)
     # the budget counts the full layers per position and the rings per row
     full, sliding = kv_bytes_per_position(gemma2), kv_bytes_per_position(gemma2, rings=True)
     assert sliding == full // 2 and ring_bytes_per_row(gemma2) == 16 * full // 2
@@ -117,7 +117,7 @@ def test_chunked_layers_hold_one_chunk_a_row(llama4, options):
     pools = [c for c in caches if type(c) is PagedKVCache]
     assert len(rings) == 3 and len(pools) == 1
     assert all(c.chunk == 16 and c.keys.shape[0] == slots * 16 for c in rings)
-    assert pools[0].keys.shape[0] >= len(LONG)
+    assert pools[0].keys.shape[1] >= len(LONG)  # (heads first)
     per_position = kv_bytes_per_position(model)  # the NoPE layer's keys and values only
     assert per_position == kv_bytes_per_position(model, rings=True)
     assert ring_bytes_per_row(model) == 3 * 16 * per_position

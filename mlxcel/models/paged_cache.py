@@ -5,14 +5,17 @@ rows have different lengths then needs no padding to its longest row, a finished
 blocks back the moment it ends, and a new row takes whatever blocks are free. Memory follows the
 sum of the rows' lengths, not rows x the longest (a ragged job's rows run 48-1536 positions).
 
-Layout: each layer keeps keys and values as [num_blocks * BLOCK_SIZE, kv_heads, head_dim], flat
-positions; a row's position p lives at block_table[row, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
+Layout: each layer keeps keys and values as [kv_heads, num_blocks * BLOCK_SIZE, head_dim], flat
+positions per head; a row's position p lives at block_table[row, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
+Heads first, so a row's gathered keys are [span, head_dim] matrices attention reads as they are
+(positions first, each step copied them once more to a [B, heads, S, D] layout: on the CPU that
+copy cost more than the attention; quantized pools keep positions first).
 The page table (host) is shared by every layer, and each forward call's indices are built once
 (`PageTable.begin`), not per layer.
 
 Attention here is plain MLX, correct on every backend: a step gathers its rows' positions into a
-dense [B, kv_heads, S, head_dim] view and masks the positions past each row's length. The gather
-copies the rows' cache once per layer and step. Where our tests ran them (CUDA), kernels replace
+[B, kv_heads, S, head_dim] view and masks the positions past each row's length. The gather copies
+the rows' cache once per layer and step. Where our tests ran them (CUDA), kernels replace
 both halves (paged_attention.py): writes go into the pool in place (MLX would copy the whole pool
 for each), and decode attention reads the blocks in place.
 """
@@ -371,19 +374,19 @@ class PagedKVCache:
             return self.write_in_place(step, keys, values)
         size = self.table.num_blocks * BLOCK_SIZE
         if self.keys is None:
-            self.keys = mx.zeros((size, heads, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((size, heads, values.shape[3]), values.dtype)
-        self.keys, self.values = fit(self.keys, size), fit(self.values, size)
-        new_keys = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
-        new_values = values.transpose(0, 2, 1, 3).reshape(B * L, heads, -1)
+            self.keys = mx.zeros((heads, size, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((heads, size, values.shape[3]), values.dtype)
+        self.keys, self.values = fit(self.keys, size, axis=1), fit(self.values, size, axis=1)
+        new_keys = keys.transpose(1, 0, 2, 3).reshape(heads, B * L, -1)
+        new_values = values.transpose(1, 0, 2, 3).reshape(heads, B * L, -1)
         write = step.write
         if step.own is not None:  # rows with leading padding
-            new_keys, new_values, write = new_keys[step.own], new_values[step.own], write[step.own]
-        self.keys[write] = new_keys
-        self.values[write] = new_values
+            new_keys, new_values, write = new_keys[:, step.own], new_values[:, step.own], write[step.own]
+        self.keys[:, write] = new_keys
+        self.values[:, write] = new_values
         if not step.starts.any() and step.exact:  # first pieces, all of one length
             return keys, values  # a first piece attends to exactly what it brought
-        return gather_blocks(self.keys, step), gather_blocks(self.values, step)
+        return gather_heads_first(self.keys, step), gather_heads_first(self.values, step)
 
     def write_in_place(self, step: StepIndices, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         from mlxcel.models import paged_attention
@@ -407,7 +410,7 @@ class PagedKVCache:
             from mlxcel.models import paged_attention
 
             return list(paged_attention.read_positions(self.pool, index))
-        return [self.keys[index], self.values[index]]
+        return [self.keys[:, index].swapaxes(0, 1), self.values[:, index].swapaxes(0, 1)]
 
     def write_positions(self, index: mx.array, stored: list[mx.array]) -> None:
         """Store what read_positions returned at flat positions `index` (a row adopting a cached prefix)."""
@@ -423,11 +426,11 @@ class PagedKVCache:
             return
         size = self.table.num_blocks * BLOCK_SIZE
         if self.keys is None:
-            self.keys = mx.zeros((size, *keys.shape[1:]), keys.dtype)
-            self.values = mx.zeros((size, *values.shape[1:]), values.dtype)
-        self.keys, self.values = fit(self.keys, size), fit(self.values, size)
-        self.keys[index] = keys
-        self.values[index] = values
+            self.keys = mx.zeros((keys.shape[1], size, keys.shape[2]), keys.dtype)
+            self.values = mx.zeros((values.shape[1], size, values.shape[2]), values.dtype)
+        self.keys, self.values = fit(self.keys, size, axis=1), fit(self.values, size, axis=1)
+        self.keys[:, index] = keys.swapaxes(0, 1)
+        self.values[:, index] = values.swapaxes(0, 1)
 
     @property
     def state(self) -> list[mx.array]:
@@ -437,21 +440,32 @@ class PagedKVCache:
         return [] if self.keys is None else [self.keys, self.values]
 
 
-def fit(pool: mx.array, positions: int) -> mx.array:
-    """`pool` with zero positions added up to `positions` (after PageTable.grow)."""
-    extra = positions - pool.shape[0]
-    return pool if extra <= 0 else mx.concatenate([pool, mx.zeros((extra, *pool.shape[1:]), pool.dtype)])
+def fit(pool: mx.array, positions: int, axis: int = 0) -> mx.array:
+    """`pool` with zero positions (along `axis`) added up to `positions` (after PageTable.grow)."""
+    extra = positions - pool.shape[axis]
+    if extra <= 0:
+        return pool
+    shape = list(pool.shape)
+    shape[axis] = extra
+    return mx.concatenate([pool, mx.zeros(shape, pool.dtype)], axis=axis)
 
 
-def gather_blocks(pool: mx.array, step: StepIndices, contiguous: bool = True) -> mx.array:
-    """The step's rows' keys or values as [B, kv_heads, S, D] from a pool [positions, kv_heads, D]
-    (whole blocks gathered, then made contiguous: MLX's CPU attention runs ~5x slower on the
-    transposed view)."""
+def gather_heads_first(pool: mx.array, step: StepIndices) -> mx.array:
+    """The step's rows' keys or values as [B, kv_heads, S, D] from a pool [kv_heads, positions, D]:
+    whole blocks gathered; each (row, head) is a contiguous [S, D] matrix (no further copy)."""
+    heads, _, dim = pool.shape
+    B, blocks = step.gather_blocks.shape
+    rows = pool.reshape(heads, -1, BLOCK_SIZE, dim)[:, step.gather_blocks]  # [heads, B, blocks, BLOCK_SIZE, D]
+    return rows.reshape(heads, B, blocks * BLOCK_SIZE, dim)[:, :, : step.span].swapaxes(0, 1)
+
+
+def gather_blocks(pool: mx.array, step: StepIndices) -> mx.array:
+    """The step's rows' parts as [B, kv_heads, S, *] from a positions-first pool [positions, kv_heads, *]
+    (a quantized pool's packed values, scales or biases, dequantized after: whole blocks gathered)."""
     _, heads, dim = pool.shape
     B, blocks = step.gather_blocks.shape
-    rows = pool.reshape(-1, BLOCK_SIZE, heads, dim)[step.gather_blocks]  # [B, blocks, BLOCK_SIZE, heads, D]
-    rows = rows.reshape(B, blocks * BLOCK_SIZE, heads, dim)[:, : step.span].transpose(0, 2, 1, 3)
-    return mx.contiguous(rows) if contiguous else rows
+    rows = pool.reshape(-1, BLOCK_SIZE, heads, dim)[step.gather_blocks]  # [B, blocks, BLOCK_SIZE, heads, *]
+    return rows.reshape(B, blocks * BLOCK_SIZE, heads, dim)[:, : step.span].transpose(0, 2, 1, 3)
 
 
 class QuantizedPagedKVCache(PagedKVCache):
@@ -492,7 +506,7 @@ class QuantizedPagedKVCache(PagedKVCache):
 
     def read(self, parts: tuple, step: StepIndices) -> mx.array:
         """[B, kv_heads, S, D] in the model's dtype: the step's rows' blocks, dequantized."""
-        packed, scales, biases = (gather_blocks(p, step, contiguous=False) for p in parts)
+        packed, scales, biases = (gather_blocks(p, step) for p in parts)
         return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits).astype(self.dtype)
 
     def read_positions(self, index: mx.array) -> list[mx.array]:

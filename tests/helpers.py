@@ -96,7 +96,7 @@ def make_tiny_checkpoint(
     family: str = "llama",
     seed: int = 0,
     specials: list[str] = SPECIALS,
-    eos: list[int] = (2,),
+    eos: tuple[int, ...] = (2,),
     **overrides,
 ) -> Path:
     """Random-weight fp32 checkpoint + tokenizer (`specials` its first ids) + generation_config

@@ -235,20 +235,18 @@ def test_call_ids_are_unique_and_openai_shaped():
 @pytest.mark.parametrize(
     "template, syntax, thinks",
     [
-        ("qwen2.5.jinja", "hermes", False),
-        ("smollm3.jinja", "hermes", True),
-        ("mistral_v3.jinja", "mistral", False),
-        ("llama3.2.jinja", "llama3_json", False),
-        ("gemma2.jinja", None, False),
+        ("qwen2.5.jinja", "hermes", None),
+        ("smollm3.jinja", "hermes", "think"),
+        ("mistral_v3.jinja", "mistral", None),
+        ("llama3.2.jinja", "llama3_json", None),
+        ("gemma2.jinja", None, None),
     ],
 )
 def test_the_published_templates_pick_their_families_syntax(template, syntax, thinks):
     from pathlib import Path
 
-    from mlxcel.tools.parsers import uses_reasoning
-
     source = (Path(__file__).resolve().parent / "data" / "templates" / template).read_text()
-    assert choose_tool_parser("auto", source) == syntax and uses_reasoning(source) is thinks
+    assert choose_tool_parser("auto", source) == syntax and reasoning_format(source) == thinks
 
 
 TRICKY = {"location": 'Pa}ris {"x"]', "unit": "celsius"}  # (brackets and quotes inside a string)

@@ -435,9 +435,7 @@ class BatchScheduler:
             row_bytes = self.state_bytes + draft_state + self.per_block + draft_block
             self.slots = max(1, min(self.max_rows, self.kv_budget_bytes // row_bytes))
         state.state_bytes = self.slots * self.state_bytes
-        overhang = (
-            self.slots * ((count_blocks(request.draft.tokens) + 1) * draft_block + draft_state) if draft_block else 0
-        )
+        overhang = self.slots * (self.draft_overhang(request) * draft_block + draft_state) if draft_block else 0
         blocks_budget = max(self.kv_budget_bytes - state.state_bytes - overhang, self.per_block)
         runnable = self.check_rows(rows, request, on_row_done)
         if feed is None:
@@ -522,8 +520,7 @@ class BatchScheduler:
             sizes = [count_blocks(self.max_context + (request.tile_size or 0) + request.draft.tokens)] * self.slots
         else:
             sizes = sorted((count_blocks(self.draft_positions(r, request)) for r in rows), reverse=True)
-        overhang = self.slots * (count_blocks(request.draft.tokens) + 1)
-        most = max(1, min(sum(sizes[: self.slots]), target_blocks + overhang))
+        most = max(1, min(sum(sizes[: self.slots]), target_blocks + self.slots * self.draft_overhang(request)))
         kernels = uses_kernels(draft)
         blocks = most if kernels[0] else min(most, count_blocks(OPEN_POOL_POSITIONS))
         positions = self.max_context + (request.tile_size or 0) + request.draft.tokens + BLOCK_SIZE
@@ -531,6 +528,11 @@ class BatchScheduler:
         windows, chunks = layer_windows(draft), layer_chunks(draft)
         caches = make_paged_caches(len(windows), table, windows, None, 64, recurrent_layers(draft), False, chunks)
         self.draft_model.start(table, caches)
+
+    @staticmethod
+    def draft_overhang(request: GenerationRequest) -> int:
+        """Blocks a row's drafts may write past its reservation in the draft model's pool."""
+        return count_blocks(request.draft.tokens) + 1
 
     def draft_pool_bytes(self) -> tuple[int, int]:
         """(a block of the draft model's pool, a row's recurrent states in it) in bytes."""

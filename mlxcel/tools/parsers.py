@@ -159,10 +159,6 @@ def choose_tool_parser(setting: str, template_source: str | None) -> str | None:
     return None
 
 
-def uses_reasoning(template_source: str | None) -> bool:
-    return reasoning_format(template_source) is not None
-
-
 def reasoning_format(template_source: str | None) -> str | None:
     """How the template's model thinks: "harmony" (an analysis channel), "think" (<think> blocks) or None."""
     source = template_source or ""
@@ -362,15 +358,15 @@ class OutputParser(AnswerReader):
         started, self.arguments = (self.arguments.started if self.arguments else []), None
         if not calls or any(c is None for c in calls):
             return self.emit("content", raw)  # a malformed call stays the text it was
-        if self.syntax == "mistral":
-            for call in calls:
-                call.id = mistral_call_id()
         self.calls += calls
         self.started = True
         if started and len(started) == len(calls):  # (streamed: the ids the client has)
             for call, sent in zip(calls, started):
                 call.id = sent.id
             return [Delta("call_end", call=c) for c in calls]
+        if self.syntax == "mistral":
+            for call in calls:
+                call.id = mistral_call_id()
         return [Delta("tool_call", call=c) for c in calls]
 
 

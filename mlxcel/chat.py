@@ -190,9 +190,11 @@ class AnswerView:
         self.label = None  # the kind of text shown last
 
     def write(self, piece: str) -> None:
+        if not piece:  # (a token that completes no character yet: nothing to show or flush)
+            return
         if self.parser is None:
             self.show(piece)
-        elif piece:
+        else:
             for delta in self.parser.feed(piece):
                 self.show_delta(delta)
         self.out.flush()

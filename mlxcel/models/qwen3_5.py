@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.models import llama
+from mlxcel.models import gated_delta_cuda, llama
 from mlxcel.models.base import RoPE, fuse_linears
 from mlxcel.models.cache import KVCache, make_attention_mask
 from mlxcel.models.gated_delta import gated_delta
@@ -141,7 +141,10 @@ class GatedRMSNorm(nn.Module):
         return (normed.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
 
 
-def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
+L2_EPS = 1e-6  # q's and k's l2 norms (the FLA kernels' and transformers' epsilon)
+
+
+def l2_normalize(x: mx.array, eps: float = L2_EPS) -> mx.array:
     """x / sqrt(sum(x^2) + eps) in float32 (as the FLA kernels and transformers' fallback), as
     rms_norm(x, eps / d) / sqrt(d): one fused kernel where a sum, an rsqrt and a product were three
     (per-op cost bounds a GPU's batch-1 decode)."""
@@ -219,6 +222,20 @@ class GatedDeltaNet(nn.Module):
         and the states after it; `leads` as RecurrentCache.read gives them (None in a decode step)."""
         B, L, _ = x.shape
         conv_state, state = states
+        if L == 1 and leads is None and self.has_fused_step():
+            out, conv_state, state = gated_delta_cuda.decode_step(
+                self.projection_columns(x),
+                conv_state,
+                self.conv1d.weight,
+                self.A_log,
+                self.dt_bias,
+                self.norm.weight,
+                state,
+                (self.num_k_heads, self.num_v_heads),
+                (self.head_k_dim, self.head_v_dim),
+                (L2_EPS, self.norm.eps),
+            )
+            return self.out_proj(out), [conv_state, state]
         mask = token_mask(leads, L)
         qkv, z, b, a = self.project(x)
         if mask is not None:
@@ -233,6 +250,26 @@ class GatedDeltaNet(nn.Module):
         y, state = gated_delta(q, k, v, g, beta, state, mask)
         z = z.reshape(B, L, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(y, z).reshape(B, L, -1)), [conv_state, state]
+
+
+    def has_fused_step(self) -> bool:
+        """A decode step as one kernel (gated_delta_cuda: MLX's CUDA backend) from the conv window to
+        the gated norm."""
+        return gated_delta_cuda.is_available(self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads)
+
+    def projection_columns(self, x: mx.array) -> list[tuple[mx.array, int]]:
+        """qkv, z, b and a as (the input projection's output that holds it, its first column): the
+        fused step reads them where the matmuls wrote them (a split would copy each). Every family
+        here lays them out in that order across its projections (Qwen 3.5: four or one fused;
+        Qwen3-Next: qkv|z and b|a)."""
+        outputs = [self.in_proj(x)] if "in_proj" in self else [getattr(self, name)(x) for name in self.PROJECTIONS]
+        ends = [sum(output.shape[-1] for output in outputs[: i + 1]) for i in range(len(outputs))]
+        starts = [0, self.conv_dim, self.conv_dim + self.value_dim, self.conv_dim + self.value_dim + self.num_v_heads]
+        columns = []
+        for start in starts:
+            i = next(i for i, end in enumerate(ends) if start < end)
+            columns.append((outputs[i], start - (ends[i - 1] if i else 0)))
+        return columns
 
 
 class MLP(llama.MLP):

@@ -180,7 +180,19 @@ def decode_step(
     ]
     threads = GROUPS * value_dim
     out, new_conv, new_state = _kernel()(
-        inputs=[qkv, z, b, a, conv_state, conv_weight, a_log, dt_bias, norm_weight, state, constant_array(eps, mx.float32)],
+        inputs=[
+            qkv,
+            z,
+            b,
+            a,
+            conv_state,
+            conv_weight,
+            a_log,
+            dt_bias,
+            norm_weight,
+            state,
+            constant_array(eps, mx.float32),
+        ],
         template=template,
         grid=(threads, rows * value_heads, 1),
         threadgroup=(threads, 1, 1),

@@ -251,7 +251,6 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(B, L, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(y, z).reshape(B, L, -1)), [conv_state, state]
 
-
     def has_fused_step(self) -> bool:
         """A decode step as one kernel (gated_delta_cuda: MLX's CUDA backend) from the conv window to
         the gated norm."""

@@ -1,0 +1,143 @@
+"""Where a lone row's decode step goes: python -m mlxcel.bench.lone_step
+
+    python -m mlxcel.bench.lone_step [--models deepseek-v2-lite-small,qwen3.5-0.8b] [--context 512] [--steps 128]
+
+One row, a --context-token prompt, then --steps greedy tokens, pipelined as the engines run them
+(the next step is queued before the last token is read). Per step: the host's time building the
+graph in Python, its time in `mx.async_eval` (MLX encodes and launches the kernels), and the whole
+step. Four ways to run the same model: mlxcel's segmented step and its eager step over a dense
+cache (the model alone), mlxcel's scheduler (the paged cache, what `python -m mlxcel.bench`
+measures), and mlx-lm's model over its own cache (where mlx-lm is installed). A gap between the
+dense and the scheduler rows is the paged cache's; between ours and mlx-lm's, the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcel.bench.checkpoints import dtype_name, prepare_checkpoint
+from mlxcel.bench.harness import align_columns, log
+from mlxcel.checkpoints.loader import load_model, pick_dtype
+from mlxcel.engine.engine import get_decoder
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mlxcel.bench.lone_step", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="deepseek-v2-lite-small,qwen3.5-0.8b", help="bench checkpoint names")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps timed (after 8 untimed)")
+    parser.add_argument("--dtype", default="auto", help="bfloat16 on a GPU, float32 on the CPU (auto)")
+    return parser.parse_args(argv)
+
+
+def time_steps(step, token: mx.array, steps: int) -> dict:
+    """step(tokens [1]) -> logits [1, V]; greedy, one step in flight while the host builds the next."""
+    for _ in range(8):
+        token = mx.argmax(step(token), axis=-1)
+        mx.eval(token)
+    build = encode = 0.0
+    start = time.perf_counter()
+    pending = None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        token = mx.argmax(step(token), axis=-1)
+        t1 = time.perf_counter()
+        mx.async_eval(token)
+        t2 = time.perf_counter()
+        build, encode = build + t1 - t0, encode + t2 - t1
+        if pending is not None:
+            pending.item()
+        pending = token
+    pending.item()
+    total = time.perf_counter() - start
+    return {"build_ms": 1e3 * build / steps, "encode_ms": 1e3 * encode / steps, "step_ms": 1e3 * total / steps}
+
+
+def run_mlxcel(folder, dtype, prompt: mx.array, steps: int) -> dict[str, dict]:
+    model = load_model(str(folder), dtype=dtype_name(dtype)).model
+    out = {}
+    for kind in ("segmented", "eager"):
+        cache = model.make_cache(1)
+        logits = model(prompt[None], cache)[:, -1]
+        first = mx.argmax(logits, axis=-1)
+        mx.eval(first)
+        if kind == "segmented":
+            decoder = get_decoder(model, "segmented")
+            out["mlxcel segmented, dense cache"] = time_steps(lambda t: decoder(t, cache), first, steps)
+        else:
+            out["mlxcel eager, dense cache"] = time_steps(lambda t: model(t[:, None], cache)[:, -1], first, steps)
+    out["mlxcel scheduler (paged)"] = time_scheduler(model, prompt, steps)
+    return out
+
+
+def time_scheduler(model, prompt: mx.array, steps: int) -> dict:
+    """The scheduler's whole decode, per step (no host split: its loop is the engine's)."""
+    from mlxcel.engine import GenerationRequest, RowRequest
+    from mlxcel.engine.scheduler import BatchScheduler
+    from mlxcel.sampling import Sampler
+
+    tokens = prompt.tolist()
+    scheduler = BatchScheduler(model, 4096, 1)
+
+    def generate(n: int):
+        request = GenerationRequest([RowRequest(tokens, row_id=0)], Sampler("greedy"), max_tokens=n)
+        return scheduler.generate(request)
+
+    generate(8)
+    start = time.perf_counter()
+    generate(1)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(steps + 1)
+    total = time.perf_counter() - start - first  # (the prefill and first token, measured apart)
+    return {"build_ms": float("nan"), "encode_ms": float("nan"), "step_ms": 1e3 * total / steps}
+
+
+def run_mlx_lm(folder, prompt: mx.array, steps: int) -> dict[str, dict]:
+    try:
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.utils import load_model as load_peer
+    except ImportError:
+        return {}
+    model = load_peer(folder)[0]
+    cache = make_prompt_cache(model)
+    first = mx.argmax(model(prompt[None], cache=cache)[:, -1], axis=-1)
+    mx.eval(first)
+    return {"mlx-lm": time_steps(lambda t: model(t[:, None], cache=cache)[:, -1], first, steps)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    work_dir = Path(os.environ.get("MLXCEL_BENCH_DIR", "~/.cache/mlxcel-bench")).expanduser()
+    dtype = pick_dtype(args.dtype)
+    rows = [["model", "way", "build ms", "async_eval ms", "step ms", "tok/s"]]
+    for name in args.models.split(","):
+        folder = prepare_checkpoint(name, work_dir, dtype)
+        vocab = 1000
+        prompt = mx.array(np.random.default_rng(0).integers(10, vocab, args.context), dtype=mx.int32)
+        log(f"{name}: mlxcel")
+        results = run_mlxcel(folder, dtype, prompt, args.steps)
+        log(f"{name}: mlx-lm")
+        results.update(run_mlx_lm(folder, prompt, args.steps))
+        for way, r in results.items():
+            rows.append(
+                [
+                    name,
+                    way,
+                    f"{r['build_ms']:.2f}",
+                    f"{r['encode_ms']:.2f}",
+                    f"{r['step_ms']:.2f}",
+                    f"{1e3 / r['step_ms']:.0f}",
+                ]
+            )
+        print("\n".join(align_columns(rows, 2)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -61,19 +61,20 @@ def time_steps(step, token: mx.array, steps: int) -> dict:
 
 def run_mlxcel(folder, dtype, prompt: mx.array, steps: int) -> dict[str, dict]:
     model = load_model(str(folder), dtype=dtype_name(dtype)).model
-    out = {}
-    for kind in ("segmented", "eager"):
-        cache = model.make_cache(1)
-        logits = model(prompt[None], cache)[:, -1]
-        first = mx.argmax(logits, axis=-1)
-        mx.eval(first)
-        if kind == "segmented":
-            decoder = get_decoder(model, "segmented")
-            out["mlxcel segmented, dense cache"] = time_steps(lambda t: decoder(t, cache), first, steps)
-        else:
-            out["mlxcel eager, dense cache"] = time_steps(lambda t: model(t[:, None], cache)[:, -1], first, steps)
-    out["mlxcel scheduler (paged)"] = time_scheduler(model, prompt, steps)
-    return out
+    decoder = get_decoder(model, "segmented")
+    return {
+        "mlxcel segmented, dense cache": time_dense(lambda t, cache: decoder(t, cache), model, prompt, steps),
+        "mlxcel eager, dense cache": time_dense(lambda t, cache: model(t[:, None], cache)[:, -1], model, prompt, steps),
+        "mlxcel scheduler (paged)": time_scheduler(model, prompt, steps),
+    }
+
+
+def time_dense(step, model, prompt: mx.array, steps: int) -> dict:
+    """step(tokens, cache) over the model's own dense cache after the prompt."""
+    cache = model.make_cache(1)
+    first = mx.argmax(model(prompt[None], cache)[:, -1], axis=-1)
+    mx.eval(first)
+    return time_steps(lambda t: step(t, cache), first, steps)
 
 
 def time_scheduler(model, prompt: mx.array, steps: int) -> dict:

@@ -53,10 +53,13 @@ _SOURCE = """
   // 1. the causal convolution and silu over this head's channels: q, k (shared by HV / HK value
   // heads: the first of them writes their window) and v
   for (int i = t; i < 2 * DK + DV; i += NT) {
-    const int c = i < DK ? hk * DK + i : i < 2 * DK ? HK * DK + hk * DK + (i - DK) : 2 * HK * DK + hv * DV + (i - 2 * DK);
+    const int c = i < DK ? hk * DK + i
+                : i < 2 * DK ? HK * DK + hk * DK + (i - DK)
+                : 2 * HK * DK + hv * DV + (i - 2 * DK);
     const float x = static_cast<float>(qkv_row[c]);
     float acc = x * static_cast<float>(conv_w[c * K + K - 1]);
-    for (int j = 0; j < K - 1; j++) acc += static_cast<float>(conv_row[j * C + c]) * static_cast<float>(conv_w[c * K + j]);
+    for (int j = 0; j < K - 1; j++)
+      acc += static_cast<float>(conv_row[j * C + c]) * static_cast<float>(conv_w[c * K + j]);
     const float act = static_cast<float>(static_cast<T>(silu(static_cast<float>(static_cast<T>(acc)))));
     if (i < DK) qs[i] = act; else if (i < 2 * DK) ks[i - DK] = act; else vs[i - 2 * DK] = act;
     if (i >= 2 * DK || hv % (HV / HK) == 0) {
@@ -105,7 +108,8 @@ _SOURCE = """
   const float kq = scalars[2] * q_scale * k_scale;
   // 4. the new state: e^g S + k delta^T
   #pragma unroll
-  for (int r = 0; r < ROWS; r++) new_state[base + (size_t)r * DV] = decay * s[r] + ks[group * ROWS + r] * k_scale * delta;
+  for (int r = 0; r < ROWS; r++)
+    new_state[base + (size_t)r * DV] = decay * s[r] + ks[group * ROWS + r] * k_scale * delta;
   // 5. the gated RMSNorm of y = e^g S^T q + (k . q) delta over the head's DV values
   const float y = static_cast<float>(static_cast<T>(decay * read_q + kq * delta));
   float sq = group == 0 ? y * y : 0.0f;

@@ -142,11 +142,10 @@ def test_the_kernel_matches_the_ops_path(family, fused, dtype, monkeypatch):
     compiled = mx.compile(lambda x, conv, state: layer.advance(x, [conv, state], None))
     states = random_states(layer, dtype)
     tolerance = 2e-5 if dtype == mx.float32 else 3e-2
-    for step in range(3):
+    for _ in range(3):
         x = mx.random.normal((ROWS, 1, CONFIG["hidden_size"])).astype(dtype)
         expected, (conv, state) = ops_step(layer, x, states, monkeypatch)
-        for run in (lambda: layer.advance(x, states, None), lambda: compiled(x, *states)):
-            out, (fused_conv, fused_state) = run()
+        for out, (fused_conv, fused_state) in (layer.advance(x, states, None), compiled(x, *states)):
             np.testing.assert_allclose(
                 np.array(out.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=tolerance, rtol=tolerance
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def time_dense(step, model, prompt: mx.array, steps: int) -> dict:
 
 
 def time_scheduler(model, prompt: mx.array, steps: int) -> dict:
-    """The scheduler's whole decode, per step (no host split: its loop is the engine's)."""
+    """The scheduler's own figure: the row's decode tok/s after its first token (no host split:
+    its loop is the engine's)."""
     from mlxcel.engine import GenerationRequest, RowRequest
     from mlxcel.engine.scheduler import BatchScheduler
     from mlxcel.sampling import Sampler
@@ -86,18 +88,13 @@ def time_scheduler(model, prompt: mx.array, steps: int) -> dict:
     tokens = prompt.tolist()
     scheduler = BatchScheduler(model, 4096, 1)
 
-    def generate(n: int):
+    def generate(n: int) -> dict:
         request = GenerationRequest([RowRequest(tokens, row_id=0)], Sampler("greedy"), max_tokens=n)
-        return scheduler.generate(request)
+        return scheduler.generate(request).results[0].timing
 
     generate(8)
-    start = time.perf_counter()
-    generate(1)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(steps + 1)
-    total = time.perf_counter() - start - first  # (the prefill and first token, measured apart)
-    return {"build_ms": float("nan"), "encode_ms": float("nan"), "step_ms": 1e3 * total / steps}
+    rate = generate(steps + 1)["decode_tok_per_sec"]
+    return {"build_ms": float("nan"), "encode_ms": float("nan"), "step_ms": 1e3 / rate}
 
 
 def run_mlx_lm(folder, prompt: mx.array, steps: int) -> dict[str, dict]:
@@ -115,6 +112,10 @@ def run_mlx_lm(folder, prompt: mx.array, steps: int) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if mx.default_device() == mx.cpu:
+        from mlxcel.bench.__main__ import reexec_with_openblas
+
+        reexec_with_openblas(sys.argv[1:] if argv is None else argv, "mlxcel.bench.lone_step")
     work_dir = Path(os.environ.get("MLXCEL_BENCH_DIR", "~/.cache/mlxcel-bench")).expanduser()
     dtype = pick_dtype(args.dtype)
     rows = [["model", "way", "build ms", "async_eval ms", "step ms", "tok/s"]]

@@ -7,8 +7,10 @@ One row, a --context-token prompt, then --steps greedy tokens, pipelined as the 
 graph in Python, its time in `mx.async_eval` (MLX encodes and launches the kernels), and the whole
 step. Four ways to run the same model: mlxcel's segmented step and its eager step over a dense
 cache (the model alone), mlxcel's scheduler (the paged cache, what `python -m mlxcel.bench`
-measures), and mlx-lm's model over its own cache (where mlx-lm is installed). A gap between the
-dense and the scheduler rows is the paged cache's; between ours and mlx-lm's, the model's.
+measures; again with the whole step as one compiled call, and for Gated DeltaNet models with the
+delta rule's ops instead of its fused kernel), and mlx-lm's model over its own cache (where mlx-lm
+is installed). A gap between the dense and the scheduler rows is the paged cache's; between ours
+and mlx-lm's, the model's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -63,11 +66,39 @@ def time_steps(step, token: mx.array, steps: int) -> dict:
 def run_mlxcel(folder, dtype, prompt: mx.array, steps: int) -> dict[str, dict]:
     model = load_model(str(folder), dtype=dtype_name(dtype)).model
     decoder = get_decoder(model, "segmented")
-    return {
+    results = {
         "mlxcel segmented, dense cache": time_dense(lambda t, cache: decoder(t, cache), model, prompt, steps),
         "mlxcel eager, dense cache": time_dense(lambda t, cache: model(t[:, None], cache)[:, -1], model, prompt, steps),
-        "mlxcel scheduler (paged)": time_scheduler(model, prompt, steps),
     }
+    for way, env in VARIANTS:
+        if env.get("MLXCEL_FUSED_DELTA") and not getattr(model, "linear_attention", None):
+            continue  # (no Gated DeltaNet layers)
+        with overridden(env):
+            model.__dict__.pop("_mlxcel_decoders", None)  # (steps traced under the other settings)
+            results[f"mlxcel scheduler{way}"] = time_scheduler(model, prompt, steps)
+    return results
+
+
+# the scheduler's row again under settings that change its decode step (each off or on by default)
+VARIANTS = [
+    ("", {}),
+    (", whole step", {"MLXCEL_WHOLE_STEP": "1"}),
+    (", ops delta rule", {"MLXCEL_FUSED_DELTA": "0"}),
+]
+
+
+@contextmanager
+def overridden(env: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def time_dense(step, model, prompt: mx.array, steps: int) -> dict:

@@ -37,7 +37,11 @@ loading must not keep its decoder (none of ours does; `after_prefill` is a no-op
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import mlx.core as mx
+import numpy as np
 
 
 class SegmentedDecoder:
@@ -55,6 +59,7 @@ class SegmentedDecoder:
         self.runs = [list(range(start + 1, end)) for start, end in zip(bounds, bounds[1:])]
         self.stateful = [[i for i in run if self.entries[i] is not None] for run in self.runs]
         self._segments = [mx.compile(self._make_segment(j)) for j in range(len(self.runs))]
+        self._whole_steps: dict[tuple, object] = {}  # (rows, each mask's splits) -> the compiled whole step
 
     def _embed(self, tokens: mx.array) -> tuple[mx.array, tuple]:
         ids = tokens[:, None]
@@ -127,6 +132,8 @@ class SegmentedDecoder:
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """Logits [B, V] for the next position of every row; each layer's cache advances by one."""
+        if whole_step_enabled() and self._takes_whole_step(cache):
+            return self._whole_step(tokens, cache)
         offset = self._position(cache)
         masks = self.model.make_masks(1, cache) if self.attending else []
         out, written, opened, context = self._segments[0](tokens, offset, (), self._read_states(0, cache))
@@ -147,3 +154,93 @@ class SegmentedDecoder:
             out, written, opened = self._segments[j]((out, attended, tuple(rest)), offset, context, states)
             self._write_states(j, cache, written)
         return out
+
+    # --- the whole step as one compiled call (the paged decode kernel's path) ---------------------
+    # Where every attention layer attends through the CUDA paged decode kernel (paged_attention.py),
+    # its inputs are arrays of fixed shapes (the pool, the rows' block table at its full width, their
+    # lengths) and a few host ints that change only when a row's positions pass a split (1,024
+    # positions): so the attention joins the segments in one traced function, and a step costs one
+    # compiled call instead of a Python call per layer (the host bounds a lone row's step on a GPU).
+
+    def _takes_whole_step(self, cache: list) -> bool:
+        """Every attending layer reads the paged pool in place through the decode kernel, and none
+        reads another layer's keys (Gemma 4's shared layers keep the per-layer path)."""
+        if self.kept or not self.attending:
+            return False
+        for i in self.attending:
+            layer_cache = cache[self.entries[i]]
+            table = getattr(layer_cache, "table", None)
+            step = getattr(table, "step", None)
+            if step is None or not step.decode_kernel or step.invariant or getattr(layer_cache, "pool", None) is None:
+                return False
+        return True
+
+    def _whole_step(self, tokens: mx.array, cache: list) -> mx.array:
+        from mlxcel.models.paged_attention import choose_split_length
+
+        table = cache[self.entries[self.attending[0]]].table
+        step = table.step
+        rows, ends = len(step.slots), step.ends
+        masks = self.model.make_masks(1, cache)
+        pools = [cache[self.entries[i]].pool for i in self.attending]
+        # each attending layer's (window, split length, splits): static for the trace
+        splits = []
+        for i, pool in zip(self.attending, pools):
+            window = masks[self.entries[i]].window
+            longest = int(ends.max()) if not window else min(int(ends.max()), window)
+            split_len = choose_split_length(rows, pool.keys.shape[1], longest)
+            splits.append((window, split_len, -(-longest // split_len)))
+        key = (rows, tuple(splits), tuple(id(pool.keys) for pool in pools))
+        if key not in self._whole_steps:
+            self._whole_steps[key] = mx.compile(self._make_whole_step(splits, pools))
+        block_table = mx.array(table.table[step.slots])  # every column: one shape while the rows grow
+        lengths = mx.array(ends.astype(np.int32))
+        states = [self._read_states(j, cache) for j in range(len(self.runs))]
+        logits, dones, written = self._whole_steps[key](
+            tokens, self._position(cache), block_table, lengths, [pool.done for pool in pools], states
+        )
+        for pool, done in zip(pools, dones):
+            pool.done = done
+        for j, layer_states in enumerate(written):
+            self._write_states(j, cache, layer_states)
+        return logits
+
+    def _make_whole_step(self, splits: list[tuple], pools: list):
+        from mlxcel.models.paged_attention import paged_decode_attention
+        from mlxcel.models.paged_cache import BLOCK_SIZE
+
+        def whole_step(tokens, offset, block_table, lengths, dones, states):
+            out, written, opened, context = self._segments[0](tokens, offset, (), states[0])
+            all_written, new_dones = [written], []
+            for j, (i, (window, split_len, count), pool, done) in enumerate(
+                zip(self.attending, splits, pools, dones), start=1
+            ):
+                attention = self.layers[i].self_attn
+                q, k, v, *rest = opened
+                target = SimpleNamespace(keys=pool.keys, values=pool.values, done=done)
+                attended = paged_decode_attention(
+                    q,
+                    k,
+                    v,
+                    target,
+                    block_table,
+                    lengths,
+                    count * split_len,
+                    attention.scale,
+                    BLOCK_SIZE,
+                    window or 0,
+                    sinks=attention.sinks if "sinks" in attention else None,
+                    split_len=split_len,
+                )
+                new_dones.append(target.done)
+                out, written, opened = self._segments[j]((out, attended, tuple(rest)), offset, context, states[j])
+                all_written.append(written)
+            return out, new_dones, all_written
+
+        return whole_step
+
+
+def whole_step_enabled() -> bool:
+    """$MLXCEL_WHOLE_STEP=1: the decode kernel's path runs the whole step as one compiled call
+    (off by default until measured on a GPU)."""
+    return os.environ.get("MLXCEL_WHOLE_STEP", "0") == "1"

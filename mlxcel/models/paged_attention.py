@@ -270,6 +270,7 @@ def paged_decode_attention(
     window: int = 0,
     one_split: bool = False,
     sinks: mx.array | None = None,
+    split_len: int | None = None,
 ) -> mx.array:
     """Store each row's new key and value in the pool, and attend its one new query over its
     positions (the new one included).
@@ -279,11 +280,13 @@ def paged_decode_attention(
     attends to (host); window: a sliding window's size (0: every position); one_split: each row's
     positions in one block (batch-invariant mode: the split then depends on the row alone, and
     the kernel normalizes it itself); sinks [H]: a learned logit per head in every softmax
-    (gpt-oss). Returns [B, H, 1, D] in q's dtype."""
+    (gpt-oss); split_len: positions a split, fixed by the caller (a compiled step: `longest` then
+    only counts the splits). Returns [B, H, 1, D] in q's dtype."""
     B, H, _, D = q.shape
     kv_heads = pool.keys.shape[1]
     group = H // kv_heads
-    split_len = -(-longest // THREADS) * THREADS if one_split else choose_split_length(B, kv_heads, longest)
+    if split_len is None:
+        split_len = -(-longest // THREADS) * THREADS if one_split else choose_split_length(B, kv_heads, longest)
     splits = -(-longest // split_len)
     inputs = [
         q.reshape(B, H, D),

@@ -163,66 +163,80 @@ class SegmentedDecoder:
     # compiled call instead of a Python call per layer (the host bounds a lone row's step on a GPU).
 
     def _takes_whole_step(self, cache: list) -> bool:
-        """Every attending layer reads the paged pool in place through the decode kernel, and none
-        reads another layer's keys (Gemma 4's shared layers keep the per-layer path)."""
-        if self.kept or not self.attending:
+        """Every layer that writes keys reads the paged pool in place through the decode kernel
+        (a shared layer reads its source's)."""
+        if not self.attending:
             return False
-        for i in self.attending:
-            layer_cache = cache[self.entries[i]]
-            table = getattr(layer_cache, "table", None)
-            step = getattr(table, "step", None)
+        for entry in self._pool_entries():
+            layer_cache = cache[entry]
+            step = getattr(getattr(layer_cache, "table", None), "step", None)
             if step is None or not step.decode_kernel or step.invariant or getattr(layer_cache, "pool", None) is None:
                 return False
         return True
 
+    def _pool_entries(self) -> list:
+        """The cache entries whose pools the attending layers read, in the order they first write them."""
+        return [self.entries[i] for i in self.attending if self.sources[i] is None]
+
     def _whole_step(self, tokens: mx.array, cache: list) -> mx.array:
         from mlxcel.models.paged_attention import choose_split_length
 
-        table = cache[self.entries[self.attending[0]]].table
+        entries = self._pool_entries()
+        table = cache[entries[0]].table
         step = table.step
-        rows, ends = len(step.slots), step.ends
+        rows, longest_row = len(step.slots), int(step.ends.max())
         masks = self.model.make_masks(1, cache)
-        pools = [cache[self.entries[i]].pool for i in self.attending]
-        # each attending layer's (window, split length, splits): static for the trace
-        splits = []
-        for i, pool in zip(self.attending, pools):
-            window = masks[self.entries[i]].window
-            longest = int(ends.max()) if not window else min(int(ends.max()), window)
+        pools = {entry: cache[entry].pool for entry in entries}
+        # each pool's (window, split length, splits): static for the trace; a shared layer takes its source's
+        splits = {}
+        for entry, pool in pools.items():
+            window = masks[entry].window
+            longest = longest_row if not window else min(longest_row, window)
             split_len = choose_split_length(rows, pool.keys.shape[1], longest)
-            splits.append((window, split_len, -(-longest // split_len)))
-        key = (rows, tuple(splits), tuple(id(pool.keys) for pool in pools))
+            splits[entry] = (window, split_len, -(-longest // split_len))
+        key = (rows, tuple(splits.values()), tuple(id(pool.keys) for pool in pools.values()))
         if key not in self._whole_steps:
             self._whole_steps[key] = mx.compile(self._make_whole_step(splits, pools))
         block_table = mx.array(table.table[step.slots])  # every column: one shape while the rows grow
-        lengths = mx.array(ends.astype(np.int32))
+        lengths = mx.array(step.ends.astype(np.int32))
         states = [self._read_states(j, cache) for j in range(len(self.runs))]
+        dones = [pool.done for pool in pools.values()]
         logits, dones, written = self._whole_steps[key](
-            tokens, self._position(cache), block_table, lengths, [pool.done for pool in pools], states
+            tokens, self._position(cache), block_table, lengths, dones, states
         )
-        for pool, done in zip(pools, dones):
+        for pool, done in zip(pools.values(), dones):
             pool.done = done
         for j, layer_states in enumerate(written):
             self._write_states(j, cache, layer_states)
         return logits
 
-    def _make_whole_step(self, splits: list[tuple], pools: list):
+    def _make_whole_step(self, splits: dict, pools: dict):
         from mlxcel.models.paged_attention import paged_decode_attention
         from mlxcel.models.paged_cache import BLOCK_SIZE
 
         def whole_step(tokens, offset, block_table, lengths, dones, states):
+            # each pool as the kernels see it: its arrays and the last kernel's `done` (their order)
+            targets = {
+                entry: SimpleNamespace(keys=pool.keys, values=pool.values, done=done)
+                for (entry, pool), done in zip(pools.items(), dones)
+            }
             out, written, opened, context = self._segments[0](tokens, offset, (), states[0])
-            all_written, new_dones = [written], []
-            for j, (i, (window, split_len, count), pool, done) in enumerate(
-                zip(self.attending, splits, pools, dones), start=1
-            ):
-                attention = self.layers[i].self_attn
-                q, k, v, *rest = opened
-                target = SimpleNamespace(keys=pool.keys, values=pool.values, done=done)
+            all_written, new_keys = [written], {}
+            for j, i in enumerate(self.attending, start=1):
+                attention, source = self.layers[i].self_attn, self.sources[i]
+                if source is None:
+                    entry = self.entries[i]
+                    q, k, v, *rest = opened
+                    new_keys[entry] = (k, v)
+                else:  # a shared layer: its source's pool and new position (stored again, the same values)
+                    entry = source
+                    (q, *rest), (k, v) = opened, new_keys[source]
+                window, split_len, count = splits[entry]
                 attended = paged_decode_attention(
                     q,
                     k,
                     v,
-                    target,
+                    targets[entry],
                     block_table,
                     lengths,
                     count * split_len,
@@ -232,10 +246,9 @@ class SegmentedDecoder:
                     sinks=attention.sinks if "sinks" in attention else None,
                     split_len=split_len,
                 )
-                new_dones.append(target.done)
                 out, written, opened = self._segments[j]((out, attended, tuple(rest)), offset, context, states[j])
                 all_written.append(written)
-            return out, new_dones, all_written
+            return out, [target.done for target in targets.values()], all_written
 
         return whole_step
 

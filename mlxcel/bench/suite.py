@@ -18,7 +18,9 @@ loses only itself), then prints one table:
 - draft: speculative decoding, `bench --draft ngram` and `--draft model` (SmolLM2's extraction prompt at
   batch 1 against plain decoding and mlx-lm, then 64 rows with and without), and adapters:
   `bench.adapters` (256 rows over 4 LoRA adapters against one merged, the 1B shape); a third call
-  (`--parts draft,adapters`), their tables in the parts' logs.
+  (`--parts draft,adapters`), their tables in the parts' logs;
+- lone-step: where a lone row's decode step goes (`bench.lone_step`: the 1B shape and the family
+  shapes, mlxcel's dense, scheduler and whole-step variants against mlx-lm), its table in its log.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ SHARES = {
     "family-jobs": 1.0,
     "draft": 0.6,
     "adapters": 1.0,
+    "lone-step": 1.0,
 }
 DEFAULT_PARTS = "batch1,readme,structured,jobs"  # (2026-12-05, H100: jobs first was cut at 202 s)
 
@@ -81,6 +84,9 @@ def commands(part: str, args: argparse.Namespace) -> list[list[str]]:
         return [[py, "-m", "mlxcel.bench", "--draft", method, "--reps", "3"] for method in ("ngram", "model")]
     if part == "adapters":
         return [[py, "-m", "mlxcel.bench.adapters", "--json", str(out / "adapters.json")]]
+    if part == "lone-step":  # a model a command, so a cut keeps what ended before it
+        shapes = [args.shapes.split(",")[0], *args.family_shapes.split(",")]
+        return [[py, "-m", "mlxcel.bench.lone_step", "--models", shape] for shape in shapes]
     if part.startswith("famil"):  # a command a shape and bench, so a cut keeps what ended before it
         shapes = args.family_shapes.split(",")
         jobs = ["--rows", str(args.rows), "--max-rows", "256"]

@@ -246,13 +246,20 @@ def uses_kernels(model) -> tuple[bool, bool]:
     (paged_attention.is_available, for every attention layer's head size and query heads a KV
     head); the decode kernel also needs llama's attend, which hands a PagedDecode mask to it."""
     attentions = [a for a in cache_attentions(model) if a is not None]
-    in_place = all(
-        len(set(cache_widths(a))) == 1  # the kernels store keys and values of one width (not MLA's)
-        and paged_attention.is_available(a.head_dim, getattr(a, "n_heads", 1) // getattr(a, "n_kv_heads", 1))
-        for a in attentions
-    )
+    in_place = all(writes_in_place(a) for a in attentions)
     plain_attend = all(type(a).attend is llama.Attention.attend for a in attentions)
-    return in_place, in_place and plain_attend
+    return in_place, in_place and plain_attend and all(len(set(cache_widths(a))) == 1 for a in attentions)
+
+
+def writes_in_place(attention) -> bool:
+    """Whether the kernels can write this layer's pool in place: where its decode kernel runs, and
+    for MLA's latent and RoPE key (widths apart: written in place, attended to over the gathered
+    rows, as its absorbed attention takes them)."""
+    widths = cache_widths(attention)
+    if len(set(widths)) > 1:
+        return paged_attention.writes_available(*widths)
+    group = getattr(attention, "n_heads", 1) // getattr(attention, "n_kv_heads", 1)
+    return paged_attention.is_available(attention.head_dim, group)
 
 
 def supports_packed_calls(model) -> bool:

@@ -240,6 +240,14 @@ def is_available(head_dim: int, group: int = 1) -> bool:
     return mx.default_device() == mx.gpu and has_cuda_backend()
 
 
+def writes_available(*widths: int) -> bool:
+    """The write-and-gather kernel for keys and values of these widths (16-byte copies), where
+    is_available's backend and switch allow it."""
+    if os.environ.get("MLXCEL_PAGED_KERNEL", "1") == "0" or any(width % 8 for width in widths):
+        return False
+    return mx.default_device() == mx.gpu and has_cuda_backend()
+
+
 def decode_shared_bytes(head_dim: int, group: int) -> int:
     """The decode kernel's static shared memory: the queries, a tile's scores, the value groups'
     partial sums (_SOURCE's qs, probs, partial, rows)."""
@@ -346,17 +354,18 @@ def constant_array(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 
 class PoolLayer:
-    """One layer's keys and values, [positions, KVH, D] each, written in place, and the `done`
-    output of the last kernel that touched them (the next one takes it as an input)."""
+    """One layer's keys and values, [positions, KVH, D] and [positions, KVH, DV] (DV = D but for
+    MLA's latent and RoPE key), written in place, and the `done` output of the last kernel that
+    touched them (the next one takes it as an input)."""
 
-    def __init__(self, positions: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
+    def __init__(self, positions: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, value_dim: int | None = None):
         shape = (positions, kv_heads, head_dim)
         self.keys, self.values, self.done = _zeros_kernel()(
             inputs=[],
             template=[("T", dtype)],
             grid=(1, 1, 1),
             threadgroup=(1, 1, 1),
-            output_shapes=[shape, shape, (1,)],
+            output_shapes=[shape, (positions, kv_heads, value_dim or head_dim), (1,)],
             output_dtypes=[dtype, dtype, mx.int32],
             init_value=0,
         )
@@ -380,35 +389,32 @@ _WRITE_GATHER_SOURCE = """
   if (i >= (size_t)B * S * KVH) return;
   const int h = i % KVH, s = (i / KVH) % S, b = i / ((size_t)KVH * S);
   const int start = starts[b], lead = leads[b];
-  const size_t out_at = (((size_t)b * KVH + h) * S + s) * D;
+  const size_t row = ((size_t)b * KVH + h) * S + s;  // the output's [b, h, s]
   const Vec8* ksrc;
   const Vec8* vsrc;
   if (s >= start && s < start + L - lead) {
     const int n = s - start + lead;  // its index among the step's tokens
-    const size_t new_at = (((size_t)b * KVH + h) * L + n) * D;
-    ksrc = reinterpret_cast<const Vec8*>(k_new + new_at);
-    vsrc = reinterpret_cast<const Vec8*>(v_new + new_at);
-    const size_t pool_at = ((size_t)write[b * L + n] * KVH + h) * D;
-    Vec8* kp = reinterpret_cast<Vec8*>(const_cast<T*>(k) + pool_at);
-    Vec8* vp = reinterpret_cast<Vec8*>(const_cast<T*>(v) + pool_at);
-    for (int d = 0; d < D / 8; d++) { kp[d] = ksrc[d]; vp[d] = vsrc[d]; }
+    const size_t token = ((size_t)b * KVH + h) * L + n;
+    ksrc = reinterpret_cast<const Vec8*>(k_new + token * D);
+    vsrc = reinterpret_cast<const Vec8*>(v_new + token * DV);
+    const size_t slot = (size_t)write[b * L + n] * KVH + h;
+    Vec8* kp = reinterpret_cast<Vec8*>(const_cast<T*>(k) + slot * D);
+    Vec8* vp = reinterpret_cast<Vec8*>(const_cast<T*>(v) + slot * DV);
+    for (int d = 0; d < D / 8; d++) kp[d] = ksrc[d];
+    for (int d = 0; d < DV / 8; d++) vp[d] = vsrc[d];
   } else if (s < start) {
-    const size_t pool_at = ((size_t)gather[(size_t)b * S + s] * KVH + h) * D;
-    ksrc = reinterpret_cast<const Vec8*>(k + pool_at);
-    vsrc = reinterpret_cast<const Vec8*>(v + pool_at);
+    const size_t slot = (size_t)gather[(size_t)b * S + s] * KVH + h;
+    ksrc = reinterpret_cast<const Vec8*>(k + slot * D);
+    vsrc = reinterpret_cast<const Vec8*>(v + slot * DV);
   } else {
     Vec8 zero;
     for (int j = 0; j < 8; j++) zero.v[j] = static_cast<T>(0.0f);
-    for (int d = 0; d < D / 8; d++) {
-      reinterpret_cast<Vec8*>(k_out + out_at)[d] = zero;
-      reinterpret_cast<Vec8*>(v_out + out_at)[d] = zero;
-    }
+    for (int d = 0; d < D / 8; d++) reinterpret_cast<Vec8*>(k_out + row * D)[d] = zero;
+    for (int d = 0; d < DV / 8; d++) reinterpret_cast<Vec8*>(v_out + row * DV)[d] = zero;
     return;
   }
-  for (int d = 0; d < D / 8; d++) {
-    reinterpret_cast<Vec8*>(k_out + out_at)[d] = ksrc[d];
-    reinterpret_cast<Vec8*>(v_out + out_at)[d] = vsrc[d];
-  }
+  for (int d = 0; d < D / 8; d++) reinterpret_cast<Vec8*>(k_out + row * D)[d] = ksrc[d];
+  for (int d = 0; d < DV / 8; d++) reinterpret_cast<Vec8*>(v_out + row * DV)[d] = vsrc[d];
 """
 
 
@@ -431,12 +437,13 @@ def write_and_gather(
     starts: mx.array,
     leads: mx.array,
 ) -> tuple[mx.array, mx.array]:
-    """Store [B, KVH, L, D] new keys and values at flat pool positions `write` [B * L], and
-    return each row's positions as dense [B, KVH, S, D] keys and values: `gather` [B, S] names
-    the pool position of each earlier one (those before the row's `starts`), the new ones come
-    from the step, positions past a row's end are zero (masked by the caller). A row's first
-    `leads` [B] new tokens are padding: not stored, not returned."""
+    """Store [B, KVH, L, D] new keys and [B, KVH, L, DV] values at flat pool positions `write`
+    [B * L], and return each row's positions as dense [B, KVH, S, D] keys and [B, KVH, S, DV]
+    values: `gather` [B, S] names the pool position of each earlier one (those before the row's
+    `starts`), the new ones come from the step, positions past a row's end are zero (masked by the
+    caller). A row's first `leads` [B] new tokens are padding: not stored, not returned."""
     B, kv_heads, L, D = new_keys.shape
+    DV = new_values.shape[-1]
     S = gather.shape[1]
     threads = 256
     total = B * S * kv_heads
@@ -453,10 +460,10 @@ def write_and_gather(
             mx.array([B, S, L], mx.int32),
             pool.done,
         ],
-        template=[("T", pool.keys.dtype), ("D", D), ("KVH", kv_heads)],
+        template=[("T", pool.keys.dtype), ("D", D), ("DV", DV), ("KVH", kv_heads)],
         grid=(-(-total // threads) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(B, kv_heads, S, D), (B, kv_heads, S, D), (1,)],
+        output_shapes=[(B, kv_heads, S, D), (B, kv_heads, S, DV), (1,)],
         output_dtypes=[pool.keys.dtype, pool.keys.dtype, mx.int32],
     )
     return k_out, v_out
@@ -469,10 +476,11 @@ def read_positions(pool: PoolLayer, flat: mx.array) -> tuple[mx.array, mx.array]
     _, kv_heads, dim = pool.keys.shape
     n = flat.shape[0]
     empty = mx.zeros((1, kv_heads, 1, dim), pool.keys.dtype)
+    empty_values = mx.zeros((1, kv_heads, 1, pool.values.shape[-1]), pool.values.dtype)
     keys, values = write_and_gather(
         pool,
         empty,
-        empty,
+        empty_values,
         constant_array((0,), mx.int32),
         flat[None],
         mx.array([n], mx.int32),

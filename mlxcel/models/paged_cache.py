@@ -393,7 +393,7 @@ class PagedKVCache:
 
         if self.pool is None:
             self.pool = paged_attention.PoolLayer(
-                self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[3], keys.dtype
+                self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[3], keys.dtype, values.shape[3]
             )
         if step.decode_kernel:
             step.attention_mask(self.window).layer = self.pool  # its kernel stores them and reads the pool
@@ -420,7 +420,7 @@ class PagedKVCache:
 
             if self.pool is None:
                 self.pool = paged_attention.PoolLayer(
-                    self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[2], keys.dtype
+                    self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[2], keys.dtype, values.shape[2]
                 )
             paged_attention.write_positions(self.pool, keys, values, index)
             return

@@ -140,8 +140,9 @@ def _kernel():
 
 def is_available(key_dim: int, value_dim: int, key_heads: int, value_heads: int) -> bool:
     """On MLX's CUDA backend with the GPU as the default device, for head sizes the block's layout
-    takes ($MLXCEL_FUSED_DELTA=0 turns it off: the ops path, to compare)."""
-    if os.environ.get("MLXCEL_FUSED_DELTA", "1") == "0":
+    takes, where $MLXCEL_FUSED_DELTA=1 (off by default until a GPU run has checked and timed it:
+    tests/test_gated_delta_cuda.py, bench.lone_step)."""
+    if os.environ.get("MLXCEL_FUSED_DELTA", "0") != "1":
         return False
     if value_dim % 8 or GROUPS * value_dim > 1024 or key_dim % GROUPS or value_heads % key_heads:
         return False

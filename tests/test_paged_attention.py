@@ -312,6 +312,7 @@ def test_mla_pools_are_written_in_place(tmp_path, monkeypatch):
     from mlxcel.sampling import Sampler
     from tests.test_families_deepseek import make_checkpoint
 
+    monkeypatch.setenv("MLXCEL_MLA_IN_PLACE", "1")
     model = load_model(str(make_checkpoint(tmp_path, "deepseek_v3")), dtype="float32").model
     assert uses_kernels(model) == (True, False)
     rng = np.random.default_rng(2)

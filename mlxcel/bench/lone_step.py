@@ -8,7 +8,8 @@ graph in Python, its time in `mx.async_eval` (MLX encodes and launches the kerne
 step. Four ways to run the same model: mlxcel's segmented step and its eager step over a dense
 cache (the model alone), mlxcel's scheduler (the paged cache, what `python -m mlxcel.bench`
 measures; again with the whole step as one compiled call, and for Gated DeltaNet models with the
-delta rule's fused kernel instead of its ops), and mlx-lm's model over its own cache (where mlx-lm
+delta rule's fused kernel instead of its ops, for MLA models with the latent pools written in
+place), and mlx-lm's model over its own cache (where mlx-lm
 is installed). A gap between the dense and the scheduler rows is the paged cache's; between ours
 and mlx-lm's, the model's.
 """
@@ -70,9 +71,14 @@ def run_mlxcel(folder, dtype, prompt: mx.array, steps: int) -> dict[str, dict]:
         "mlxcel segmented, dense cache": time_dense(lambda t, cache: decoder(t, cache), model, prompt, steps),
         "mlxcel eager, dense cache": time_dense(lambda t, cache: model(t[:, None], cache)[:, -1], model, prompt, steps),
     }
+    from mlxcel.engine.scheduler import cache_attentions
+
+    latent = any(getattr(a, "cache_dims", None) for a in cache_attentions(model))
     for way, env in VARIANTS:
         if env.get("MLXCEL_FUSED_DELTA") and not getattr(model, "linear_attention", None):
             continue  # (no Gated DeltaNet layers)
+        if env.get("MLXCEL_MLA_IN_PLACE") and not latent:
+            continue  # (no MLA layers)
         with overridden(env):
             model.__dict__.pop("_mlxcel_decoders", None)  # (steps traced under the other settings)
             results[f"mlxcel scheduler{way}"] = time_scheduler(model, prompt, steps)
@@ -84,6 +90,7 @@ VARIANTS = [
     ("", {}),
     (", whole step", {"MLXCEL_WHOLE_STEP": "1"}),
     (", fused delta rule", {"MLXCEL_FUSED_DELTA": "1"}),
+    (", MLA pools in place", {"MLXCEL_MLA_IN_PLACE": "1"}),
 ]
 
 

@@ -12,7 +12,12 @@ import pytest
 
 from mlxcel.checkpoints.loader import load_model
 from mlxcel.engine import GenerationRequest, RowRequest
-from mlxcel.engine.scheduler import PIECES_PER_STEP, BatchScheduler, kv_bytes_per_position, supports_scheduling
+from mlxcel.engine.scheduler import (
+    BatchScheduler,
+    kv_bytes_per_position,
+    pieces_per_iteration,
+    supports_scheduling,
+)
 from mlxcel.models.paged_cache import BLOCK_SIZE
 from mlxcel.sampling import Sampler, make_sampler_chain
 from tests.helpers import CHAINS, make_token_prompts, run_alone
@@ -212,9 +217,8 @@ def test_prefill_interleaves_with_decode_in_chunks(model):
     long_pieces = [p for p in state.timings.prefill_pieces if p["row"] == 2]
     assert all(p["end"] - p["start"] <= 32 for p in long_pieces) and long_pieces[-1]["end"] == 480
     pieces_per_step = [sum(p["step"] == step for p in long_pieces) for step in {p["step"] for p in long_pieces}]
-    assert max(pieces_per_step) <= PIECES_PER_STEP and len(pieces_per_step) >= 480 // (
-        PIECES_PER_STEP * 32
-    )  # spread over decode steps
+    most = pieces_per_iteration(decoding=True)
+    assert max(pieces_per_step) <= most and len(pieces_per_step) >= 480 // (most * 32)  # spread over decode steps
 
 
 def test_rows_that_cannot_run_are_error_rows(model):

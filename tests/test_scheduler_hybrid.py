@@ -118,10 +118,15 @@ def state_slots(options: dict) -> int:
     return options.get("max_rows", 8)
 
 
-def test_ragged_pieces_keep_each_rows_state_across_their_leading_padding(hybrid):
+def test_ragged_pieces_keep_each_rows_state_across_their_leading_padding(hybrid, monkeypatch):
     """Ragged prefill (the GPU's): several rows' pieces in one call, each row's tokens after padding
     it neither caches nor lets into its state; later pieces too, whose convolution must see the
-    row's earlier tokens, not the padding."""
+    row's earlier tokens, not the padding. (With the GPU's pieces an iteration: the CPU's fewer
+    rarely put a row's later piece beside another row's.)"""
+    from mlxcel.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "CPU_PIECES_PER_STEP", scheduler.PIECES_PER_STEP)
+    monkeypatch.setattr(scheduler, "CPU_IDLE_PIECES_PER_STEP", scheduler.IDLE_PIECES_PER_STEP)
     model, expected = hybrid
     got, state = schedule(model, PROMPTS, ragged=True, chunk_size=16)
     assert got == expected

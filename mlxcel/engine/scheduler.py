@@ -5,8 +5,8 @@ pool has the blocks for its prompt and every token it may generate (reserved up 
 ever preempted, and admission never exceeds the budget). Each iteration:
 1. admits what fits, then prefills new rows in pieces (2048 tokens when no row decodes, 512
    while rows decode; `prefill.chunk_size` pins both), at most PIECES_PER_STEP pieces an
-   iteration (IDLE_PIECES_PER_STEP when no row decodes), so a long prompt delays the running
-   rows by a bounded amount;
+   iteration (IDLE_PIECES_PER_STEP when no row decodes; fewer on a CPU: pieces_per_iteration), so
+   a long prompt delays the running rows by a bounded amount;
 2. runs one decode step for every decoding row, ragged (each row at its own length);
 3. draws the next token of every decoding row and of each row whose prefill just ended;
 4. reads the previous iteration's draw (one step of lookahead: the device computes step t+1
@@ -69,6 +69,12 @@ KV_BUDGET_SHARE = 0.4  # of device memory (RAM on the CPU) for the KV cache by d
 # pieces of 2048: one call of 16k tokens is all activations and no decode to hide behind.
 PIECES_PER_STEP = 8
 IDLE_PIECES_PER_STEP = 4
+# On a CPU a call costs its tokens (~300 a second for SmolLM2 on two cores): 4 idle pieces of 2048
+# held a server's first draw for the whole queue's prefill. 2-core VM, SmolLM2, bench.serve: at 32
+# streams 1 idle / 2 busy pieces gave TTFT p50 8.5 s against 12.0 s (106.5 vs 105.1 tok/s; 1 / 1:
+# 98.2 tok/s), at 8 streams 2.85 s against 3.38 s (70.7 vs 65.2 tok/s); the ragged job the same.
+CPU_PIECES_PER_STEP = 2
+CPU_IDLE_PIECES_PER_STEP = 1
 MIN_RAGGED_WIDTH = 64  # the narrowest line of a ragged prefill call (fewer distinct shapes below it cost little)
 # Structured output: a constrained step's masks need the last step's tokens on the host, so these
 # batches keep no lookahead. With at least THREADED_MASK_ROWS constrained rows the last draw is read
@@ -696,7 +702,7 @@ class BatchScheduler:
                 # a later piece attends to the earlier ones' quantized keys, so where pieces end
                 # changes a row's tokens: with kv_bits they are the row's own, as in the batch engine
                 piece = self.pinned_chunk or request.chunk_size
-            budget = (PIECES_PER_STEP if len(batch) else IDLE_PIECES_PER_STEP) * piece
+            budget = pieces_per_iteration(decoding=len(batch) > 0) * piece
             group = self.pick_pieces(prefilling, piece, budget, request) if packed and prefilling else None
             if group is not None:
                 logits, done = self.step_packed(table, caches, batch, *group, request, state)
@@ -1568,6 +1574,14 @@ def release_slot(table: PageTable, caches: list, slot: int) -> None:
     for cache in caches:
         if hasattr(cache, "forget"):
             cache.forget(slot)
+
+
+def pieces_per_iteration(decoding: bool) -> int:
+    """Prefill pieces an iteration takes, while rows decode or when none does (on a GPU a call costs
+    a few ms however few its tokens; on a CPU, its tokens)."""
+    if mx.default_device() == mx.gpu:
+        return PIECES_PER_STEP if decoding else IDLE_PIECES_PER_STEP
+    return CPU_PIECES_PER_STEP if decoding else CPU_IDLE_PIECES_PER_STEP
 
 
 def first_half(caches: list) -> list[mx.array]:

@@ -272,35 +272,6 @@ def test_the_prompt_cache_keeps_tokens_with_the_kernels(tiny_llama):
     assert agree >= 7, (agree, on, off)  # fp32; a kernel's reduction order may still flip a near-tie
 
 
-def test_the_whole_step_as_one_call_equals_the_step_by_layer(kernel_family, monkeypatch):
-    """MLXCEL_WHOLE_STEP=1 (engine/segmented.py): the segmented step with the decode kernel traced
-    into one compiled call gives the tokens the step by layer gives (rows joining and leaving, so
-    several batch sizes and trace keys); Gemma 4's shared-KV layers attend over their source's pool."""
-    from mlxcel.checkpoints.loader import load_model
-    from mlxcel.engine import GenerationRequest, RowRequest
-    from mlxcel.engine.engine import get_decoder
-    from mlxcel.engine.scheduler import BatchScheduler
-    from mlxcel.sampling import Sampler
-
-    model = load_model(str(kernel_family), dtype="float32").model
-    rng = np.random.default_rng(1)
-    rows = [
-        RowRequest(rng.integers(3, 300, size=int(n)).tolist(), row_id=i, max_tokens=int(m))
-        for i, (n, m) in enumerate(zip(rng.integers(1, 200, size=6), rng.integers(4, 40, size=6)))
-    ]
-
-    def run():
-        model.__dict__.pop("_mlxcel_decoders", None)
-        state = BatchScheduler(model, 512, 3).generate(GenerationRequest(rows, Sampler("greedy"), max_tokens=40))
-        return [r.token_ids for r in state.results]
-
-    by_layer = run()
-    monkeypatch.setenv("MLXCEL_WHOLE_STEP", "1")
-    assert run() == by_layer
-    decoder = get_decoder(model, "segmented")
-    assert decoder._whole_steps  # (every family here, shared-KV layers too)
-
-
 def test_mla_pools_are_written_in_place(tmp_path, monkeypatch):
     """DeepSeek's latent and RoPE key (512 and 64 wide in the real models) go through the
     write-and-gather kernel (no decode kernel: its absorbed attention reads the gathered rows), the

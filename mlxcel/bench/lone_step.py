@@ -7,10 +7,9 @@ One row, a --context-token prompt, then --steps greedy tokens, pipelined as the 
 graph in Python, its time in `mx.async_eval` (MLX encodes and launches the kernels), and the whole
 step. Four ways to run the same model: mlxcel's segmented step and its eager step over a dense
 cache (the model alone), mlxcel's scheduler (the paged cache, what `python -m mlxcel.bench`
-measures; again with the whole step as one compiled call, and for Gated DeltaNet models with the
-delta rule's fused kernel instead of its ops, for MLA models with the latent pools written in
-place), and mlx-lm's model over its own cache (where mlx-lm
-is installed). A gap between the dense and the scheduler rows is the paged cache's; between ours
+measures; again for Gated DeltaNet models with the delta rule's fused kernel instead of its ops,
+and for MLA models with the latent pools written in place), and mlx-lm's model over its own cache
+(where mlx-lm is installed). A gap between the dense and the scheduler rows is the paged cache's; between ours
 and mlx-lm's, the model's.
 """
 
@@ -88,7 +87,6 @@ def run_mlxcel(folder, dtype, prompt: mx.array, steps: int) -> dict[str, dict]:
 # the scheduler's row again under settings that change its decode step (each off or on by default)
 VARIANTS = [
     ("", {}),
-    (", whole step", {"MLXCEL_WHOLE_STEP": "1"}),
     (", fused delta rule", {"MLXCEL_FUSED_DELTA": "1"}),
     (", MLA pools in place", {"MLXCEL_MLA_IN_PLACE": "1"}),
 ]

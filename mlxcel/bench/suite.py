@@ -20,7 +20,7 @@ loses only itself), then prints one table:
   `bench.adapters` (256 rows over 4 LoRA adapters against one merged, the 1B shape); a third call
   (`--parts draft,adapters`), their tables in the parts' logs;
 - lone-step: where a lone row's decode step goes (`bench.lone_step`: the 1B shape and the family
-  shapes, mlxcel's dense, scheduler and whole-step variants against mlx-lm), its table in its log.
+  shapes, mlxcel's dense and scheduler variants against mlx-lm), its table in its log.
 """
 
 from __future__ import annotations

@@ -37,11 +37,7 @@ loading must not keep its decoder (none of ours does; `after_prefill` is a no-op
 
 from __future__ import annotations
 
-import os
-from types import SimpleNamespace
-
 import mlx.core as mx
-import numpy as np
 
 
 class SegmentedDecoder:
@@ -59,7 +55,6 @@ class SegmentedDecoder:
         self.runs = [list(range(start + 1, end)) for start, end in zip(bounds, bounds[1:])]
         self.stateful = [[i for i in run if self.entries[i] is not None] for run in self.runs]
         self._segments = [mx.compile(self._make_segment(j)) for j in range(len(self.runs))]
-        self._whole_steps: dict[tuple, object] = {}  # (rows, each mask's splits) -> the compiled whole step
 
     def _embed(self, tokens: mx.array) -> tuple[mx.array, tuple]:
         ids = tokens[:, None]
@@ -132,8 +127,6 @@ class SegmentedDecoder:
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """Logits [B, V] for the next position of every row; each layer's cache advances by one."""
-        if whole_step_enabled() and self._takes_whole_step(cache):
-            return self._whole_step(tokens, cache)
         offset = self._position(cache)
         masks = self.model.make_masks(1, cache) if self.attending else []
         out, written, opened, context = self._segments[0](tokens, offset, (), self._read_states(0, cache))
@@ -154,106 +147,3 @@ class SegmentedDecoder:
             out, written, opened = self._segments[j]((out, attended, tuple(rest)), offset, context, states)
             self._write_states(j, cache, written)
         return out
-
-    # --- the whole step as one compiled call (the paged decode kernel's path) ---------------------
-    # Where every attention layer attends through the CUDA paged decode kernel (paged_attention.py),
-    # its inputs are arrays of fixed shapes (the pool, the rows' block table at its full width, their
-    # lengths) and a few host ints that change only when a row's positions pass a split (1,024
-    # positions): so the attention joins the segments in one traced function, and a step costs one
-    # compiled call instead of a Python call per layer (the host bounds a lone row's step on a GPU).
-
-    def _takes_whole_step(self, cache: list) -> bool:
-        """Every layer that writes keys reads the paged pool in place through the decode kernel
-        (a shared layer reads its source's)."""
-        if not self.attending:
-            return False
-        for entry in self._pool_entries():
-            layer_cache = cache[entry]
-            step = getattr(getattr(layer_cache, "table", None), "step", None)
-            if step is None or not step.decode_kernel or step.invariant or getattr(layer_cache, "pool", None) is None:
-                return False
-        return True
-
-    def _pool_entries(self) -> list:
-        """The cache entries whose pools the attending layers read, in the order they first write them."""
-        return [self.entries[i] for i in self.attending if self.sources[i] is None]
-
-    def _whole_step(self, tokens: mx.array, cache: list) -> mx.array:
-        from mlxcel.models.paged_attention import choose_split_length
-
-        entries = self._pool_entries()
-        table = cache[entries[0]].table
-        step = table.step
-        rows, longest_row = len(step.slots), int(step.ends.max())
-        masks = self.model.make_masks(1, cache)
-        pools = {entry: cache[entry].pool for entry in entries}
-        # each pool's (window, split length, splits): static for the trace; a shared layer takes its source's
-        splits = {}
-        for entry, pool in pools.items():
-            window = masks[entry].window
-            longest = longest_row if not window else min(longest_row, window)
-            split_len = choose_split_length(rows, pool.keys.shape[1], longest)
-            splits[entry] = (window, split_len, -(-longest // split_len))
-        key = (rows, tuple(splits.values()), tuple(id(pool.keys) for pool in pools.values()))
-        if key not in self._whole_steps:
-            self._whole_steps[key] = mx.compile(self._make_whole_step(splits, pools))
-        block_table = mx.array(table.table[step.slots])  # every column: one shape while the rows grow
-        lengths = mx.array(step.ends.astype(np.int32))
-        states = [self._read_states(j, cache) for j in range(len(self.runs))]
-        dones = [pool.done for pool in pools.values()]
-        logits, dones, written = self._whole_steps[key](
-            tokens, self._position(cache), block_table, lengths, dones, states
-        )
-        for pool, done in zip(pools.values(), dones):
-            pool.done = done
-        for j, layer_states in enumerate(written):
-            self._write_states(j, cache, layer_states)
-        return logits
-
-    def _make_whole_step(self, splits: dict, pools: dict):
-        from mlxcel.models.paged_attention import paged_decode_attention
-        from mlxcel.models.paged_cache import BLOCK_SIZE
-
-        def whole_step(tokens, offset, block_table, lengths, dones, states):
-            # each pool as the kernels see it: its arrays and the last kernel's `done` (their order)
-            targets = {
-                entry: SimpleNamespace(keys=pool.keys, values=pool.values, done=done)
-                for (entry, pool), done in zip(pools.items(), dones)
-            }
-            out, written, opened, context = self._segments[0](tokens, offset, (), states[0])
-            all_written, new_keys = [written], {}
-            for j, i in enumerate(self.attending, start=1):
-                attention, source = self.layers[i].self_attn, self.sources[i]
-                if source is None:
-                    entry = self.entries[i]
-                    q, k, v, *rest = opened
-                    new_keys[entry] = (k, v)
-                else:  # a shared layer: its source's pool and new position (stored again, the same values)
-                    entry = source
-                    (q, *rest), (k, v) = opened, new_keys[source]
-                window, split_len, count = splits[entry]
-                attended = paged_decode_attention(
-                    q,
-                    k,
-                    v,
-                    targets[entry],
-                    block_table,
-                    lengths,
-                    count * split_len,
-                    attention.scale,
-                    BLOCK_SIZE,
-                    window or 0,
-                    sinks=attention.sinks if "sinks" in attention else None,
-                    split_len=split_len,
-                )
-                out, written, opened = self._segments[j]((out, attended, tuple(rest)), offset, context, states[j])
-                all_written.append(written)
-            return out, [target.done for target in targets.values()], all_written
-
-        return whole_step
-
-
-def whole_step_enabled() -> bool:
-    """$MLXCEL_WHOLE_STEP=1: the decode kernel's path runs the whole step as one compiled call
-    (off by default until measured on a GPU)."""
-    return os.environ.get("MLXCEL_WHOLE_STEP", "0") == "1"

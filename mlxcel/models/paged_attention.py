@@ -228,21 +228,15 @@ def _kernel(single: bool):
 
 
 def is_available(head_dim: int, group: int = 1) -> bool:
-    """On MLX's CUDA backend with the GPU as the default device, for head dims the kernel's 16-byte
-    loads divide, where the decode kernel's shared memory for `group` query heads a KV head fits
-    ($MLXCEL_PAGED_KERNEL=0 turns it off: the plain path, to compare)."""
-    if (
-        os.environ.get("MLXCEL_PAGED_KERNEL", "1") == "0"
-        or head_dim % 8
-        or decode_shared_bytes(head_dim, group) > SHARED
-    ):
-        return False
-    return mx.default_device() == mx.gpu and has_cuda_backend()
+    """The decode kernel (and the pool writes beside it): writes_available for the head dim, where
+    the decode kernel's shared memory for `group` query heads a KV head fits."""
+    return writes_available(head_dim) and decode_shared_bytes(head_dim, group) <= SHARED
 
 
 def writes_available(*widths: int) -> bool:
-    """The write-and-gather kernel for keys and values of these widths (16-byte copies), where
-    is_available's backend and switch allow it."""
+    """The write-and-gather kernel for keys and values of these widths: on MLX's CUDA backend with
+    the GPU as the default device, for widths its 16-byte copies divide ($MLXCEL_PAGED_KERNEL=0
+    turns every paged kernel off: the plain path, to compare)."""
     if os.environ.get("MLXCEL_PAGED_KERNEL", "1") == "0" or any(width % 8 for width in widths):
         return False
     return mx.default_device() == mx.gpu and has_cuda_backend()
@@ -278,7 +272,6 @@ def paged_decode_attention(
     window: int = 0,
     one_split: bool = False,
     sinks: mx.array | None = None,
-    split_len: int | None = None,
 ) -> mx.array:
     """Store each row's new key and value in the pool, and attend its one new query over its
     positions (the new one included).
@@ -288,13 +281,11 @@ def paged_decode_attention(
     attends to (host); window: a sliding window's size (0: every position); one_split: each row's
     positions in one block (batch-invariant mode: the split then depends on the row alone, and
     the kernel normalizes it itself); sinks [H]: a learned logit per head in every softmax
-    (gpt-oss); split_len: positions a split, fixed by the caller (a compiled step: `longest` then
-    only counts the splits). Returns [B, H, 1, D] in q's dtype."""
+    (gpt-oss). Returns [B, H, 1, D] in q's dtype."""
     B, H, _, D = q.shape
     kv_heads = pool.keys.shape[1]
     group = H // kv_heads
-    if split_len is None:
-        split_len = -(-longest // THREADS) * THREADS if one_split else choose_split_length(B, kv_heads, longest)
+    split_len = -(-longest // THREADS) * THREADS if one_split else choose_split_length(B, kv_heads, longest)
     splits = -(-longest // split_len)
     inputs = [
         q.reshape(B, H, D),

@@ -119,12 +119,23 @@ def test_the_wrapper_hands_each_projection_to_the_kernel(family, fused, monkeypa
     np.testing.assert_allclose(np.array(fused_state), np.array(state), atol=1e-6)
 
 
-def test_the_kernel_is_off_where_its_block_does_not_fit(monkeypatch):
+def test_the_kernel_takes_only_head_sizes_its_block_fits():
+    assert gated_delta_cuda.fits_block(128, 128, 16, 32)  # Qwen 3.5's layers
+    assert gated_delta_cuda.fits_block(16, 16, 2, 4)  # the tiny checkpoints': two warps
+    assert not gated_delta_cuda.fits_block(128, 12, 2, 4)  # 4 * 12 threads: not whole warps
+    assert not gated_delta_cuda.fits_block(128, 512, 2, 4)  # 2048 threads a block
+    assert not gated_delta_cuda.fits_block(130, 128, 2, 4)  # key rows in quarters
+    assert not gated_delta_cuda.fits_block(128, 128, 3, 4)  # value heads per key head
+
+
+def test_the_kernel_is_off_unless_switched_on(monkeypatch):
+    monkeypatch.setattr(gated_delta_cuda, "has_cuda_backend", lambda: True)
+    monkeypatch.setattr(gated_delta_cuda.mx, "default_device", lambda: gated_delta_cuda.mx.gpu)
+    monkeypatch.delenv("MLXCEL_FUSED_DELTA", raising=False)
+    assert not gated_delta_cuda.is_available(128, 128, 16, 32)
     monkeypatch.setenv("MLXCEL_FUSED_DELTA", "1")
-    assert not gated_delta_cuda.is_available(128, 12, 2, 4)  # 4 * 12 threads: not whole warps
-    assert not gated_delta_cuda.is_available(128, 512, 2, 4)  # 2048 threads a block
-    assert not gated_delta_cuda.is_available(130, 128, 2, 4)  # key rows in quarters
-    assert not gated_delta_cuda.is_available(128, 128, 3, 4)  # value heads per key head
+    assert gated_delta_cuda.is_available(128, 128, 16, 32)
+    assert not gated_delta_cuda.is_available(128, 12, 2, 4)
 
 
 cuda = pytest.mark.skipif(not (mx.default_device() == mx.gpu and has_cuda_backend()), reason="MLX's CUDA backend only")

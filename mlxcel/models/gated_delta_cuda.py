@@ -142,11 +142,16 @@ def is_available(key_dim: int, value_dim: int, key_heads: int, value_heads: int)
     """On MLX's CUDA backend with the GPU as the default device, for head sizes the block's layout
     takes, where $MLXCEL_FUSED_DELTA=1 (off by default until a GPU run has checked and timed it:
     tests/test_gated_delta_cuda.py, bench.lone_step)."""
-    if os.environ.get("MLXCEL_FUSED_DELTA", "0") != "1":
-        return False
-    if value_dim % 8 or GROUPS * value_dim > 1024 or key_dim % GROUPS or value_heads % key_heads:
+    if os.environ.get("MLXCEL_FUSED_DELTA", "0") != "1" or not fits_block(key_dim, value_dim, key_heads, value_heads):
         return False
     return mx.default_device() == mx.gpu and has_cuda_backend()
+
+
+def fits_block(key_dim: int, value_dim: int, key_heads: int, value_heads: int) -> bool:
+    """Whether a (row, value head)'s block takes these head sizes: GROUPS * Dv threads in whole
+    warps and at most 1024 of them, the key rows in GROUPS equal parts, whole value heads a key head."""
+    threads = GROUPS * value_dim
+    return threads % 32 == 0 and threads <= 1024 and key_dim % GROUPS == 0 and value_heads % key_heads == 0
 
 
 def decode_step(

@@ -20,11 +20,11 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.bench.__main__ import add_checkpoint_arguments, reexec_with_openblas
 from mlxcel.bench.checkpoints import dtype_name, prepare_checkpoint
 from mlxcel.bench.harness import align_columns, log
 from mlxcel.checkpoints.loader import load_model, pick_dtype
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="deepseek-v2-lite-small,qwen3.5-0.8b", help="bench checkpoint names")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens")
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed (after 8 untimed)")
-    parser.add_argument("--dtype", default="auto", help="bfloat16 on a GPU, float32 on the CPU (auto)")
+    add_checkpoint_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -149,16 +149,12 @@ def run_mlx_lm(folder, prompt: mx.array, steps: int) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if mx.default_device() == mx.cpu:
-        from mlxcel.bench.__main__ import reexec_with_openblas
-
         reexec_with_openblas(sys.argv[1:] if argv is None else argv, "mlxcel.bench.lone_step")
-    work_dir = Path(os.environ.get("MLXCEL_BENCH_DIR", "~/.cache/mlxcel-bench")).expanduser()
     dtype = pick_dtype(args.dtype)
     rows = [["model", "way", "build ms", "async_eval ms", "step ms", "tok/s"]]
     for name in args.models.split(","):
-        folder = prepare_checkpoint(name, work_dir, dtype)
-        vocab = 1000
-        prompt = mx.array(np.random.default_rng(0).integers(10, vocab, args.context), dtype=mx.int32)
+        folder = prepare_checkpoint(name, args.work_dir.expanduser(), dtype)
+        prompt = mx.array(np.random.default_rng(0).integers(10, 1000, args.context), dtype=mx.int32)
         log(f"{name}: mlxcel")
         results = run_mlxcel(folder, dtype, prompt, args.steps)
         log(f"{name}: mlx-lm")

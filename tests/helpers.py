@@ -368,7 +368,9 @@ def run_cli(tmp_path: Path, *args: str, env: dict | None = None, run: str = "run
 
 def run_mlxcel(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m mlxcel ARGS` in `cwd`, this checkout's code, no traceback switch."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    # (this checkout first, then the caller's path: a machine whose packages live on PYTHONPATH keeps them)
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
     full_env.pop("MLXCEL_DEBUG", None)
     return subprocess.run(
         [sys.executable, "-m", "mlxcel", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600
@@ -382,7 +384,9 @@ def stop_cli_after_rows(
     rows: (its exit code, its stderr)."""
     import time
 
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    # (this checkout first, then the caller's path: a machine whose packages live on PYTHONPATH keeps them)
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlxcel", *args],
         cwd=tmp_path,

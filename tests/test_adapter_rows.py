@@ -61,10 +61,19 @@ def alone(folders, prompts) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def several(folders):
+@pytest.fixture(scope="module", params=["columns", "gathered"])
+def several(request, folders):
+    """The base with both adapters beside its weights, each layer's mixed product in one form
+    (the tiny model's layers would all gather: its adapters are wide against its layers)."""
+    from mlxcel.models import adapters as layer_adapters
+
     adapters = {"a": str(folders["a"]), "b": str(folders["b"])}
-    return load_model(str(folders["base"]), dtype="float32", adapters=adapters).model
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layer_adapters, "prefers_columns", lambda *dims: request.param == "columns")
+        model = load_model(str(folders["base"]), dtype="float32", adapters=adapters).model
+    forms = {layer.adapters.masked for _, layer in model.named_modules() if hasattr(layer, "adapters")}
+    assert forms == {request.param == "columns"}
+    return model
 
 
 def generate(model, prompts, adapters, engine=None, **options) -> list[list[int]]:
@@ -82,6 +91,25 @@ def test_rows_with_different_adapters_share_calls_and_draw_their_own_tokens(seve
     adapters = [0, 1, -1, 1, 0, -1, 0, 1, 1]
     got = generate(several, prompts, adapters, max_rows=3, chunk=chunk, packed=packed)
     assert got == [alone[(a, i)] for i, a in enumerate(adapters)]
+
+
+def test_a_compiled_step_follows_each_rows_adapter(several, prompts, alone, monkeypatch):
+    """The segmented step takes the rows' picks as an input: traced once, it still gives each row
+    its own adapter as rows come and go (3 rows at a time over 9, some with none)."""
+    monkeypatch.setenv("MLXCEL_DECODE_STEP", "segmented")
+    several.__dict__.pop("_mlxcel_decoders", None)
+    scheduler = BatchScheduler(several, 256, 3)
+    assert scheduler.segmented
+    adapters = [1, 0, -1, -1, 1, 0, 0, -1, 1]
+    try:
+        got = generate(several, prompts, adapters, engine=scheduler)
+        assert got == [alone[(a, i)] for i, a in enumerate(adapters)]
+        batch = [0, -1, 1]
+        engine = DirectEngine(several, 256)
+        assert engine.engine.decoder is not None
+        assert generate(several, prompts[:3], batch, engine=engine) == [alone[(a, i)] for i, a in enumerate(batch)]
+    finally:
+        several.__dict__.pop("_mlxcel_decoders", None)
 
 
 def test_the_batch_engine_runs_a_batch_of_mixed_adapters(several, prompts, alone):

@@ -1,5 +1,5 @@
 """The Gated DeltaNet decode step as one CUDA kernel (models/gated_delta_cuda.py) against the ops path
-it replaces (qwen3_5.GatedDeltaNet.advance; MLXCEL_FUSED_DELTA=1 turns the kernel on).
+it replaces (qwen3_5.GatedDeltaNet.advance; on by default on CUDA; MLXCEL_FUSED_DELTA=0 turns it off).
 
 On the CPU: the layer's wiring (which projection output and column each of qkv, z, b and a comes
 from, fused or not, Qwen 3.5's four projections and Qwen3-Next's two) through a stand-in for the
@@ -128,14 +128,14 @@ def test_the_kernel_takes_only_head_sizes_its_block_fits():
     assert not gated_delta_cuda.fits_block(128, 128, 3, 4)  # value heads per key head
 
 
-def test_the_kernel_is_off_unless_switched_on(monkeypatch):
+def test_the_kernel_is_on_unless_switched_off(monkeypatch):
     monkeypatch.setattr(gated_delta_cuda, "has_cuda_backend", lambda: True)
     monkeypatch.setattr(gated_delta_cuda.mx, "default_device", lambda: gated_delta_cuda.mx.gpu)
     monkeypatch.delenv("MLXCEL_FUSED_DELTA", raising=False)
-    assert not gated_delta_cuda.is_available(128, 128, 16, 32)
-    monkeypatch.setenv("MLXCEL_FUSED_DELTA", "1")
     assert gated_delta_cuda.is_available(128, 128, 16, 32)
     assert not gated_delta_cuda.is_available(128, 12, 2, 4)
+    monkeypatch.setenv("MLXCEL_FUSED_DELTA", "0")
+    assert not gated_delta_cuda.is_available(128, 128, 16, 32)
 
 
 cuda = pytest.mark.skipif(not (mx.default_device() == mx.gpu and has_cuda_backend()), reason="MLX's CUDA backend only")

@@ -70,8 +70,8 @@ def choose_decode_step(model, requested: str = "auto") -> str:
     once (longrope) says so and runs eager; a compiled step that cannot drive a request's caches
     (`can_drive`) leaves that request eager."""
     step = resolve_decode_step(requested)
-    if picks_adapters_per_row(model):
-        return "eager"  # (a traced step would keep the adapters' masks of its first call)
+    if step == "compiled" and picks_adapters_per_row(model):
+        return "eager"  # (its traced step would keep the adapters' picks of its first call; segmented takes them as inputs)
     return step if getattr(model, "supports_compiled_decode", True) else "eager"
 
 

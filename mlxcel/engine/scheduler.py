@@ -260,11 +260,11 @@ def uses_kernels(model) -> tuple[bool, bool]:
 def writes_in_place(attention) -> bool:
     """Whether the kernels can write this layer's pool in place: where its decode kernel runs, and
     for MLA's latent and RoPE key (widths apart: written in place, attended to over the gathered
-    rows, as its absorbed attention takes them; with $MLXCEL_MLA_IN_PLACE=1 until a GPU run has
-    checked it: tests/test_paged_attention.py::test_mla_pools_are_written_in_place)."""
+    rows, as its absorbed attention takes them; $MLXCEL_MLA_IN_PLACE=0 turns it off: the H100 passed
+    tests/test_paged_attention.py::test_mla_pools_are_written_in_place, bench.lone_step 283 -> 321 tok/s)."""
     widths = cache_widths(attention)
     if len(set(widths)) > 1:
-        return os.environ.get("MLXCEL_MLA_IN_PLACE", "0") == "1" and paged_attention.writes_available(*widths)
+        return os.environ.get("MLXCEL_MLA_IN_PLACE", "1") == "1" and paged_attention.writes_available(*widths)
     group = getattr(attention, "n_heads", 1) // getattr(attention, "n_kv_heads", 1)
     return paged_attention.is_available(attention.head_dim, group)
 

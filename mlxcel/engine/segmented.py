@@ -31,6 +31,9 @@ steps run the same code:
 - `embed_with_layer_inputs(ids)` on the model (default: `embed_tokens`): the embeddings and the
   per-layer inputs [B, 1, layers, P] (Gemma 4's PLE), made once a step; each layer's slice goes
   to its `finish_block` / `run_with_states`.
+A model whose rows take different adapters (models/adapters.py) passes each row's pick into every
+segment as an input (`AdapterControl.step_picks`), so a traced segment follows the rows' adapters
+instead of keeping those of the call it was traced in.
 Weights are captured as constants when a segment is traced: a model whose weights change after
 loading must not keep its decoder (none of ours does; `after_prefill` is a no-op for text models).
 """
@@ -55,6 +58,8 @@ class SegmentedDecoder:
         self.runs = [list(range(start + 1, end)) for start, end in zip(bounds, bounds[1:])]
         self.stateful = [[i for i in run if self.entries[i] is not None] for run in self.runs]
         self._segments = [mx.compile(self._make_segment(j)) for j in range(len(self.runs))]
+        control = getattr(model, "adapter_control", None)
+        self.adapters = control if control is not None and control.default < 0 else None  # per-row picks
 
     def _embed(self, tokens: mx.array) -> tuple[mx.array, tuple]:
         ids = tokens[:, None]
@@ -80,7 +85,13 @@ class SegmentedDecoder:
         opens = self.attending[j] if j < len(self.attending) else None
         run = self.runs[j]
 
-        def segment(carry, offset: mx.array, context: tuple, states: list):
+        def segment(carry, offset: mx.array, context: tuple, states: list, picks: tuple):
+            if self.adapters is None:
+                return run_segment(carry, offset, context, states)
+            with self.adapters.tracing(picks):
+                return run_segment(carry, offset, context, states)
+
+        def run_segment(carry, offset: mx.array, context: tuple, states: list):
             if closes is None:  # the first segment starts from the tokens
                 h, context = self._embed(carry)
             else:
@@ -129,7 +140,8 @@ class SegmentedDecoder:
         """Logits [B, V] for the next position of every row; each layer's cache advances by one."""
         offset = self._position(cache)
         masks = self.model.make_masks(1, cache) if self.attending else []
-        out, written, opened, context = self._segments[0](tokens, offset, (), self._read_states(0, cache))
+        picks = self.adapters.step_picks(tokens.shape[0]) if self.adapters is not None else ()
+        out, written, opened, context = self._segments[0](tokens, offset, (), self._read_states(0, cache), picks)
         self._write_states(0, cache, written)
         kept = {}
         for j, i in enumerate(self.attending, start=1):
@@ -144,6 +156,6 @@ class SegmentedDecoder:
                 (q, *rest), (keys, values), mask = opened, kept[source], masks[source]
             attended = self.layers[i].self_attn.attend(q, keys, values, mask)
             states = self._read_states(j, cache)
-            out, written, opened = self._segments[j]((out, attended, tuple(rest)), offset, context, states)
+            out, written, opened = self._segments[j]((out, attended, tuple(rest)), offset, context, states, picks)
             self._write_states(j, cache, written)
         return out

@@ -5,15 +5,19 @@ adapter into dense weights instead.
 
 Each adapted layer keeps its adapters stacked, A as [n + 1, in, r] and scale * B as [n + 1, r, out]
 (slot n: zeros, "no adapter"; ranks zero-padded to the widest); one `AdapterControl` shared by the
-model says which adapter each token takes, and the layer gathers each token's product by it
-(mx.gather_mm, as vLLM's multi-LoRA kernels do), so a batch's LoRA product is two gathered matmuls a
-layer whatever its mix of adapters. Fusing Q/K/V or gate/up (base.fuse_linears) stacks the parts' A
+model says which adapter each token takes. Where it costs at most a quarter of the layer's own
+work, a layer computes every adapter's product for every token as one matmul pair over the
+adapters' columns side by side, the columns of the adapters a token does not take masked to zero
+(`LayerAdapters.masked`); otherwise it gathers each token's product by its adapter (mx.gather_mm,
+as vLLM's multi-LoRA kernels do). Either way a batch's LoRA product is two matmuls a layer whatever
+its mix of adapters. Fusing Q/K/V or gate/up (base.fuse_linears) stacks the parts' A
 along the rank and puts their B on the block diagonal (`fuse_adapters`), so fused layers keep their
 adapters."""
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +38,23 @@ class LayerAdapters:
     b: mx.array  # [n + 1, R, out]: adapter i's scale * B (transposed)
     control: AdapterControl
 
+    def __post_init__(self):
+        slots, in_dims, rank = self.a.shape
+        out_dims, n = self.b.shape[2], slots - 1
+        self.masked = prefers_columns(n, rank, in_dims, out_dims)
+        if self.masked:
+            self.a_columns = self.a[:n].transpose(1, 0, 2).reshape(in_dims, n * rank)  # column i * R + r
+            self.b_columns = self.b[:n].reshape(n * rank, out_dims)
+            mx.eval(self.a_columns, self.b_columns)
+
+
+def prefers_columns(adapters: int, rank: int, in_dims: int, out_dims: int) -> bool:
+    """Every adapter's product for every token costs adapters x rank x (in + out) multiply-adds a
+    token: taken while that is at most a quarter of the layer's own in x out. (On the H100
+    gather_mm made a 4-adapter job 6x slower than the merged model, issue 44; the columns' matmuls
+    are plain GEMMs, which every backend does best.)"""
+    return adapters * rank * (in_dims + out_dims) * 4 <= in_dims * out_dims
+
 
 class AdapterControl:
     """Which adapter each token of the next forward call takes (one per model, shared by its layers).
@@ -50,6 +71,7 @@ class AdapterControl:
         self.index: mx.array | None = None
         self.index_at: mx.array | None = None
         self._picks: dict[tuple, mx.array] | None = {}
+        self._traced: tuple | None = None  # (picks or None,) while a compiled step is traced
 
     def set_tokens(self, index: Any, logits_at: int | mx.array | None = None) -> None:
         host = None if isinstance(index, mx.array) else np.asarray(index, dtype=np.int32)
@@ -74,6 +96,25 @@ class AdapterControl:
     def clear(self) -> None:
         self.index, self.index_at, self._picks = None, None, {}
 
+    def step_picks(self, rows: int) -> tuple:
+        """A one-token step's picks as a compiled step's input: () where no row takes an adapter,
+        else (each row's slot [rows] int32,)."""
+        pick = self.pick((rows, 1))
+        if pick is None:
+            return ()
+        return (mx.full((rows,), pick, dtype=mx.int32) if isinstance(pick, int) else pick,)
+
+    @contextmanager
+    def tracing(self, picks: tuple):
+        """While a compiled step is traced: every layer takes `picks` (step_picks' form, the traced
+        input), so the compiled graph reads the picks it is given, not those of its first call."""
+        saved = self._traced, self._picks
+        self._traced, self._picks = (picks[0] if picks else None,), {}
+        try:
+            yield
+        finally:
+            self._traced, self._picks = saved
+
     def tokens_for(self, lead: tuple[int, ...]) -> mx.array:
         """The index shaped to broadcast against a layer input's leading dims."""
         index = self.index
@@ -94,6 +135,11 @@ class AdapterControl:
     def pick(self, lead: tuple[int, ...]) -> int | mx.array | None:
         """None: no token takes an adapter; an int: every token takes that one; else each token's
         adapter slot, flattened ([prod(lead)] int32, n for none)."""
+        if self._traced is not None:
+            picks = self._traced[0]
+            if picks is not None and picks.size != math.prod(lead):
+                raise MlxcelError(f"a compiled step's adapter picks ({picks.size}) do not fit a layer input of {lead}")
+            return picks
         if self._picks is None:
             return None
         if self.index is None:
@@ -102,14 +148,23 @@ class AdapterControl:
             self._picks[lead] = mx.broadcast_to(self.tokens_for(lead), lead).flatten()
         return self._picks[lead]
 
+    def column_mask(self, lead: tuple[int, ...], pick: mx.array, rank: int, dtype: mx.Dtype) -> mx.array:
+        """[*lead, n * rank]: 1 over the columns of each token's adapter, 0 elsewhere (made once a
+        call for all the layers of one rank)."""
+        key = ("columns", lead, rank, dtype)
+        if key not in self._picks:
+            owner = mx.arange(len(self.names) * rank, dtype=mx.int32) // rank
+            self._picks[key] = (pick[:, None] == owner).astype(dtype).reshape(*lead, -1)
+        return self._picks[key]
+
 
 class AdaptedMixin:
     """A Linear (dense or quantized) plus its adapters (`adapters`, not a parameter: the model's
-    parameters stay the checkpoint's, and quantizing leaves the adapters in their dtype). Each token's
-    product is gathered by its adapter (mx.gather_mm, as vLLM's multi-LoRA kernels). On the 2-core
-    CPU (OpenBLAS, rank 16, 2048 wide) it is not faster than computing every adapter's product and
-    masking the columns: 8 tokens 0.12 vs 0.10 ms (2 adapters), 0.08 vs 0.19 (4); 512 tokens 3.3 vs
-    1.3 ms (2), 3.3 vs 2.3 (4). Which form a GPU prefers is for the H200 run (issue 44 item 6)."""
+    parameters stay the checkpoint's, and quantizing leaves the adapters in their dtype). A mixed
+    call computes every adapter's product and masks the columns where that is cheap (`masked`), else
+    gathers each token's product by its adapter. On the 2-core CPU (OpenBLAS, rank 16, 2048 wide),
+    gathered vs masked: 8 tokens 0.12 vs 0.10 ms (2 adapters), 0.08 vs 0.19 (4); 512 tokens 3.3 vs
+    1.3 ms (2), 3.3 vs 2.3 (4)."""
 
     adapters: LayerAdapters
 
@@ -122,6 +177,9 @@ class AdaptedMixin:
             return y
         if isinstance(pick, int):
             z = (x @ adapters.a[pick]) @ adapters.b[pick]
+        elif adapters.masked:
+            mask = adapters.control.column_mask(lead, pick, adapters.a.shape[2], x.dtype)
+            z = ((x @ adapters.a_columns) * mask) @ adapters.b_columns
         else:
             z = mx.gather_mm(x.reshape(-1, 1, x.shape[-1]), adapters.a, rhs_indices=pick)
             z = mx.gather_mm(z, adapters.b, rhs_indices=pick).reshape(*lead, -1)

@@ -145,3 +145,17 @@ def test_the_compiled_step_equals_the_eager_one_at_every_batch_size():
         for got, want in zip(gd.compiled_step(q, k, v, g, beta, state), gd.one_step(q, k, v, g, beta, state)):
             assert got.shape == want.shape
             np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
+
+
+@pytest.mark.parametrize("length", [64, 150])
+def test_the_compiled_chunked_form_equals_the_eager_one(length):
+    """The GPU's prefill form is chunked compiled (traced once per piece shape): the eager form's
+    numbers, with a row's leading padding masked, for two shapes one after another."""
+    x = make_inputs(length, seed=3)
+    q, k = normalized(x)
+    mask = mx.array(np.arange(length)[None, :] >= np.array([[0], [length // 3]]))  # row 1: left padding
+    args = [mx.array(a) for a in (q, k, x["v"], x["g"], x["beta"])]
+    args[1], args[3], args[4] = gd.apply_mask(args[1], args[3], args[4], mask)
+    for got, want in zip(gd.compiled_chunked(*args, mx.array(x["state"])), gd.chunked(*args, mx.array(x["state"]))):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)

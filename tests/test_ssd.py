@@ -186,3 +186,17 @@ def test_strong_decay_keeps_the_recurrences_precision():
         y, final = form(*args)
         assert max_diff(y, np.stack(expected, axis=1)) <= 5e-5, form.__name__
         assert max_diff(final, s) <= 1e-5, form.__name__
+
+
+def test_the_compiled_chunked_form_equals_the_plain_one(inputs):
+    """The GPU's prefill form is chunked compiled per piece shape: the plain form's numbers, for
+    two piece lengths one after another."""
+    for end in (LENGTH, LENGTH // 2 + 3):
+        piece = {k: mx.array(inputs[k][:, :end]) for k in ("x", "dt", "B", "C")}
+        dt = ssd.discretize_dt(piece["dt"], mx.array(inputs["dt_bias"]), NO_LIMIT)
+        args = (piece["x"], dt, mx.array(inputs["A"]), piece["B"], piece["C"], mx.array(inputs["D"]))
+        state = mx.array(inputs["state"])
+        plain = ssd.chunked(*args, state, chunk=CHUNK)
+        compiled = ssd.compiled_chunked(CHUNK)(*args, state)
+        for a, b in zip(plain, compiled):
+            assert a.shape == b.shape and max_diff(a, b) <= 1e-5

@@ -71,7 +71,7 @@ def choose_decode_step(model, requested: str = "auto") -> str:
     (`can_drive`) leaves that request eager."""
     step = resolve_decode_step(requested)
     if step == "compiled" and picks_adapters_per_row(model):
-        return "eager"  # (its traced step would keep the adapters' picks of its first call; segmented takes them as inputs)
+        return "eager"  # (its traced step keeps its first call's adapter picks; segmented takes them as inputs)
     return step if getattr(model, "supports_compiled_decode", True) else "eager"
 
 

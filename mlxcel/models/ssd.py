@@ -19,6 +19,8 @@ serve H / G consecutive heads.
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -52,6 +54,8 @@ def ssd(
         dt = mx.where(mask[..., None], dt, 0)
     if x.shape[1] < RECURRENT_BELOW:
         return recurrent(x, dt, A, B, C, D, state)
+    if mx.default_device() == mx.gpu and D is not None:
+        return compiled_chunked(chunk)(x, dt, A, B, C, D, state)
     return chunked(x, dt, A, B, C, D, state, chunk)
 
 
@@ -150,3 +154,14 @@ def chunked(
     if skip is not None:
         y = y + skip
     return y.astype(dtype), state.reshape(batch, heads, head_dim, size)
+
+
+@cache
+def compiled_chunked(chunk: int):
+    """The chunked form traced once per piece shape (not shapeless: the chunk count is its loop's
+    length), as gated_delta.compiled_chunked: on a GPU a piece's ops are host-bound one by one."""
+
+    def run(x, dt, A, B, C, D, state):
+        return chunked(x, dt, A, B, C, D, state, chunk)
+
+    return mx.compile(run)

@@ -159,3 +159,14 @@ def test_the_compiled_chunked_form_equals_the_eager_one(length):
     for got, want in zip(gd.compiled_chunked(*args, mx.array(x["state"])), gd.chunked(*args, mx.array(x["state"]))):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
+
+
+def test_pieces_compile_on_a_gpu_unless_switched_off(monkeypatch):
+    monkeypatch.setattr(gd.mx, "default_device", lambda: gd.mx.gpu)
+    monkeypatch.delenv("MLXCEL_COMPILED_PIECES", raising=False)
+    assert gd.compiles_pieces()
+    monkeypatch.setenv("MLXCEL_COMPILED_PIECES", "0")
+    assert not gd.compiles_pieces()
+    monkeypatch.setattr(gd.mx, "default_device", lambda: gd.mx.cpu)
+    monkeypatch.delenv("MLXCEL_COMPILED_PIECES")
+    assert not gd.compiles_pieces()

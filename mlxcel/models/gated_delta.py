@@ -19,6 +19,8 @@ Hv is a multiple of Hk: each query/key head serves Hv / Hk consecutive value hea
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 CHUNK = 64  # tokens a chunk: the within-chunk matrices are CHUNK x CHUNK
@@ -39,7 +41,7 @@ def gated_delta(
         k, g, beta = apply_mask(k, g, beta, mask)
     if q.shape[1] < RECURRENT_BELOW:
         return recurrent(q, k, v, g, beta, state)
-    return (compiled_chunked if mx.default_device() == mx.gpu else chunked)(q, k, v, g, beta, state)
+    return (compiled_chunked if compiles_pieces() else chunked)(q, k, v, g, beta, state)
 
 
 def apply_mask(k: mx.array, g: mx.array, beta: mx.array, mask: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -155,8 +157,15 @@ def chunked(
     return y[:, :, :L].transpose(0, 2, 1, 3).astype(dtype), state
 
 
-# A piece's chunks are ~20 ops each and ~40 around them, per layer: on a GPU, where each op costs
-# the host its graph building and launch (the H100's ragged Qwen 3.5 job: 31 ms of host time a
-# step), one traced call a piece shape instead, its elementwise chains fused (the scheduler's
-# widths are powers of two, so few shapes). Not shapeless: the chunk count is the loop's length.
+def compiles_pieces() -> bool:
+    """Whether prefill pieces take the chunked forms compiled (here and ssd.py): on a GPU, unless
+    $MLXCEL_COMPILED_PIECES=0 (the switch for measuring it). A piece's chunks are ~20 ops each and
+    ~40 around them, per layer, and on a GPU each op costs the host its graph building and launch
+    (the H100's ragged Qwen 3.5 job: 31 ms of host time a step); compiled, a piece shape is traced
+    once and its elementwise chains fused (the scheduler's widths are powers of two: few shapes).
+    The CPU would compile with the system's C++ compiler, for no gain."""
+    return mx.default_device() == mx.gpu and os.environ.get("MLXCEL_COMPILED_PIECES", "1") != "0"
+
+
+# (not shapeless: the chunk count is the loop's length)
 compiled_chunked = mx.compile(chunked)

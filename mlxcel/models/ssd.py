@@ -24,6 +24,8 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxcel.models.gated_delta import compiles_pieces
+
 CHUNK = 64  # tokens a chunk: the within-chunk matrices are CHUNK x CHUNK
 RECURRENT_BELOW = 8  # pieces shorter than this run token by token (a chunk's fixed cost is not worth it)
 
@@ -54,7 +56,7 @@ def ssd(
         dt = mx.where(mask[..., None], dt, 0)
     if x.shape[1] < RECURRENT_BELOW:
         return recurrent(x, dt, A, B, C, D, state)
-    if mx.default_device() == mx.gpu and D is not None:
+    if D is not None and compiles_pieces():
         return compiled_chunked(chunk)(x, dt, A, B, C, D, state)
     return chunked(x, dt, A, B, C, D, state, chunk)
 

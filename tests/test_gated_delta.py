@@ -162,11 +162,13 @@ def test_the_compiled_chunked_form_equals_the_eager_one(length):
 
 
 def test_pieces_compile_on_a_gpu_unless_switched_off(monkeypatch):
-    monkeypatch.setattr(gd.mx, "default_device", lambda: gd.mx.gpu)
+    from mlxcel.models.recurrent import compiles_pieces
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     monkeypatch.delenv("MLXCEL_COMPILED_PIECES", raising=False)
-    assert gd.compiles_pieces()
+    assert compiles_pieces()
     monkeypatch.setenv("MLXCEL_COMPILED_PIECES", "0")
-    assert not gd.compiles_pieces()
-    monkeypatch.setattr(gd.mx, "default_device", lambda: gd.mx.cpu)
+    assert not compiles_pieces()
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
     monkeypatch.delenv("MLXCEL_COMPILED_PIECES")
-    assert not gd.compiles_pieces()
+    assert not compiles_pieces()

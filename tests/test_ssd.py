@@ -190,13 +190,13 @@ def test_strong_decay_keeps_the_recurrences_precision():
 
 def test_the_compiled_chunked_form_equals_the_plain_one(inputs):
     """The GPU's prefill form is chunked compiled per piece shape: the plain form's numbers, for
-    two piece lengths one after another."""
-    for end in (LENGTH, LENGTH // 2 + 3):
+    two piece lengths one after another, with the skip term D and without it."""
+    for end, skip in ((LENGTH, mx.array(inputs["D"])), (LENGTH // 2 + 3, mx.array(inputs["D"])), (LENGTH, None)):
         piece = {k: mx.array(inputs[k][:, :end]) for k in ("x", "dt", "B", "C")}
         dt = ssd.discretize_dt(piece["dt"], mx.array(inputs["dt_bias"]), NO_LIMIT)
-        args = (piece["x"], dt, mx.array(inputs["A"]), piece["B"], piece["C"], mx.array(inputs["D"]))
+        args = (piece["x"], dt, mx.array(inputs["A"]), piece["B"], piece["C"], skip)
         state = mx.array(inputs["state"])
         plain = ssd.chunked(*args, state, chunk=CHUNK)
-        compiled = ssd.compiled_chunked(CHUNK)(*args, state)
+        compiled = ssd.compiled_chunked(*args, state, CHUNK)
         for a, b in zip(plain, compiled):
             assert a.shape == b.shape and max_diff(a, b) <= 1e-5

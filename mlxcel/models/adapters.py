@@ -99,11 +99,10 @@ class AdapterControl:
 
     def step_picks(self, rows: int) -> tuple:
         """A one-token step's picks as a compiled step's input: () where no row takes an adapter,
-        else (each row's slot [rows] int32,)."""
+        else (each row's slot [rows] int32,). (Per-row models only: their default is no adapter, so
+        pick is never a single int.)"""
         pick = self.pick((rows, 1))
-        if pick is None:
-            return ()
-        return (mx.full((rows,), pick, dtype=mx.int32) if isinstance(pick, int) else pick,)
+        return () if pick is None else (pick,)
 
     @contextmanager
     def tracing(self, picks: tuple):

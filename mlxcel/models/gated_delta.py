@@ -19,9 +19,9 @@ Hv is a multiple of Hk: each query/key head serves Hv / Hk consecutive value hea
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
+
+from mlxcel.models.recurrent import compiles_pieces
 
 CHUNK = 64  # tokens a chunk: the within-chunk matrices are CHUNK x CHUNK
 RECURRENT_BELOW = 8  # pieces shorter than this run token by token (a chunk's fixed cost is not worth it)
@@ -155,16 +155,6 @@ def chunked(
         state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].swapaxes(-1, -2) @ corrected
     y = outs[0] if chunks == 1 else mx.concatenate(outs, axis=2)  # [B, H, L + pad, Dv]
     return y[:, :, :L].transpose(0, 2, 1, 3).astype(dtype), state
-
-
-def compiles_pieces() -> bool:
-    """Whether prefill pieces take the chunked forms compiled (here and ssd.py): on a GPU, unless
-    $MLXCEL_COMPILED_PIECES=0 (the switch for measuring it). A piece's chunks are ~20 ops each and
-    ~40 around them, per layer, and on a GPU each op costs the host its graph building and launch
-    (the H100's ragged Qwen 3.5 job: 31 ms of host time a step); compiled, a piece shape is traced
-    once and its elementwise chains fused (the scheduler's widths are powers of two: few shapes).
-    The CPU would compile with the system's C++ compiler, for no gain."""
-    return mx.default_device() == mx.gpu and os.environ.get("MLXCEL_COMPILED_PIECES", "1") != "0"
 
 
 # (not shapeless: the chunk count is the loop's length)

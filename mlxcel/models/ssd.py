@@ -19,12 +19,10 @@ serve H / G consecutive heads.
 
 from __future__ import annotations
 
-from functools import cache
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.models.gated_delta import compiles_pieces
+from mlxcel.models.recurrent import compiles_pieces
 
 CHUNK = 64  # tokens a chunk: the within-chunk matrices are CHUNK x CHUNK
 RECURRENT_BELOW = 8  # pieces shorter than this run token by token (a chunk's fixed cost is not worth it)
@@ -56,9 +54,7 @@ def ssd(
         dt = mx.where(mask[..., None], dt, 0)
     if x.shape[1] < RECURRENT_BELOW:
         return recurrent(x, dt, A, B, C, D, state)
-    if D is not None and compiles_pieces():
-        return compiled_chunked(chunk)(x, dt, A, B, C, D, state)
-    return chunked(x, dt, A, B, C, D, state, chunk)
+    return (compiled_chunked if compiles_pieces() else chunked)(x, dt, A, B, C, D, state, chunk)
 
 
 def by_group(x: mx.array, groups: int) -> mx.array:
@@ -158,12 +154,5 @@ def chunked(
     return y.astype(dtype), state.reshape(batch, heads, head_dim, size)
 
 
-@cache
-def compiled_chunked(chunk: int):
-    """The chunked form traced once per piece shape (not shapeless: the chunk count is its loop's
-    length), as gated_delta.compiled_chunked: on a GPU a piece's ops are host-bound one by one."""
-
-    def run(x, dt, A, B, C, D, state):
-        return chunked(x, dt, A, B, C, D, state, chunk)
-
-    return mx.compile(run)
+# on a GPU (recurrent.compiles_pieces); not shapeless: the chunk count is the loop's length
+compiled_chunked = mx.compile(chunked)

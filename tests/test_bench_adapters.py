@@ -20,8 +20,9 @@ def test_the_adapter_bench_runs_base_merged_and_mixed(tiny_llama, tmp_path, caps
     printed = capsys.readouterr().out
     assert "2 adapters of rank 4 on every projection" in printed and "mixed / merged:" in printed
     runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {"base", "merged", "mixed"}
-    assert all(run["generated_tokens"] == runs["base"]["generated_tokens"] > 0 for run in runs.values())
+    assert set(runs) == {f"{model} {run}" for model in ("base", "merged", "mixed") for run in ("first", "again")}
+    assert all(run["generated_tokens"] == runs["base first"]["generated_tokens"] > 0 for run in runs.values())
+    assert "first run" in printed and "again" in printed
     written = sorted(p.name for p in tmp_path.glob("adapter-*"))
     assert len(written) == 2 and (tmp_path / written[0] / "adapter_config.json").exists()
 

@@ -94,7 +94,17 @@ def test_rows_with_their_own_chains_and_logprobs_share_a_batch(model):
     results, _ = run_feed(model, ScriptedFeed({0: rows[:5], 2: rows[5:]}), max_rows=8)
     for i, result in results.items():
         assert result.token_ids == expected[i].token_ids, i
-        assert result.logprobs == expected[i].logprobs, i
+        assert_same_logprobs(result.logprobs, expected[i].logprobs)
+
+
+def assert_same_logprobs(got: list[dict] | None, want: list[dict] | None) -> None:
+    """The same tokens and top ids, their logprobs within float32 rounding: a batch's attention may
+    take another form than a row's alone (models/cpu_attention.py picks one by the scores' size)."""
+    assert (got is None) == (want is None)
+    for g, w in zip(got or [], want or [], strict=True):
+        assert g["token"] == w["token"] and [t for t, _ in g["top"]] == [t for t, _ in w["top"]]
+        assert g["logprob"] == pytest.approx(w["logprob"], abs=1e-5)
+        assert [p for _, p in g["top"]] == pytest.approx([p for _, p in w["top"]], abs=1e-5)
 
 
 def test_cancelled_rows_end_where_they_are_and_free_their_slots(model):

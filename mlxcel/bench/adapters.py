@@ -3,10 +3,13 @@
     python -m mlxcel.bench.adapters [--model llama-3.2-1b] [--rows 256] [--adapters 4] [--rank 16]
                                     [--prompt-tokens 32,512] [--output-tokens 16,256] [--max-rows 256]
 
-The job (bench.jobs' ragged rows, random token ids, greedy, no EOS stop) runs three times through
-mlxcel's job path, each after an unmeasured warm-up: on the base model, with one adapter merged into
-the weights (`model.adapter`: the speed a single fine-tune gets), and with --adapters adapters kept
-unmerged (`model.adapters`), the rows taking them in turn, so every forward call mixes them. The
+The job (bench.jobs' ragged rows, random token ids, greedy, no EOS stop) runs through mlxcel's job
+path on three models, each after an unmeasured warm-up: the base model, one adapter merged into the
+weights (`model.adapter`: the speed a single fine-tune gets), and --adapters adapters kept unmerged
+(`model.adapters`), the rows taking them in turn, so every forward call mixes them. Each model runs
+the job twice, both measured: the first run also pays the plans a GPU builds for each new call shape
+(the unmerged adapters' products add shapes), the second is what a server meets once it has seen
+them. The
 adapters are random (rank --rank on every projection of every layer, mlx-lm's format), which costs
 what a trained one costs. Prints tok/s and the mixed job's ratio to the merged one (issue 44's
 target: >= 0.7 on the H200, 1B shape, rank 16, 256 rows over 4 adapters).
@@ -132,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{label}: loaded in {time.perf_counter() - start:.1f} s")
         warm_adapters = row_adapters and [names[i % len(names)] for i in range(len(warm_up.prompts))]
         run_mlxcel(pipeline, warm_up, warm_adapters)
-        result = measure(partial(run_mlxcel, pipeline, adapters=row_adapters), job, 0)
-        log(f"{label}: {format_run(result)}")
-        figures[label] = result.metrics()
+        for run in ("first", "again"):
+            result = measure(partial(run_mlxcel, pipeline, adapters=row_adapters), job, 0)
+            log(f"{label}, {run} run: {format_run(result)}")
+            figures[f"{label} {run}"] = result.metrics()
         del pipeline
-    ratio = figures["mixed"]["gen_tok_s"] / figures["merged"]["gen_tok_s"]
+    ratios = {run: figures[f"mixed {run}"]["gen_tok_s"] / figures[f"merged {run}"]["gen_tok_s"] for run in ("first", "again")}
     print(" | ".join(f"{k} {v}" for k, v in env.items()))
     print(
         f"{args.model}: {args.rows} rows, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, "
@@ -144,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.adapters} adapters of rank {args.rank} on every projection"
     )
     for label, m in figures.items():
-        print(f"  {label:7s} {m['gen_tok_s']:9.1f} tok/s  wall {m['wall_s']:7.2f} s  TTFT p50 {m['ttft_p50_s']:.2f} s")
-    print(f"  mixed / merged: {ratio:.2f}x (target >= 0.7 on the H200)")
+        print(f"  {label:13s} {m['gen_tok_s']:9.1f} tok/s  wall {m['wall_s']:7.2f} s  TTFT p50 {m['ttft_p50_s']:.2f} s")
+    print(
+        f"  mixed / merged: first run {ratios['first']:.2f}x, again {ratios['again']:.2f}x "
+        "(target >= 0.7 on the H200; the first run also pays the job's new call shapes' plan builds)"
+    )
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"environment": env, "args": settings, "runs": figures}, indent=1))

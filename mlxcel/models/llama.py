@@ -17,6 +17,7 @@ from mlxcel.models.base import (
     swiglu,
 )
 from mlxcel.models.cache import KVCache, make_attention_mask, make_kv_caches
+from mlxcel.models.cpu_attention import attention
 from mlxcel.models.paged_cache import PagedMask
 
 REQUIRED_KEYS = (
@@ -134,7 +135,7 @@ class Attention(nn.Module):
         sinks = self.sinks if "sinks" in self else None
         if isinstance(mask, PagedMask):  # the paged cache's own attention (paged_cache.py)
             return mask.attend(q, k, v, self.scale) if sinks is None else mask.attend(q, k, v, self.scale, sinks=sinks)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask, sinks=sinks)
+        return attention(q, k, v, self.scale, mask=mask, sinks=sinks)
 
     def prepare(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Q and K rotated to their positions, and V: what goes into the cache and the kernel."""

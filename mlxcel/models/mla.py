@@ -34,6 +34,7 @@ import mlx.nn as nn
 
 from mlxcel.errors import MlxcelError
 from mlxcel.models.base import RoPE, apply_linear, fuse_linears, yarn_mscale
+from mlxcel.models.cpu_attention import attention
 from mlxcel.models.paged_cache import PagedMask
 from mlxcel.models.switch import quantize_stacked
 
@@ -263,7 +264,7 @@ class MultiHeadLatentAttention(nn.Module):
             keys, values = mx.concatenate([k_nope, k_pe], axis=-1), self.unembed_out(latent)
         if isinstance(mask, PagedMask):  # the paged cache's own attention (batch-invariant rows)
             return mask.attend(q, keys, values, self.scale)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return attention(q, keys, values, self.scale, mask=mask)
 
     def finish(self, out: mx.array) -> mx.array:
         """The attention output back to the residual stream (absorbed: through W_uv first)."""

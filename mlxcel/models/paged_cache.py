@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.models import invariant
+from mlxcel.models.cpu_attention import attention
 
 BLOCK_SIZE = 32  # positions per block: small enough to waste < 1 block per row, large enough to index cheaply
 # On CUDA, MLX runs prefill attention in cuDNN, which builds a graph (tens of ms on an H200) for every
@@ -279,7 +280,7 @@ class PagedPrefill(PagedMask):
             # additive, once for every layer: cuDNN took a boolean mask at ~2-4x the cost (docs/benchmarks.md)
             self.mask = mx.where(self.mask, mx.array(0, q.dtype), mx.array(-float("inf"), q.dtype))
         mask = "causal" if self.mask is None else self.mask
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        out = attention(q, k, v, scale, mask=mask, sinks=sinks)
         return out[:, :, :length] if padded > length else out
 
 
@@ -333,7 +334,7 @@ class PagedRows(PagedMask):
             if dense is not None:
                 outs.append(dense(qb, kb, vb, None))
             else:
-                outs.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale, sinks=sinks))
+                outs.append(attention(qb, kb, vb, scale, sinks=sinks))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
 

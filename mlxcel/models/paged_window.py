@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.models import invariant
+from mlxcel.models.cpu_attention import attention
 from mlxcel.models.paged_cache import PagedMask
 
 
@@ -170,5 +171,5 @@ class RingRows(PagedMask):
             if dense is not None:
                 outs.append(dense(qb, kb, vb, mask))
             else:
-                outs.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale, mask=mask, sinks=sinks))
+                outs.append(attention(qb, kb, vb, scale, mask=mask, sinks=sinks))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)

@@ -44,7 +44,12 @@ def masks(batch, heads, queries, keys):
 
 @pytest.mark.parametrize(
     "shape",
-    [(1, 9, 3, 128, 256, 64, None), (2, 8, 2, 37, 100, 32, None), (1, 4, 4, 30, 30, 16, None), (3, 6, 1, 5, 40, 24, 16)],
+    [
+        (1, 9, 3, 128, 256, 64, None),
+        (2, 8, 2, 37, 100, 32, None),
+        (1, 4, 4, 30, 30, 16, None),
+        (3, 6, 1, 5, 40, 24, 16),
+    ],
     ids=["smollm2-piece", "gqa-batch", "mha-square", "mla-values"],
 )
 @pytest.mark.parametrize("block_scores", [1 << 17, 500])  # 500: a block of a query or a few

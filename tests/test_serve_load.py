@@ -118,10 +118,10 @@ def test_64_clients_with_faults_get_answers_or_errors_and_nothing_leaks(tmp_path
         assert status == 200 and health == {"status": "ok"}
         mx.clear_cache()
         # Under load a few small arrays can outlive the idle point by a round or more and then go:
-        # .ci/run saw +512 and +1024 bytes here (4 bytes a key position: a causal mask's positions,
-        # models/cpu_attention.py, held by some unevaluated graph), and a probe of 16 rounds beside two
-        # busy loops saw +512 return to 0 three rounds later. State kept per request (a row's ids,
-        # KV blocks, sampler state) over the ~40 answered rows would be far more than 4 KB.
+        # .ci/run saw +512 and +1024 bytes here after models/cpu_attention.py came in (a guess, not
+        # shown: a causal mask's key positions, 4 bytes each, held by some unevaluated graph), and a
+        # probe of 16 rounds beside two busy loops saw +512 return to 0 three rounds later. State kept
+        # per request (a row's ids, KV blocks, sampler state) over ~40 answered rows is far over 4 KB.
         assert abs(mx.get_active_memory() - active) <= 4096, (mx.get_active_memory(), active)
         # (growth only: the allocator handing pages back to the system is no leak; a run of .ci/run
         # saw the resident set shrink 13% here)

@@ -9,9 +9,8 @@ weights (`model.adapter`: the speed a single fine-tune gets), and --adapters ada
 (`model.adapters`), the rows taking them in turn, so every forward call mixes them. Each model runs
 the job twice, both measured: the first run also pays the plans a GPU builds for each new call shape
 (the unmerged adapters' products add shapes), the second is what a server meets once it has seen
-them. The
-adapters are random (rank --rank on every projection of every layer, mlx-lm's format), which costs
-what a trained one costs. Prints tok/s and the mixed job's ratio to the merged one (issue 44's
+them. The adapters are random (rank --rank on every projection of every layer, mlx-lm's format),
+which costs what a trained one costs. Prints tok/s and the mixed job's ratio to the merged one (issue 44's
 target: >= 0.7 on the H200, 1B shape, rank 16, 256 rows over 4 adapters).
 """
 

@@ -96,6 +96,8 @@ def blocked_attention(
             mask = mx.expand_dims(mask, 2)
     if sinks is not None:
         sinks = (sinks.astype(mx.float32) * LOG2E).reshape(1, kv_heads, group, 1, 1)
+    if isinstance(mask, str):  # "causal": query i sees keys up to keys - queries + i
+        key_positions = mx.arange(keys)[None]
     step = max(1, BLOCK_SCORES // (batch * heads * keys))
     outs = []
     for start in range(0, queries, step):
@@ -104,8 +106,7 @@ def blocked_attention(
         scores = q[:, :, :, start:stop].reshape(batch, kv_heads, group * rows, dims) @ k_t
         scores = scores.reshape(batch, kv_heads, group, rows, keys)
         if isinstance(mask, str):
-            # query i sees keys up to keys - queries + i
-            seen = mx.arange(keys)[None] <= mx.arange(start, stop)[:, None] + (keys - queries)
+            seen = key_positions <= mx.arange(start, stop)[:, None] + (keys - queries)
             scores = mx.where(seen, scores, -math.inf)
         elif isinstance(mask, mx.array):
             part = mask if mask.shape[3] == 1 else mask[:, :, :, start:stop]

@@ -20,6 +20,14 @@ from tests.helpers import make_tiny_checkpoint  # noqa: E402 -- after register_a
 # checkpoint 0.0125 off on the H200 with it on). Set before MLX reads it; CPU runs are unaffected.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+# Under pytest-xdist (`pytest -m cuda -n 8` on a GPU) each worker gets its own CUDA kernel cache:
+# MLX writes its compiled kernels to the shared folder without a rename, and a worker reading a
+# file another is still writing fails to load it. Set before MLX's first compile reads it.
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", os.path.join(tempfile.gettempdir(), "mlx-ptx", worker))
+
 
 @pytest.fixture(scope="session")
 def installed_mlxcel(tmp_path_factory) -> Path:

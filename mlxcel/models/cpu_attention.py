@@ -103,10 +103,13 @@ def blocked_attention(
     for start in range(0, queries, step):
         stop = min(queries, start + step)
         rows = stop - start
-        scores = q[:, :, :, start:stop].reshape(batch, kv_heads, group * rows, dims) @ k_t
-        scores = scores.reshape(batch, kv_heads, group, rows, keys)
+        # causal: the block's last query sees no key past keys - queries + stop (the rest are skipped)
+        span = min(keys, keys - queries + stop) if isinstance(mask, str) else keys
+        block_k_t, block_v = (k_t, v) if span == keys else (k_t[..., :span], v[:, :, :span])
+        scores = q[:, :, :, start:stop].reshape(batch, kv_heads, group * rows, dims) @ block_k_t
+        scores = scores.reshape(batch, kv_heads, group, rows, span)
         if isinstance(mask, str):
-            seen = key_positions <= mx.arange(start, stop)[:, None] + (keys - queries)
+            seen = key_positions[:, :span] <= mx.arange(start, stop)[:, None] + (keys - queries)
             scores = mx.where(seen, scores, -math.inf)
         elif isinstance(mask, mx.array):
             part = mask if mask.shape[3] == 1 else mask[:, :, :, start:stop]
@@ -118,7 +121,7 @@ def blocked_attention(
         total = weights.sum(-1, keepdims=True)
         if sinks is not None:
             total = total + exp2(sinks - top)
-        out = weights.reshape(batch, kv_heads, group * rows, keys) @ v
+        out = weights.reshape(batch, kv_heads, group * rows, span) @ block_v
         outs.append(out.reshape(batch, kv_heads, group, rows, value_dims) / total)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(batch, heads, queries, value_dims)

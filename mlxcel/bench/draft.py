@@ -13,7 +13,7 @@ Then the same job at --draft-rows rows (one document each), with and without pro
 what drafting costs where the batch, not the launches, bounds a step.
 
 Prints decode tok/s (tokens after the first over the time after it), TTFT, acceptance (accepted of
-drafted tokens) and tokens a verify step, the ratios, and whether every run drew the same tokens.
+drafted tokens) and tokens a verify step, the ratios, and whether the drafted runs drew plain decoding's tokens.
 """
 
 from __future__ import annotations
@@ -116,8 +116,11 @@ def bench_draft(args: argparse.Namespace, folder, dtype: mx.Dtype) -> str:
         for name, run in engines.items():
             runs[name].append(run())
     figures = {name: describe(done, name) for name, done in runs.items()}
-    tokens = {name: done[0].token_ids for name, done in runs.items()}
-    same = all(t == tokens["mlxcel"] for t in tokens.values())
+    # drafted against plain is the exactness check; mlx-lm's tokens part from ours at near-ties in
+    # bf16 (other kernels), so theirs is reported apart
+    plain_tokens = [done.token_ids for done in runs["mlxcel"]]
+    same = all(done.token_ids == plain_tokens[0] for done in runs["mlxcel"] + runs[label])
+    peer_same = all(done.token_ids == plain_tokens[0] for done in runs["mlx-lm"])
     drafts = runs[label][-1].drafts  # (the last rep's: every rep drafts the same)
     accepted, drafted, steps = (sum(f[key] for f in drafts) for key in ("accepted", "drafted", "steps"))
     plain, spec, peer_tok_s = (figures[n]["decode_tok_s"] for n in ("mlxcel", label, "mlx-lm"))
@@ -131,17 +134,19 @@ def bench_draft(args: argparse.Namespace, folder, dtype: mx.Dtype) -> str:
         f"  {draft.method} drafts: {accepted} of {drafted} drafted tokens accepted ({accepted / max(drafted, 1):.0%}),"
         f" {(accepted + steps) / max(steps, 1):.2f} tokens a verify step",
         f"  drafted / plain {spec / plain:.2f}x   drafted / mlx-lm {spec / peer_tok_s:.2f}x   "
-        f"same tokens in every run: {'yes' if same else 'NO'}",
+        f"drafted runs' tokens equal plain's: {'yes' if same else 'NO'}",
+        f"  mlx-lm's tokens equal ours: {'yes' if peer_same else 'no'}",
     ]
     if args.draft_rows > 1:
         job = render_prompts(args.draft_rows, args.seed + 100)
         run_mlxcel(model, job[: min(4, len(job))], 4, draft, draft_model)  # warm-up of the batch shapes
         plain_job = run_mlxcel(model, job, args.gen, None)
         spec_job = run_mlxcel(model, job, args.gen, draft, draft_model)
-        same_job = plain_job.token_ids == spec_job.token_ids
+        same_rows = sum(a == b for a, b in zip(plain_job.token_ids, spec_job.token_ids))
         rates = [run.tokens_after_first / run.decode_s for run in (plain_job, spec_job)]
         lines.append(
             f"{args.draft_rows} rows (a document each): decode {rates[0]:.1f} tok/s plain, {rates[1]:.1f} with "
-            f"{draft.method} drafts ({rates[1] / rates[0]:.2f}x); same tokens: {'yes' if same_job else 'NO'}"
+            f"{draft.method} drafts ({rates[1] / rates[0]:.2f}x); rows whose tokens equal plain's: "
+            f"{same_rows}/{len(job)}"
         )
     return "\n".join(lines)

@@ -193,6 +193,27 @@ def test_any_draft_gives_plain_decodings_tokens(family, tmp_path, monkeypatch):
     assert state.decode_steps < plain_state.decode_steps  # fewer steps for the same tokens
 
 
+@pytest.mark.cuda  # (the CPU runs it too; on a GPU it checks the decode kernel over the positions stored first)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma2", "gpt_oss", "gemma4"])
+def test_a_verify_call_as_decode_rows_gives_plain_decodings_tokens(family, tmp_path, monkeypatch):
+    """scheduler.VERIFY_AS_ROWS: each drafted position a decode row of its own on the row's slot
+    (the decode path; on a GPU its kernel reads the positions stored before it); greedy and
+    sampled rows beside a row with penalties draw plain decoding's tokens."""
+    from mlxcel.engine import scheduler
+
+    model = load_model(str(build_family(tmp_path / family, family)), dtype="float32").model
+    prompts = prompts_for(3)
+    plain, _ = run(model, prompts, samplers=mixed_samplers(), chunk=16)
+    monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=7))
+    monkeypatch.setattr(scheduler, "VERIFY_AS_ROWS", True)
+    shapes = []
+    monkeypatch.setattr(BatchScheduler, "count_call", lambda self, state, shape: shapes.append(shape))
+    drafted, state = run(model, prompts, NGRAM, samplers=mixed_samplers(), chunk=16)
+    assert drafted == plain
+    assert any(shape[0] == "verify rows" for shape in shapes) and not any(shape[0] == "verify" for shape in shapes)
+    assert sum(r.draft["accepted"] for r in state.results if r.draft) > 0
+
+
 def penalized(seed: int) -> SamplerChain:
     """A chain with repetition penalties: its state follows every drawn token, so its rows do not draft."""
     config = {"seed": seed, "processors": {"penalties": {"repeat": 1.3}, "temperature": {"value": 0.8}}}

@@ -50,7 +50,7 @@ from mlxcel.errors import MlxcelError
 from mlxcel.models import llama, paged_attention
 from mlxcel.models.cache import ChunkedKVCache, KVCache
 from mlxcel.models.invariant import find_invariance_problem, set_batch_invariant, sliced_matmuls
-from mlxcel.models.paged_cache import BLOCK_SIZE, PageTable, count_blocks
+from mlxcel.models.paged_cache import BLOCK_SIZE, PagedKVCache, PageTable, count_blocks
 from mlxcel.models.paged_layers import make_paged_caches
 from mlxcel.models.paged_packed import PACKED_ALIGN, begin_packed
 from mlxcel.models.recurrent import RecurrentCache
@@ -97,6 +97,10 @@ OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow
 # job with verify calls of up to 40 tokens decoded 1.30x faster than without (docs/benchmarks.md);
 # GPU: a guess to measure.
 VERIFY_TOKENS = {"cpu": 64, "gpu": 512}
+# ... and a verify call as a decode step whose rows are the drafted positions (verify_as_rows): on a
+# GPU at batch 1 the eager ragged call cost ~2.5 plain steps (H200, SmolLM2, docs/benchmarks.md),
+# where a decode step runs the compiled segments and the paged kernel. Off until measured there.
+VERIFY_AS_ROWS = os.environ.get("MLXCEL_VERIFY_AS_ROWS", "0") == "1"
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 
 
@@ -962,27 +966,42 @@ class BatchScheduler:
         target disagrees with, and takes the target's token there: exactly plain decoding's tokens.
         The pool's rejected positions go back (the row's length); returns the rows that ended."""
         sizes = np.array([len(d) for d in drafts], dtype=np.int32)
-        width = int(sizes.max()) + 1
-        leads = (width - 1 - sizes).astype(np.int32)
         inputs = batch.next_input.tolist()
-        lines = [[request.pad_token_id] * int(lead) + [inp] + d for lead, inp, d in zip(leads, inputs, drafts)]
         starts = table.lengths[batch.slots].copy()
         recurrent = [c for c in caches if hasattr(c, "snapshot")]  # a hybrid's: states to go back to
         saved = [c.snapshot(batch.slots) for c in recurrent]
-        self.set_adapter_rows(table, batch.slots, prefill=False)
-        select_adapters(self.model, batch.adapters)
-        table.begin(batch.slots, width, leads)
-        logits = self.model(mx.array(lines, dtype=mx.int32), caches)  # [B, width, V]
-        table.end()
-        self.count_call(state, ("verify", len(batch), width))
-        rows_index = mx.arange(len(batch))
+        if self.verifies_as_rows(caches):
+            logits, firsts = self.verify_as_rows(table, caches, batch, inputs, drafts, sizes)
+            self.count_call(state, ("verify rows", len(logits)))
+            first_logits = logits[mx.array(firsts)]
+
+            def position(i: int, j: int) -> tuple[int, int]:
+                return int(firsts[i]) + j, 0
+        else:
+            width = int(sizes.max()) + 1
+            leads = (width - 1 - sizes).astype(np.int32)
+            lines = [[request.pad_token_id] * int(lead) + [inp] + d for lead, inp, d in zip(leads, inputs, drafts)]
+            self.set_adapter_rows(table, batch.slots, prefill=False)
+            select_adapters(self.model, batch.adapters)
+            table.begin(batch.slots, width, leads)
+            logits = self.model(mx.array(lines, dtype=mx.int32), caches)  # [B, width, V]
+            table.end()
+            self.count_call(state, ("verify", len(batch), width))
+            first_logits = logits[mx.arange(len(batch)), mx.array(leads)]
+
+            def position(i: int, j: int) -> tuple[int, int]:
+                return i, int(leads[i]) + j
+
         masks = self.mask_drafts(batch, drafts, request) if any(r.matcher is not None for r in batch.rows) else None
         first_mask = mx.array(masks[0]) if masks is not None else None
-        draw = sampler.sample(logits[rows_index, mx.array(leads)], first_mask)  # each row's first position
+        draw = sampler.sample(first_logits, first_mask)  # each row's first position
         # the targets after the drafted tokens: each drafting row's chain on its later positions, with
         # the random keys its plain steps would have drawn them with (the sampler's step counts)
         picks = [(i, j) for i in np.nonzero(sizes)[0].tolist() for j in range(1, sizes[i] + 1)]
-        later = logits[mx.array([i for i, _ in picks]), mx.array([int(leads[i]) + j for i, j in picks])]
+        at = [position(i, j) for i, j in picks]
+        first_index, second_index = mx.array([a for a, _ in at]), mx.array([b for _, b in at])
+        # the ragged form's logits are [B, width, V], the rows form's [P, V]
+        later = logits[first_index, second_index] if logits.ndim == 3 else logits[first_index]
         if masks is not None:  # each later position under its row's mask after the drafted tokens before it
             later = apply_token_bitmask(later, mx.array(np.stack([masks[1][i][j - 1] for i, j in picks])))
         targets = mx.zeros((len(picks),), mx.uint32)
@@ -1030,6 +1049,35 @@ class BatchScheduler:
         batch.drawn = batch.drawn + np.array([len(tokens) for tokens in emitted])
         batch.next_input = mx.array([tokens[-1] for tokens in emitted], dtype=batch.next_input.dtype)
         return ended
+
+    def verifies_as_rows(self, caches: list) -> bool:
+        """Whether a verify call can be a decode step of one row a drafted position (verify_as_rows):
+        attention layers of llama's kind over plain paged pools (no recurrent state, which a row's
+        positions must advance in order; no rings, quantized pools or latent attention)."""
+        if not VERIFY_AS_ROWS or self.hybrid or any(type(c) is not PagedKVCache for c in caches):
+            return False
+        layers = self.model.model.layers
+        return all(isinstance(layer.self_attn, llama.Attention) for layer in layers if "self_attn" in layer)
+
+    def verify_as_rows(
+        self, table: PageTable, caches: list, batch: DecodeBatch, inputs: list[int], drafts: list[list[int]], sizes
+    ) -> tuple[mx.array, np.ndarray]:
+        """The verify call as a decode step: each row's input and drafted tokens are rows of their
+        own on the row's slot, a position apart, so the step takes the decode path (on a GPU the
+        compiled segments and the paged kernel). Returns the logits [P, V] and each row's first."""
+        widths = sizes + 1
+        slots = np.repeat(batch.slots, widths)
+        offsets = np.concatenate([np.arange(w, dtype=np.int32) for w in widths])
+        tokens = mx.array([t for inp, d in zip(inputs, drafts) for t in [inp, *d]], dtype=batch.next_input.dtype)
+        select_adapters(self.model, np.repeat(batch.adapters, widths))
+        self.set_adapter_rows(table, slots, prefill=False)
+        table.begin(slots, 1, decoding=True, offsets=offsets)
+        if len(slots) <= SEGMENTED_ROWS and self.segmented:
+            logits = get_decoder(self.model, "segmented")(tokens, caches)
+        else:
+            logits = self.model(tokens[:, None], caches)[:, -1, :]
+        table.end()
+        return logits, (np.cumsum(widths) - widths).astype(np.int32)
 
     def mask_drafts(self, batch: DecodeBatch, drafts: list[list[int]], request: GenerationRequest):
         """Structured output's masks for a verify call: (the rows' masks at their first position

@@ -119,13 +119,20 @@ class PageTable:
         self.adapted[slot] = False
 
     def begin(
-        self, slots: np.ndarray, new_tokens: int, leads: np.ndarray | None = None, decoding: bool = False
+        self,
+        slots: np.ndarray,
+        new_tokens: int,
+        leads: np.ndarray | None = None,
+        decoding: bool = False,
+        offsets: np.ndarray | None = None,
     ) -> StepIndices:
         """Indices for one forward call: `new_tokens` positions for each of `slots` (in batch order).
         `leads`: padding tokens before each row's own (neither cached nor attended to), so rows
         of different lengths end together (a ragged prefill piece). Not for quantized pools.
-        `decoding`: the call is the decode batch's step (a one-token prefill piece is not)."""
-        self.step = StepIndices(self, np.asarray(slots, dtype=np.int32), new_tokens, leads)
+        `decoding`: the call is the decode batch's step (a one-token prefill piece is not).
+        `offsets`: one-token rows this far past their slots' lengths (StepIndices); end() leaves
+        such a call's lengths to the caller."""
+        self.step = StepIndices(self, np.asarray(slots, dtype=np.int32), new_tokens, leads, offsets)
         self.step.decoding = decoding
         return self.step
 
@@ -135,7 +142,7 @@ class PageTable:
         step = self.step
         if step.packed:
             step.advance()
-        else:
+        elif not step.shares_slots:
             self.lengths[step.slots] += step.new_tokens - padding - step.leads
         self.step = None
 
@@ -145,10 +152,22 @@ class StepIndices:
 
     packed = False  # (a packed call's step is paged_packed.PackedStep)
 
-    def __init__(self, table: PageTable, slots: np.ndarray, new_tokens: int, leads: np.ndarray | None = None):
+    def __init__(
+        self,
+        table: PageTable,
+        slots: np.ndarray,
+        new_tokens: int,
+        leads: np.ndarray | None = None,
+        offsets: np.ndarray | None = None,
+    ):
         self.slots, self.new_tokens = slots, new_tokens
         self.leads = np.zeros(len(slots), dtype=np.int32) if leads is None else np.asarray(leads, dtype=np.int32)
         starts = table.lengths[slots]  # [B] positions already cached
+        # offsets: each row's token sits this far past its slot's length; a slot may come several
+        # times (a verify call's drafted positions, each a decode row of its own: write_in_place)
+        self.shares_slots = offsets is not None
+        if offsets is not None:
+            starts = starts + np.asarray(offsets, dtype=starts.dtype)
         self.starts = starts
         self.device_starts = mx.array(starts) if table.in_place else None
         ends = starts + new_tokens - self.leads
@@ -167,6 +186,8 @@ class StepIndices:
         # own over exactly its positions (a GPU's attention splits the keys by the batch's shape)
         self.per_row = table.invariant and new_tokens == 1 and not self.decode_kernel and invariant.pads_matmuls()
         if self.decode_kernel:
+            if self.shares_slots:  # the rows' new positions, stored before the kernel reads them
+                self.write = mx.array(flat_positions(blocks, (ends - 1)[:, None]).reshape(-1))
             return  # the kernel finds each row's new position itself
         new_pos = np.maximum(
             starts[:, None] - self.leads[:, None] + np.arange(new_tokens)[None, :], 0
@@ -397,6 +418,10 @@ class PagedKVCache:
                 self.table.num_blocks * BLOCK_SIZE, keys.shape[1], keys.shape[3], keys.dtype, values.shape[3]
             )
         if step.decode_kernel:
+            if step.shares_slots:
+                # rows of one slot read each other's new positions: all stored first (the kernel's
+                # own stores then write the same values again)
+                paged_attention.write_positions(self.pool, keys[:, :, 0], values[:, :, 0], step.write)
             step.attention_mask(self.window).layer = self.pool  # its kernel stores them and reads the pool
             return keys, values
         return paged_attention.write_and_gather(

@@ -53,3 +53,10 @@ def test_the_family_halves_run_one_bench_each(tmp_path):
     assert benches["families"] == ["mlxcel.bench"] * 2 + ["mlxcel.bench.jobs"] * 2
     assert benches["family-batch1"] == ["mlxcel.bench"] * 2 and benches["family-jobs"] == ["mlxcel.bench.jobs"] * 2
     assert [c[4] for c in suite.commands("family-jobs", args)] == ["a", "b"]
+
+
+def test_the_draft_part_runs_prompt_lookup_both_ways_and_a_draft_model(tmp_path):
+    args = suite.parse_args(["--out", str(tmp_path)])
+    commands = suite.commands("draft", args)
+    assert [c[c.index("--draft") + 1] for c in commands] == ["ngram", "ngram", "model"]
+    assert commands[1][:2] == ["env", "MLXCEL_VERIFY_AS_ROWS=1"] and "env" not in commands[0] + commands[2]

@@ -15,7 +15,8 @@ loses only itself), then prints one table:
 - families: batch 1 and the ragged job for the newer shapes (hybrids, gpt-oss, Gemma 4, DeepSeek),
   not in the default set (a second call; on an H100 the four batch-1 benches alone took 530 s, so
   family-batch1 and family-jobs run either half);
-- draft: speculative decoding, `bench --draft ngram` and `--draft model` (SmolLM2's extraction prompt at
+- draft: speculative decoding, `bench --draft ngram` (the verify call ragged, then as decode rows:
+  MLXCEL_VERIFY_AS_ROWS=1) and `--draft model` (SmolLM2's extraction prompt at
   batch 1 against plain decoding and mlx-lm, then 64 rows with and without), and adapters:
   `bench.adapters` (256 rows over 4 LoRA adapters against one merged, the 1B shape); a third call
   (`--parts draft,adapters`), their tables in the parts' logs;
@@ -80,8 +81,10 @@ def commands(part: str, args: argparse.Namespace) -> list[list[str]]:
     if part == "structured":
         orders = ["--orders", "split,thread,after", "--repeats", "3"]
         return [[py, "-m", "mlxcel.bench.structured", "--batch-sizes", "1,32", "--schemas", "records", *orders]]
-    if part == "draft":
-        return [[py, "-m", "mlxcel.bench", "--draft", method, "--reps", "3"] for method in ("ngram", "model")]
+    if part == "draft":  # prompt lookup with the ragged verify call, then as decode rows; then a draft model
+        bench = [py, "-m", "mlxcel.bench", "--draft"]
+        rows_form = ["env", "MLXCEL_VERIFY_AS_ROWS=1", *bench, "ngram", "--reps", "3"]
+        return [[*bench, "ngram", "--reps", "3"], rows_form, [*bench, "model", "--reps", "3"]]
     if part == "adapters":
         return [[py, "-m", "mlxcel.bench.adapters", "--json", str(out / "adapters.json")]]
     if part == "lone-step":  # a model a command, so a cut keeps what ended before it

@@ -206,11 +206,10 @@ def test_a_verify_call_as_decode_rows_gives_plain_decodings_tokens(family, tmp_p
     plain, _ = run(model, prompts, samplers=mixed_samplers(), chunk=16)
     monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=7))
     monkeypatch.setattr(scheduler, "VERIFY_AS_ROWS", True)
-    shapes = []
-    monkeypatch.setattr(BatchScheduler, "count_call", lambda self, state, shape: shapes.append(shape))
     drafted, state = run(model, prompts, NGRAM, samplers=mixed_samplers(), chunk=16)
     assert drafted == plain
-    assert any(shape[0] == "verify rows" for shape in shapes) and not any(shape[0] == "verify" for shape in shapes)
+    kinds = {shape[0] for shape in state.call_shapes}
+    assert "verify rows" in kinds and "verify" not in kinds
     assert sum(r.draft["accepted"] for r in state.results if r.draft) > 0
 
 
@@ -267,7 +266,9 @@ def test_drafts_with_the_prompt_cache_adopting_prefixes(tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"])
 def test_a_hybrids_rows_go_back_to_the_state_of_the_tokens_they_keep(family, tmp_path, monkeypatch):
     """Recurrent layers run through every drafted token of a verify call: a row whose draft was cut
-    short has its states put back and its kept tokens run again, so its tokens are plain decoding's."""
+    short has its states put back and its kept tokens run again, so its tokens are plain decoding's.
+    (With MLXCEL_VERIFY_AS_ROWS on: a hybrid keeps the ragged call, whose positions run in order.)"""
+    from mlxcel.engine import scheduler
     from tests.test_families_qwen3_5 import make_checkpoint
     from tests.test_new_families_paths import build
 
@@ -277,8 +278,10 @@ def test_a_hybrids_rows_go_back_to_the_state_of_the_tokens_they_keep(family, tmp
     prompts = prompts_for(4, count=5)
     plain, _ = run(model, prompts, samplers=mixed_samplers(), chunk=16)
     monkeypatch.setattr(BatchScheduler, "propose_drafts", draft_from(plain, seed=5))
+    monkeypatch.setattr(scheduler, "VERIFY_AS_ROWS", True)
     drafted, state = run(model, prompts, NGRAM, samplers=mixed_samplers(), chunk=16)
     assert drafted == plain and state.draft_off is None
+    assert {"verify", "verify rows"} & {shape[0] for shape in state.call_shapes} == {"verify"}
     figures = [r.draft for r in state.results if r.draft]
     assert 0 < sum(f["accepted"] for f in figures) < sum(f["drafted"] for f in figures)
     assert any(shape[0] == "replay" for shape in state.call_shapes)  # (cut drafts were run again)

@@ -401,6 +401,7 @@ class BatchScheduler:
         packed_off = os.environ.get("MLXCEL_PACKED", "1") == "0" or batch_invariant
         self.packed = not packed_off and supports_packed_calls(model)
         self.drafting = False  # decode.draft runs in this request (set per request: steps)
+        self.verifies_as_rows = False  # ... and its verify calls are decode steps (can_verify_as_rows; per run)
         self.drafts_from_model = False  # ... and its drafts come from the draft model
 
     def generate(
@@ -474,6 +475,7 @@ class BatchScheduler:
         )
         # rows keep a fixed-size state: pieces end where they share a prefix, so the prompt cache records it there
         self.hybrid = any(hasattr(c, "row_states") for c in caches)
+        self.verifies_as_rows = self.drafting and self.can_verify_as_rows(caches)
         if self.drafts_from_model:
             self.make_draft_pool(runnable, request, feed is not None, table.max_blocks)
         self.reuse = None
@@ -970,13 +972,10 @@ class BatchScheduler:
         starts = table.lengths[batch.slots].copy()
         recurrent = [c for c in caches if hasattr(c, "snapshot")]  # a hybrid's: states to go back to
         saved = [c.snapshot(batch.slots) for c in recurrent]
-        if self.verifies_as_rows(caches):
+        # logits [N, V] of the call's positions, and the index of each row's input among them
+        if self.verifies_as_rows:
             logits, firsts = self.verify_as_rows(table, caches, batch, inputs, drafts, sizes)
             self.count_call(state, ("verify rows", len(logits)))
-            first_logits = logits[mx.array(firsts)]
-
-            def position(i: int, j: int) -> tuple[int, int]:
-                return int(firsts[i]) + j, 0
         else:
             width = int(sizes.max()) + 1
             leads = (width - 1 - sizes).astype(np.int32)
@@ -987,21 +986,14 @@ class BatchScheduler:
             logits = self.model(mx.array(lines, dtype=mx.int32), caches)  # [B, width, V]
             table.end()
             self.count_call(state, ("verify", len(batch), width))
-            first_logits = logits[mx.arange(len(batch)), mx.array(leads)]
-
-            def position(i: int, j: int) -> tuple[int, int]:
-                return i, int(leads[i]) + j
-
+            logits, firsts = logits.reshape(-1, logits.shape[-1]), np.arange(len(batch)) * width + leads
         masks = self.mask_drafts(batch, drafts, request) if any(r.matcher is not None for r in batch.rows) else None
         first_mask = mx.array(masks[0]) if masks is not None else None
-        draw = sampler.sample(first_logits, first_mask)  # each row's first position
+        draw = sampler.sample(logits[mx.array(firsts)], first_mask)  # each row's first position
         # the targets after the drafted tokens: each drafting row's chain on its later positions, with
         # the random keys its plain steps would have drawn them with (the sampler's step counts)
         picks = [(i, j) for i in np.nonzero(sizes)[0].tolist() for j in range(1, sizes[i] + 1)]
-        at = [position(i, j) for i, j in picks]
-        first_index, second_index = mx.array([a for a, _ in at]), mx.array([b for _, b in at])
-        # the ragged form's logits are [B, width, V], the rows form's [P, V]
-        later = logits[first_index, second_index] if logits.ndim == 3 else logits[first_index]
+        later = logits[mx.array([int(firsts[i]) + j for i, j in picks])]
         if masks is not None:  # each later position under its row's mask after the drafted tokens before it
             later = apply_token_bitmask(later, mx.array(np.stack([masks[1][i][j - 1] for i, j in picks])))
         targets = mx.zeros((len(picks),), mx.uint32)
@@ -1050,7 +1042,7 @@ class BatchScheduler:
         batch.next_input = mx.array([tokens[-1] for tokens in emitted], dtype=batch.next_input.dtype)
         return ended
 
-    def verifies_as_rows(self, caches: list) -> bool:
+    def can_verify_as_rows(self, caches: list) -> bool:
         """Whether a verify call can be a decode step of one row a drafted position (verify_as_rows):
         attention layers of llama's kind over plain paged pools (no recurrent state, which a row's
         positions must advance in order; no rings, quantized pools or latent attention)."""
@@ -1066,18 +1058,11 @@ class BatchScheduler:
         own on the row's slot, a position apart, so the step takes the decode path (on a GPU the
         compiled segments and the paged kernel). Returns the logits [P, V] and each row's first."""
         widths = sizes + 1
-        slots = np.repeat(batch.slots, widths)
-        offsets = np.concatenate([np.arange(w, dtype=np.int32) for w in widths])
+        firsts = np.cumsum(widths) - widths
+        offsets = np.arange(int(widths.sum()), dtype=np.int32) - np.repeat(firsts, widths).astype(np.int32)
         tokens = mx.array([t for inp, d in zip(inputs, drafts) for t in [inp, *d]], dtype=batch.next_input.dtype)
         select_adapters(self.model, np.repeat(batch.adapters, widths))
-        self.set_adapter_rows(table, slots, prefill=False)
-        table.begin(slots, 1, decoding=True, offsets=offsets)
-        if len(slots) <= SEGMENTED_ROWS and self.segmented:
-            logits = get_decoder(self.model, "segmented")(tokens, caches)
-        else:
-            logits = self.model(tokens[:, None], caches)[:, -1, :]
-        table.end()
-        return logits, (np.cumsum(widths) - widths).astype(np.int32)
+        return self.step_rows(table, caches, np.repeat(batch.slots, widths), tokens, offsets), firsts
 
     def mask_drafts(self, batch: DecodeBatch, drafts: list[list[int]], request: GenerationRequest):
         """Structured output's masks for a verify call: (the rows' masks at their first position
@@ -1238,9 +1223,13 @@ class BatchScheduler:
         control.rows = mx.array(flags.astype(np.float32), dtype=dtype).reshape(-1, 1, 1) if flags.any() else None
         control.fused = prefill and bool(flags.all())
 
-    def step_rows(self, table: PageTable, caches: list, slots: np.ndarray, tokens: mx.array) -> mx.array:
+    def step_rows(
+        self, table: PageTable, caches: list, slots: np.ndarray, tokens: mx.array, offsets: np.ndarray | None = None
+    ) -> mx.array:
+        """Logits [B, V] of one decode step; `offsets`: rows that many positions past their slots'
+        lengths (a slot may come several times: PageTable.begin), for verify_as_rows."""
         self.set_adapter_rows(table, slots, prefill=False)
-        table.begin(slots, 1, decoding=True)
+        table.begin(slots, 1, decoding=True, offsets=offsets)
         if self.batch_invariant:  # rows meet in the step's matmuls: ROWS rows a call (models/invariant.py)
             with sliced_matmuls():
                 logits = self.model(tokens[:, None], caches)[:, -1, :]

@@ -15,8 +15,9 @@ import mlx.core as mx
 from mlxcel.models import base
 
 # score elements: below it the fast kernel's scalar exps cost less than the blocked form's extra ops
-# (2-core VM, 9 heads x 64: [1 x 512] keys 0.12 vs 0.13 ms; [8 x 1024] 1.24 vs 0.64; [128 x 256] 4.4 vs 1.8)
-POLY_MIN_SCORES = 1 << 15
+# (2-core VM, 9 heads x 64 over 3, fast / blocked ms: one decode row over 300 keys 0.30 / 0.35, over
+# 600 0.52 / 0.42; 8 rows over 64 keys 0.49 / 0.41, over 300 1.51 / 0.80; causal [128 x 256] 9.9 / 4.4)
+POLY_MIN_SCORES = 1 << 12
 # score elements a block of queries computes at once (512 KB of float32): its passes stay in cache
 # (2-core VM, 9 heads, [256 queries x 512 keys]: blocks of 2^17 ~10 ms, 2^20 ~20, the fast kernel 17)
 BLOCK_SCORES = 1 << 17
@@ -62,9 +63,11 @@ def takes_poly_exp(q: mx.array, k: mx.array) -> bool:
 
 
 def exp2(t: mx.array) -> mx.array:
-    """2^t for t <= 0 (float32), within 2.6e-7 relative; below 2^-126 it stays at 2^-126 (the
-    softmax's sum is at least 1, so such a weight is below float32's resolution of it)."""
-    t = mx.maximum(t, -126.0)
+    """2^t for t <= 0 (float32), within 2.6e-7 relative from -126 up; exactly 0 below -126.5 (a
+    masked score's weight: a tiny nonzero one made the weights-by-values matmul run on subnormal
+    products, ~2x slower on x86; the softmax's sum is at least 1, so such weights are below
+    float32's resolution of it)."""
+    t = mx.maximum(t, -127.0)  # 2^-127's exponent field is 0: the scale below is +0.0
     shifted = t + ROUNDING
     f = t - (shifted - ROUNDING)
     p = f * EXP2_TERMS[6] + EXP2_TERMS[5]

@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from mlxcel.models.cuda_kernel import cuda_kernel
 from mlxcel.models.paged_attention import constant_array
 from mlxcel.sampling.cuda_draw import has_cuda_backend
 
@@ -129,7 +130,7 @@ _SOURCE = """
 
 @lru_cache(maxsize=1)
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxcel_gated_delta_decode",
         input_names=["qkv", "zz", "bb", "aa", "conv_state", "conv_w", "a_log", "dt_bias", "norm_w", "state", "params"],
         output_names=["out", "new_conv", "new_state"],

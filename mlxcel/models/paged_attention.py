@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from mlxcel.models.cuda_kernel import cuda_kernel
 from mlxcel.sampling.cuda_draw import has_cuda_backend
 
 THREADS = 128  # per block; also positions per tile (one per thread when scoring)
@@ -218,7 +219,7 @@ _SINGLE_TAIL = """
 
 @lru_cache(maxsize=2)
 def _kernel(single: bool):
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxcel_paged_decode_attention" + ("_single" if single else ""),
         input_names=["q", "k", "v", "k_new", "v_new", "block_table", "lengths", "params", "scale", "sinks", "after"],
         output_names=["out", "done"] if single else ["out_m", "out_l", "out_acc", "done"],
@@ -365,7 +366,7 @@ class PoolLayer:
 @lru_cache(maxsize=1)
 def _zeros_kernel():
     # init_value zero-fills every output: fresh, row-contiguous buffers of the full size.
-    return mx.fast.cuda_kernel(name="mlxcel_paged_pool", input_names=[], output_names=["k", "v", "done"], source="")
+    return cuda_kernel(name="mlxcel_paged_pool", input_names=[], output_names=["k", "v", "done"], source="")
 
 
 # One thread per (row, key position, KV head): new positions come from the step's keys and values
@@ -411,7 +412,7 @@ _WRITE_GATHER_SOURCE = """
 
 @lru_cache(maxsize=1)
 def _write_gather_kernel():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxcel_paged_write_gather",
         input_names=["k", "v", "k_new", "v_new", "write", "gather", "starts", "leads", "dims", "after"],
         output_names=["k_out", "v_out", "done"],

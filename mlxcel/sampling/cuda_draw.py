@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from mlxcel.models.cuda_kernel import cuda_kernel
 from mlxcel.sampling.rng import _GOLD, _M1, _M2, DRAW_STREAM, KEY_WORDS
 
 THREADS = 256  # per block
@@ -72,7 +73,7 @@ _SOURCE = f"""
 
 @lru_cache(maxsize=1)
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxcel_gumbel_max",
         input_names=["x", "keys"],
         output_names=["block_max", "block_index"],

@@ -68,7 +68,7 @@ def test_matches_mlx_for_every_mask_and_sinks(shape, block_scores, monkeypatch):
             assert error < 2e-5, (name, with_sinks is not None, error)
 
 
-def test_attention_takes_it_only_for_large_float32_scores_on_x86_linux_cpus(monkeypatch, on_the_cpu):
+def test_attention_takes_it_for_every_float32_score_tensor_on_x86_linux_cpus(monkeypatch, on_the_cpu):
     calls, original = [], cpu_attention.blocked_attention
     monkeypatch.setattr(cpu_attention, "blocked_attention", lambda *a: calls.append(a[0].shape) or original(*a))
     monkeypatch.setattr(base, "SCALAR_CPU_EXP", True)
@@ -78,9 +78,9 @@ def test_attention_takes_it_only_for_large_float32_scores_on_x86_linux_cpus(monk
         np.array(mx.fast.scaled_dot_product_attention(*piece, scale=0.125, mask="causal")),
         atol=2e-5,
     )
-    assert calls == [(1, 9, 128, 64)]
-    cpu_attention.attention(*draw(1, 9, 3, 1, 512, 64), 0.125)  # a decode row: fewer exps than the form's ops
+    cpu_attention.attention(*draw(1, 9, 3, 1, 16, 64), 0.125)  # a lone row's short decode too: as in a batch
+    assert calls == [(1, 9, 128, 64), (1, 9, 1, 64)]
     cpu_attention.attention(*(x.astype(mx.bfloat16) for x in piece), 0.125)
     monkeypatch.setattr(base, "SCALAR_CPU_EXP", False)
     cpu_attention.attention(*piece, 0.125)
-    assert calls == [(1, 9, 128, 64)]
+    assert calls == [(1, 9, 128, 64), (1, 9, 1, 64)]

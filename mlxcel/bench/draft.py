@@ -98,6 +98,17 @@ def describe(runs: list, label: str) -> dict:
     return figures
 
 
+def describe_steps(run, label: str) -> str:
+    """Where a step's time goes (the whole run, prefill included, over its decode steps): a verify
+    step waits for its tokens before the next can be built, a plain step overlaps the two."""
+    loop = run.loop
+    steps = max(loop["decode_steps"], 1)
+    return (
+        f"  {label}: {loop['decode_steps']} decode steps, per step {1000 * loop['host_s'] / steps:.2f} ms host "
+        f"work, {1000 * loop['wait_s'] / steps:.2f} ms waiting on the device"
+    )
+
+
 def bench_draft(args: argparse.Namespace, folder, dtype: mx.Dtype) -> str:
     """The batch-1 comparison and the --draft-rows job; returns the printed table."""
     model = load_peer("mlxcel", folder, dtype).model
@@ -136,6 +147,7 @@ def bench_draft(args: argparse.Namespace, folder, dtype: mx.Dtype) -> str:
         f"  drafted / plain {spec / plain:.2f}x   drafted / mlx-lm {spec / peer_tok_s:.2f}x   "
         f"drafted runs' tokens equal plain's: {'yes' if same else 'NO'}",
         f"  mlx-lm's tokens equal ours: {'yes' if peer_same else 'no'}",
+        *(describe_steps(runs[name][-1], name) for name in ("mlxcel", label)),
     ]
     if args.draft_rows > 1:
         job = render_prompts(args.draft_rows, args.seed + 100)

@@ -38,6 +38,7 @@ class Run:
     peak_bytes: int  # the engine's weights + what the run allocated on top
     token_ids: list[list[int]]
     drafts: list[dict] | None = None  # mlxcel with decode.draft: each drafting row's {drafted, accepted, steps}
+    loop: dict | None = None  # mlxcel: the scheduler's decode steps, host seconds and seconds waiting on the device
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -202,6 +203,7 @@ def schedule_mlxcel(model, request: GenerationRequest, max_context: int, draft_m
         0,
         tokens,
         [r.draft for r in state.results if r.draft] if request.draft is not None else None,
+        {"decode_steps": state.decode_steps, "host_s": state.host_seconds, "wait_s": state.wait_seconds},
     )
 
 

@@ -3,8 +3,10 @@ exp an element (its SIMD paths are ARM's): over a prefill piece's [heads, querie
 that exp was most of attention's time (docs/benchmarks.md). Here the exp is 2^t from a polynomial
 and an exponent written into the float's bits: multiplies and adds that MLX's CPU kernels
 vectorize. The queries go in blocks whose scores stay in the cache (each of the dozen elementwise
-passes over scores that do not fit costs a trip to memory). Everywhere else, and for small score
-tensors, `attention` is mx.fast.scaled_dot_product_attention."""
+passes over scores that do not fit costs a trip to memory). Every float32 score tensor takes it,
+whatever its size, so a row's attention runs the same code alone and in a batch (a cut by size
+once sent a row alone to the fast kernel and the same row in a batch here: its logprobs differed
+in the last bits). Everywhere else `attention` is mx.fast.scaled_dot_product_attention."""
 
 from __future__ import annotations
 
@@ -14,10 +16,6 @@ import mlx.core as mx
 
 from mlxcel.models import base
 
-# score elements: below it the fast kernel's scalar exps cost less than the blocked form's extra ops
-# (2-core VM, 9 heads x 64 over 3, fast / blocked ms: one decode row over 300 keys 0.30 / 0.35, over
-# 600 0.52 / 0.42; 8 rows over 64 keys 0.49 / 0.41, over 300 1.51 / 0.80; causal [128 x 256] 9.9 / 4.4)
-POLY_MIN_SCORES = 1 << 12
 # score elements a block of queries computes at once (512 KB of float32): its passes stay in cache
 # (2-core VM, 9 heads, [256 queries x 512 keys]: blocks of 2^17 ~10 ms, 2^20 ~20, the fast kernel 17)
 BLOCK_SCORES = 1 << 17
@@ -48,18 +46,16 @@ def attention(
     multiple of KV), mask None, "causal" (the last query sees every key) or an array broadcasting to
     [B, H, L, S] (boolean: True attends; else added to the scores), sinks [H] logits in every
     query's softmax."""
-    if takes_poly_exp(q, k):
+    if takes_poly_exp(q):
         return blocked_attention(q, k, v, scale, mask, sinks)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
-def takes_poly_exp(q: mx.array, k: mx.array) -> bool:
-    return (
-        base.SCALAR_CPU_EXP
-        and q.dtype == mx.float32
-        and mx.default_device() == mx.cpu
-        and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= POLY_MIN_SCORES
-    )
+def takes_poly_exp(q: mx.array) -> bool:
+    # (2-core VM, 9 heads x 64 over 3, fast kernel / blocked form ms: one decode row over 64 keys
+    # 0.10 / 0.16, over 300 0.30 / 0.35, over 600 0.52 / 0.42; 8 rows over 64 keys 0.49 / 0.41, over
+    # 300 1.51 / 0.80; causal [128 x 256] 9.9 / 4.4: a lone short row pays ~0.05 ms a layer for sameness)
+    return base.SCALAR_CPU_EXP and q.dtype == mx.float32 and mx.default_device() == mx.cpu
 
 
 def exp2(t: mx.array) -> mx.array:

@@ -21,9 +21,8 @@ from tests.helpers import make_tiny_checkpoint  # noqa: E402 -- after register_a
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 # Under pytest-xdist (`pytest -m cuda -n 8` on a GPU) each worker gets its own CUDA kernel cache:
-# MLX writes its compiled kernels to the shared folder without a rename (with one folder, ~70 of 92
-# tests failed on an H100; a worker loading a file another is still writing is our reading of why).
-# Set before MLX's first compile reads it.
+# MLX writes its compiled kernels to the folder in place, with no rename, so a worker could load a
+# file another is still writing. Set before MLX's first compile reads it.
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     import tempfile
 

@@ -1,6 +1,7 @@
 """Where a verify step's time goes (issue 45), on a bench checkpoint with no real weights needed.
 
-    python scripts/profile_verify.py [--model qwen2.5-0.5b] [--draft-tokens 3] [--tokens 128] [--dtype bfloat16]
+    python scripts/profile_verify.py [--model qwen2.5-0.5b] [--draft-tokens 3] [--tokens 128] [--dtype auto]
+                                     [--work-dir DIR]
 
 One row, a 700-token prompt of random ids, greedy. Plain decoding runs first; its tokens then
 stand in as every step's draft (cut to what the row may still draw), so every drafted token is
@@ -20,12 +21,12 @@ import io
 import pstats
 import random
 import time
-from pathlib import Path
 
 import mlx.core as mx
 
-from mlxcel.bench.checkpoints import prepare_checkpoint
-from mlxcel.checkpoints.loader import load_model
+from mlxcel.bench.__main__ import add_checkpoint_arguments
+from mlxcel.bench.checkpoints import dtype_name, prepare_checkpoint
+from mlxcel.checkpoints.loader import load_model, pick_dtype
 from mlxcel.config import DraftConfig
 from mlxcel.engine import GenerationRequest, RowRequest, scheduler
 from mlxcel.sampling import Sampler
@@ -36,10 +37,11 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-0.5b", help="a bench checkpoint name or an HF folder")
     parser.add_argument("--draft-tokens", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    add_checkpoint_arguments(parser)
     args = parser.parse_args()
-    folder = prepare_checkpoint(args.model, Path("/tmp/bench"), getattr(mx, args.dtype))
-    model = load_model(str(folder), dtype=args.dtype).model
+    dtype = pick_dtype(args.dtype)
+    folder = prepare_checkpoint(args.model, args.work_dir.expanduser(), dtype)
+    model = load_model(str(folder), dtype=dtype_name(dtype)).model
     prompt = [random.Random(0).randrange(5, model.args.vocab_size) for _ in range(700)]
 
     def run(draft: DraftConfig | None):

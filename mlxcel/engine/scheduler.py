@@ -97,9 +97,9 @@ OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow
 # job with verify calls of up to 40 tokens decoded 1.30x faster than without (docs/benchmarks.md);
 # GPU: a guess to measure.
 VERIFY_TOKENS = {"cpu": 64, "gpu": 512}
-# ... and a verify call as a decode step whose rows are the drafted positions (verify_as_rows): on a
-# GPU at batch 1 a ragged verify step came to ~2.5 plain steps (H200, SmolLM2, by arithmetic: benchmarks.md),
-# where a decode step runs the compiled segments and the paged kernel. Off until measured there.
+# ... and a verify call as a decode step whose rows are the drafted positions (verify_as_rows), where
+# a decode step runs the compiled segments and the paged kernel. Off: on an H100 at batch 1 it gained
+# ~5% over the ragged call, and in bf16 its drafted tokens parted from plain decoding's (benchmarks.md).
 VERIFY_AS_ROWS = os.environ.get("MLXCEL_VERIFY_AS_ROWS", "0") == "1"
 SEGMENTED_ROWS = 8  # decode steps of at most this many rows run the segmented (compiled) step where it is the default
 

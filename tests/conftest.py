@@ -27,6 +27,15 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     import tempfile
 
     os.environ.setdefault("MLX_PTX_CACHE_DIR", os.path.join(tempfile.gettempdir(), "mlx-ptx", worker))
+    if mx.default_device() == mx.gpu:
+        # one GPU, several processes that each take it for theirs: MLX's allocator keeps freed
+        # buffers cached up to its memory limit, so the workers' caches together ran the H100 out of
+        # memory (cudaMallocAsync, then illegal accesses in every later test of that worker)
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        share = int(mx.device_info().get("memory_size", 0)) // max(workers, 1)
+        if share:
+            mx.set_memory_limit(share)
+            mx.set_cache_limit(share // 4)
 
 
 @pytest.fixture(scope="session")

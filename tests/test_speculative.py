@@ -73,8 +73,26 @@ def test_count_accepted_stops_at_the_first_disagreement():
     assert count_accepted([5], [4, 5]) == 0
 
 
-def test_adaptive_drafts_shrink_pause_and_grow():
-    drafts = RowDrafts(NgramIndex(1, 2), tokens=6, adaptive=True)
+def test_adaptive_lookup_drafts_keep_their_size_through_partial_misses():
+    drafts = RowDrafts(NgramIndex(1, 2), tokens=16, adaptive=True)  # lookup: cheap to make
+    drafts.record(16, 2)  # a copied span ended after 2: the next span may be long
+    assert drafts.size == 16
+    drafts.record(16, 0)
+    drafts.record(8, 0)  # nothing accepted: halved each time
+    assert drafts.size == 4 and drafts.paused == 0
+    drafts.record(4, 0)  # the third step in a row with nothing: a pause
+    assert drafts.size == 2 and drafts.paused > 0
+    drafts.paused = 0
+    drafts.record(2, 2)
+    drafts.record(4, 4)  # hits double it, to `tokens` at most
+    assert drafts.size == 8
+    drafts.record(8, 8)
+    drafts.record(16, 16)
+    assert drafts.size == 16
+
+
+def test_adaptive_model_drafts_shrink_to_what_was_accepted():
+    drafts = RowDrafts(NgramIndex(1, 2), tokens=6, adaptive=True, cheap=False)  # a draft model: a step a token
     drafts.record(6, 2)  # a miss after 2: next time 3
     assert drafts.size == 3
     for _ in range(PAUSE_AFTER_MISSES):
@@ -83,11 +101,22 @@ def test_adaptive_drafts_shrink_pause_and_grow():
     drafts.paused = 0
     for _ in range(8):
         drafts.record(drafts.size, drafts.size)
-    assert drafts.size == 6  # hits grow it back, to `tokens` at most
+    assert drafts.size == 6  # hits grow it back by one, to `tokens` at most
     fixed = RowDrafts(NgramIndex(1, 2), tokens=6, adaptive=False)
     for _ in range(5):
         fixed.record(6, 0)
     assert fixed.size == 0 and fixed.paused == 0 and fixed.describe() == {"drafted": 30, "accepted": 0, "steps": 5}
+
+
+def test_draft_tokens_auto_depends_on_the_source():
+    assert DraftConfig(method="ngram").tokens == 16
+    assert DraftConfig(method="model", model_path="x").tokens == 4
+    assert DraftConfig(method="ngram", tokens=3).tokens == 3
+    from tests.helpers import first_config_error
+
+    for bad in (0, 17, True, "many"):
+        message = first_config_error(decode={"draft": {"method": "ngram", "tokens": bad}})
+        assert "decode.draft.tokens: must be an integer in [1, 16] or 'auto'" in message
 
 
 # ---- verify calls: exact whatever is drafted ----

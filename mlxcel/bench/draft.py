@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding and mlx-lm: python -m mlxcel.bench --draft ngram|model
 
-    python -m mlxcel.bench --draft ngram [--gen 128] [--reps 3] [--draft-rows 64] [--draft-tokens 4]
+    python -m mlxcel.bench --draft ngram [--gen 128] [--reps 3] [--draft-rows 64] [--draft-tokens auto]
     python -m mlxcel.bench --draft model   (the draft: the same SmolLM2 quantized to 4 bits at load)
 
 An extraction prompt: a list of invoice lines (drawn from --seed) and the instruction to copy out

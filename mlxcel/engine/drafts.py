@@ -8,7 +8,11 @@ an index of its n-grams, extended by the tokens it gains, so a proposal costs O(
 
 How many tokens a row drafts adapts to what it gets accepted (`adaptive`): a row that keeps
 missing drafts fewer and then pauses, so a row (or a batch) where lookup does not pay goes back to
-plain decoding steps; one that keeps hitting drafts up to `tokens`.
+plain decoding steps; one that keeps hitting drafts up to `tokens`. A lookup draft costs nothing to
+make, only its positions in the verify call (at batch 1 on a GPU, next to nothing), and its hits
+come in runs (a copied span) that a miss at a span's end says little about: a miss that kept some
+tokens keeps the size, and only a step with nothing accepted halves it. A draft model pays a
+forward step for every drafted token, so there a miss sets the size to what was accepted, plus one.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class RowDrafts:
     index: NgramIndex
     tokens: int  # the most it drafts a step
     adaptive: bool
+    cheap: bool = True  # drafting costs nothing (lookup): a partial miss keeps the size
     size: int = 0  # what it drafts now (adaptive); 0: start at `tokens`
     misses: int = 0  # verify steps in a row with nothing accepted
     paused: int = 0  # steps left without drafting (the scheduler counts them down)
@@ -81,12 +86,14 @@ class RowDrafts:
         self.steps += 1
         if not self.adaptive:
             return
+        size = self.size or self.tokens
         if accepted == drafted:
-            self.size = min(self.tokens, (self.size or self.tokens) + 1)
-            self.misses = 0
-        else:
+            self.size = min(self.tokens, size * 2 if self.cheap else size + 1)
+        elif not self.cheap:
             self.size = max(1, accepted + 1)
-            self.misses = self.misses + 1 if accepted == 0 else 0
+        else:
+            self.size = size if accepted else max(1, size // 2)
+        self.misses = self.misses + 1 if accepted == 0 else 0
         if self.misses >= PAUSE_AFTER_MISSES:
             self.paused = min(PAUSE_STEPS[0] << self.pauses, PAUSE_STEPS[1])
             self.pauses += 1
@@ -98,7 +105,8 @@ class RowDrafts:
 
 def make_row_drafts(settings) -> RowDrafts:
     """A row's drafts for decode.draft's `settings` (method ngram)."""
-    return RowDrafts(NgramIndex(settings.ngram_min, settings.ngram_max), settings.tokens, settings.adaptive)
+    index = NgramIndex(settings.ngram_min, settings.ngram_max)
+    return RowDrafts(index, settings.tokens, settings.adaptive, cheap=settings.method == "ngram")
 
 
 def count_accepted(draft: list[int], targets: list[int]) -> int:

@@ -1008,6 +1008,7 @@ class BatchScheduler:
             drawn, _ = group.chain.run_draw(later[mx.array(ks)], keys, {})
             targets[mx.array(ks)] = drawn.astype(mx.uint32)
         waited = time.perf_counter()
+        mx.eval(draw.arrays(), targets)  # one wait for both (each read would be its own sync)
         first, logprobs = draw.to_host()
         after = targets.tolist()
         state.wait_seconds += time.perf_counter() - waited

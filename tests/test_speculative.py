@@ -549,10 +549,17 @@ def test_a_verify_call_holds_at_most_its_budget_and_the_best_drafters_keep_their
 
     batch = Batch()
     drafts = [[1, 2, 3], [4, 5, 6], [], [7, 8, 9]]
-    kept = scheduler.BatchScheduler.budget_drafts(None, batch, drafts)
-    # 10 tokens less the 4 rows' inputs: the row without figures yet (rate 1.0) and the 90% row first
+    rows_form, ragged = SimpleNamespace(verifies_as_rows=True), SimpleNamespace(verifies_as_rows=False)
+    kept = scheduler.BatchScheduler.budget_drafts(rows_form, batch, drafts)
+    # unpadded lines: 10 positions less the 4 rows' inputs; the row without figures yet (rate 1.0)
+    # and the 90% row first
     assert kept == [[], [4, 5, 6], [], [7, 8, 9]]
-    assert scheduler.BatchScheduler.budget_drafts(None, batch, [[1], [], [], [2]]) == [[1], [], [], [2]]
+    assert scheduler.BatchScheduler.budget_drafts(rows_form, batch, [[1], [], [], [2]]) == [[1], [], [], [2]]
+    # the ragged call pads every line to the longest: 4 lines of at most 10 // 4 = 2 positions
+    assert scheduler.BatchScheduler.budget_drafts(ragged, batch, drafts) == [[1], [4], [], [7]]
+    assert scheduler.BatchScheduler.budget_drafts(ragged, [row(0, 0)], [list(range(20))]) == [list(range(9))]
+    assert scheduler.BatchScheduler.budget_drafts(ragged, [row(0, 0)] * 5, [[1, 2]] * 5) == [[1]] * 5
+    assert scheduler.BatchScheduler.budget_drafts(ragged, [row(0, 0)] * 6, [[1, 2]] * 6) is None  # no room past the inputs
 
 
 def test_the_draft_pool_holds_no_more_positions_than_the_models_own(pair):

@@ -92,11 +92,12 @@ FEW_ROWS_ORDER = "split"
 # (a multiple of invariant.ROWS, and of paged_cache.ALIGNED_START for cuDNN's causal fast path)
 INVARIANT_PIECE = 512
 OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow as rows need: PageTable.grow)
-# Speculative decoding: the most tokens a verify call holds (its rows' inputs and drafts), where a
-# step stops being bound by launches and weight reads. CPU: on a 2-core x86_64 VM, SmolLM2's 8-row
-# job with verify calls of up to 40 tokens decoded 1.30x faster than without (docs/benchmarks.md);
-# GPU: a guess to measure.
-VERIFY_TOKENS = {"cpu": 64, "gpu": 512}
+# Speculative decoding: the most positions a verify call holds (its rows' lines, padded to the
+# longest), where a step stops being bound by launches and weight reads. CPU (2-core x86_64 VM,
+# SmolLM2, the bench's 8-row extraction job, 16-token lookup drafts, decode seconds in two
+# alternating rounds): plain 12.9 / 12.4, 16 positions 9.0 / 7.4, 32 7.9 / 6.8, 64 8.4 / 8.1; lines
+# unbounded by the batch (8 x 17) ran 2.5x slower than plain. GPU: a guess to measure.
+VERIFY_TOKENS = {"cpu": 32, "gpu": 512}
 # ... and a verify call as a decode step whose rows are the drafted positions (verify_as_rows), where
 # a decode step runs the compiled segments and the paged kernel. Off: on an H100 at batch 1 it gained
 # ~5% over the ragged call, and in bf16 its drafted tokens parted from plain decoding's (benchmarks.md).
@@ -895,12 +896,18 @@ class BatchScheduler:
         return room
 
     def budget_drafts(self, batch: DecodeBatch, drafts: list[list[int]]) -> list[list[int]] | None:
-        """A verify call holds at most VERIFY_TOKENS[device] tokens: past that the step is bound by
-        arithmetic, where a drafted token costs what a plain step's does. Rows whose drafts were
-        accepted most keep theirs first (ties: batch order), so the choice is the rows' own."""
-        budget = VERIFY_TOKENS["gpu" if mx.default_device() == mx.gpu else "cpu"] - len(batch)
+        """A verify call holds at most VERIFY_TOKENS[device] positions: past that the step is bound
+        by arithmetic, where a drafted token costs what a plain step's does. The ragged call pads
+        every row's line to the longest, so a line holds at most its share; then (where lines are
+        not padded) rows whose drafts were accepted most keep theirs first (ties: batch order), so
+        the choice is the rows' own."""
+        positions = VERIFY_TOKENS["gpu" if mx.default_device() == mx.gpu else "cpu"]
+        if not self.verifies_as_rows:
+            share = positions // len(batch) - 1
+            drafts = [draft[: max(share, 0)] for draft in drafts]
+        budget = positions - len(batch)
         if sum(map(len, drafts)) <= budget:
-            return drafts
+            return drafts if any(drafts) else None
 
         def rate(i: int) -> float:
             figures = batch.rows[i].drafts

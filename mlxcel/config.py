@@ -342,7 +342,7 @@ class DraftConfig(Group):
     @field_validator("tokens", mode="before")
     @classmethod
     def _check_tokens(cls, value: Any) -> int | str:
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_DRAFT_TOKENS):
+        if value == "auto" or (type(value) is int and 0 < value <= MAX_DRAFT_TOKENS):
             return value
         raise reject(f"must be an integer in [1, {MAX_DRAFT_TOKENS}] or 'auto'")
 

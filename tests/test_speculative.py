@@ -559,7 +559,8 @@ def test_a_verify_call_holds_at_most_its_budget_and_the_best_drafters_keep_their
     assert scheduler.BatchScheduler.budget_drafts(ragged, batch, drafts) == [[1], [4], [], [7]]
     assert scheduler.BatchScheduler.budget_drafts(ragged, [row(0, 0)], [list(range(20))]) == [list(range(9))]
     assert scheduler.BatchScheduler.budget_drafts(ragged, [row(0, 0)] * 5, [[1, 2]] * 5) == [[1]] * 5
-    assert scheduler.BatchScheduler.budget_drafts(ragged, [row(0, 0)] * 6, [[1, 2]] * 6) is None  # no room past the inputs
+    # 6 lines in 10 positions: no room past the rows' inputs
+    assert scheduler.BatchScheduler.budget_drafts(ragged, [row(0, 0)] * 6, [[1, 2]] * 6) is None
 
 
 def test_the_draft_pool_holds_no_more_positions_than_the_models_own(pair):

@@ -84,7 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="an extraction prompt with SmolLM2, plain / drafted / mlx-lm: ngram (prompt lookup) or model (SmolLM2 "
         "at 4 bits drafts on a GPU, SmolLM2 itself on the CPU)",
     )
-    draft.add_argument("--draft-tokens", default="auto", type=lambda v: v if v == "auto" else int(v), help="decode.draft.tokens (auto: 16 for ngram, 4 for model)")
+    draft.add_argument(
+        "--draft-tokens",
+        default="auto",
+        type=lambda value: value if value == "auto" else int(value),
+        help="decode.draft.tokens (auto: 16 for ngram, 4 for model)",
+    )
     draft.add_argument("--draft-rows", type=int, help="rows of the job run with and without (64 GPU, 8 CPU)")
     draft.add_argument("--seed", type=int, default=0, help="draws the extraction prompts' documents")
     add_checkpoint_arguments(parser)

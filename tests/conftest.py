@@ -31,11 +31,11 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):
         # one GPU, several processes that each take it for theirs: MLX's allocator keeps freed
         # buffers cached up to its memory limit, so the workers' caches together ran the H100 out of
         # memory (cudaMallocAsync, then illegal accesses in every later test of that worker)
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        share = int(mx.device_info().get("memory_size", 0)) // max(workers, 1)
-        if share:
-            mx.set_memory_limit(share)
-            mx.set_cache_limit(share // 4)
+        from mlxcel.engine.scheduler import device_memory_bytes
+
+        share = device_memory_bytes() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        mx.set_memory_limit(share)
+        mx.set_cache_limit(share // 4)
 
 
 @pytest.fixture(scope="session")

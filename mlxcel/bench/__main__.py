@@ -66,6 +66,10 @@ def split_models(text: str | None, defaults: list[str]) -> list[str]:
     return [m.strip() for m in text.split(",") if m.strip()] if text else defaults
 
 
+def draft_tokens(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mlxcel.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated: {', '.join(CHECKPOINT_NAMES)}, or HF model folders")
@@ -87,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     draft.add_argument(
         "--draft-tokens",
         default="auto",
-        type=lambda value: value if value == "auto" else int(value),
+        type=draft_tokens,
         help="decode.draft.tokens (auto: 16 for ngram, 4 for model)",
     )
     draft.add_argument("--draft-rows", type=int, help="rows of the job run with and without (64 GPU, 8 CPU)")

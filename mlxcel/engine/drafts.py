@@ -104,7 +104,7 @@ class RowDrafts:
 
 
 def make_row_drafts(settings) -> RowDrafts:
-    """A row's drafts for decode.draft's `settings` (method ngram)."""
+    """A row's drafts for decode.draft's `settings` (its lookup index goes unused with a draft model)."""
     index = NgramIndex(settings.ngram_min, settings.ngram_max)
     return RowDrafts(index, settings.tokens, settings.adaptive, cheap=settings.method == "ngram")
 

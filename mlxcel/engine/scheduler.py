@@ -95,8 +95,8 @@ OPEN_POOL_POSITIONS = 4096  # an open loop's first KV pool (plain MLX pools grow
 # Speculative decoding: the most positions a verify call holds (its rows' lines, padded to the
 # longest), where a step stops being bound by launches and weight reads. CPU (2-core x86_64 VM,
 # SmolLM2, the bench's 8-row extraction job, 16-token lookup drafts, decode seconds in two
-# alternating rounds): plain 12.9 / 12.4, 16 positions 9.0 / 7.4, 32 7.9 / 6.8, 64 8.4 / 8.1; lines
-# unbounded by the batch (8 x 17) ran 2.5x slower than plain. GPU: a guess to measure.
+# alternating rounds): plain 12.9 / 12.4, 16 positions 9.0 / 7.4, 32 7.9 / 6.8, 64 8.4 / 8.1; with
+# lines of up to 17 (64 positions counted unpadded) the job ran 0.48x plain. GPU: a guess to measure.
 VERIFY_TOKENS = {"cpu": 32, "gpu": 512}
 # ... and a verify call as a decode step whose rows are the drafted positions (verify_as_rows), where
 # a decode step runs the compiled segments and the paged kernel. Off: on an H100 at batch 1 it gained
